@@ -1,0 +1,131 @@
+"""The reduce math shared by every averaging plane.
+
+What is averaged: the model's parameters, weighted by the work each rank did since the last
+round (realized-work mass ``n_k ** gamma``), and its floating-point buffers, equally over the
+ranks that moved. Integer buffers and optimizer state stay local. Contributions are pre-scaled
+at the source by ``mass_k / total_mass`` so that a plain SUM reduce yields the consensus: one
+division, decided from metadata every rank has, no extra kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+def realized_work_mass(steps: int, gamma: float) -> float:
+    """Weight of a rank's parameters: ``steps ** gamma``, and 0 for a rank that did not step.
+
+    The idle guard matters because ``0 ** 0 == 1`` and ``0 ** -1`` is infinite: a rank that
+    only joined the round (out of data, draining) must never pull the consensus toward its stale
+    replica, whatever gamma is.
+    """
+    if steps <= 0:
+        return 0.0
+    if gamma == 1.0:
+        return float(steps)
+    return float(steps) ** gamma
+
+
+@dataclass(frozen=True)
+class RoundWeights:
+    """Per-rank pre-scale factors of one averaging round.
+
+    ``param_factors[k] = mass_k / sum(mass)``, ``buffer_factors[k] = mover_k / sum(mover)``.
+    ``realized`` is False when no rank moved: the round must then leave every replica untouched.
+    """
+
+    param_factors: tuple[float, ...]
+    buffer_factors: tuple[float, ...]
+    total_mass: float
+
+    @property
+    def realized(self) -> bool:
+        return self.total_mass > 0.0
+
+
+def round_weights(steps: Sequence[int], gamma: float) -> RoundWeights:
+    """Pre-scale factors from every rank's optimizer steps since the last round."""
+    masses = [realized_work_mass(n, gamma) for n in steps]
+    total = math.fsum(masses)
+    if not math.isfinite(total):
+        raise FloatingPointError(f"realized-work mass overflowed: steps={list(steps)}, gamma={gamma}")
+    movers = [1.0 if n > 0 else 0.0 for n in steps]
+    n_movers = sum(movers)
+    if total <= 0.0:
+        zeros = tuple(0.0 for _ in steps)
+        return RoundWeights(zeros, zeros, 0.0)
+    return RoundWeights(
+        param_factors=tuple(m / total for m in masses),
+        buffer_factors=tuple(v / n_movers for v in movers),
+        total_mass=total,
+    )
+
+
+class FlatTensors:
+    """A fixed, ordered list of tensors mirrored in flat persistent buffers (one per dtype/device).
+
+    The list is fixed at construction so that every rank reduces the same bytes in the same
+    order, whatever gradients exist. Values move between the live tensors and the flat buffers
+    with in-place multi-tensor copies; the live tensors' storage is never rebound.
+    """
+
+    def __init__(self, tensors: Iterable[Tensor]) -> None:
+        self.tensors: list[Tensor] = list(tensors)
+        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for t in self.tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        self._groups: list[tuple[list[Tensor], Tensor, list[Tensor]]] = []
+        for (dtype, device), members in groups.items():
+            flat = torch.empty(sum(t.numel() for t in members), dtype=dtype, device=device)
+            views, offset = [], 0
+            for t in members:
+                views.append(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+            self._groups.append((members, flat, views))
+
+    @property
+    def flats(self) -> list[Tensor]:
+        """The flat buffers, in a fixed order identical on every rank with the same model."""
+        return [flat for _, flat, _ in self._groups]
+
+    @property
+    def numel(self) -> int:
+        return sum(flat.numel() for flat in self.flats)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(flat.numel() * flat.element_size() for flat in self.flats)
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    def pack(self) -> None:
+        """Copy the live tensors into the flat buffers."""
+        for members, _, views in self._groups:
+            torch._foreach_copy_(views, members)
+
+    def unpack(self) -> None:
+        """Copy the flat buffers back into the live tensors, in place."""
+        for members, _, views in self._groups:
+            torch._foreach_copy_(members, views)
+
+    def signature(self) -> list[tuple[str, int]]:
+        """(dtype, numel) per flat buffer: ranks whose signatures differ cannot average."""
+        return [(str(flat.dtype), flat.numel()) for flat in self.flats]
+
+
+def averaged_state(module: nn.Module) -> tuple[FlatTensors, FlatTensors]:
+    """The parameters and the floating-point buffers that averaging rounds reduce.
+
+    Parameters are taken in ``named_parameters`` order (frozen ones included, so that every
+    rank's list has the same length); buffers in ``named_buffers`` order, integer ones (such as
+    BatchNorm's ``num_batches_tracked``) left out because they count local events.
+    """
+    params = [p.data for _, p in module.named_parameters()]
+    buffers = [b for _, b in module.named_buffers() if b.is_floating_point()]
+    return FlatTensors(params), FlatTensors(buffers)

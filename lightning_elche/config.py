@@ -1,0 +1,307 @@
+"""User-facing configuration: the five ElChe modes and every knob of the cadence controller.
+
+The knob names and defaults follow flodl 0.7.0's ``ElCheConfig`` so that a flodl user finds the
+same vocabulary here. Validation lives next to the fields so that a bad value fails where it is
+written (``ElCheConfig(...)``, a LightningCLI YAML file), with a message naming the knob, the value
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from enum import Enum
+from typing import Any, Optional, Union
+
+DEFAULT_ANCHOR = 10
+DEFAULT_MAX_ANCHOR = 1000
+DEFAULT_OVERHEAD_TARGET = 0.05
+OVERHEAD_TARGET_RANGE = (0.01, 0.50)
+DEFAULT_ASYNC_EASGD_ALPHA = 0.5
+PARTITION_SUM_TOLERANCE = 1e-6
+
+
+class ElCheMode(str, Enum):
+    """When replicas are averaged (sync / cadence / async) and over which transport (nccl / cpu).
+
+    ``nccl_*`` modes average on the job's default process group (NCCL on GPUs, gloo on CPU);
+    ``cpu_*`` modes average pinned host snapshots on a dedicated gloo group.
+    Member names equal their values so that ``ElCheMode("cpu_async")`` and a YAML ``mode: cpu_async``
+    both work.
+    """
+
+    nccl_sync = "nccl_sync"
+    nccl_cadence = "nccl_cadence"
+    cpu_sync = "cpu_sync"
+    cpu_cadence = "cpu_cadence"
+    cpu_async = "cpu_async"
+
+    @property
+    def is_sync(self) -> bool:
+        """Lockstep-paced: anchor 1 and no window growth."""
+        return self in (ElCheMode.nccl_sync, ElCheMode.cpu_sync)
+
+    @property
+    def is_async(self) -> bool:
+        """Ranks keep training while a round is in flight."""
+        return self is ElCheMode.cpu_async
+
+    @property
+    def uses_cpu_plane(self) -> bool:
+        """Averaging goes through host snapshots and a dedicated gloo group."""
+        return self.value.startswith("cpu_")
+
+    @property
+    def progressive_dispatch(self) -> bool:
+        """Data is claimed chunk by chunk from a shared pool (cadence/async) rather than split equally."""
+        return not self.is_sync
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _fail(knob: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"ElCheConfig.{knob}={value!r} is invalid: {allowed}.")
+
+
+def _check_int(knob: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _fail(knob, value, f"expected an integer >= {minimum}")
+
+
+def _check_bool(knob: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _fail(knob, value, "expected true or false")
+
+
+def _check_real(knob: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(knob, value, "expected a finite number")
+    return float(value)
+
+
+@dataclass
+class ElCheConfig:
+    """Every knob of the ElChe cadence controller, with flodl 0.7.0's names and defaults.
+
+    ``ElCheConfig()`` is the ``nccl_cadence`` preset. Fields left at ``None`` take the mode's
+    default when the object is built: ``anchor`` is 1 for the sync modes and 10 otherwise, and
+    ``easgd_alpha`` is 0.5 for ``cpu_async`` (elsewhere replicas are overwritten by the consensus).
+
+    Args:
+        mode: averaging mode, an :class:`ElCheMode` or its string value.
+        anchor: batches the slowest rank runs per averaging window at the start (>= 1).
+        max_anchor: ceiling for window growth (default 1000).
+        min_anchor: floor for window growth (default: the initial anchor). Guard nudges may go
+            below it, never below 1.
+        overhead_target: per-window fixed cost (sync + pipeline fill) as a fraction of the slow
+            rank's window wall time that the controller aims for, in (0, 1); default 0.05. Values
+            outside [0.01, 0.5] are clamped by the controller, with a warning.
+        max_batch_diff: largest change of a rank's per-window batch count per update, and (CPU
+            modes) the largest lead of the fastest rank over the slowest. 0 = strict lockstep.
+        relax_up: let the anchor creep up by one on each stable verdict (``cpu_async`` only).
+        partition_ratios: fixed per-rank data shares (positive, summing to 1, one per rank).
+            Disables throughput-proportional dispatch.
+        meta_controller: LR-aware meta-controller that shrinks the window on LR cliffs and on
+            sustained divergence.
+        convergence_guard: a custom guard (any object with ``report(report, k_used, k_max)``).
+        easgd_alpha: elastic blend weight in (0, 1] for ``cpu_async``; 1 = overwrite.
+        divergence_threshold: threshold of the default trend guard (default 0.05, or 0.3 with
+            EASGD blending), > 0.
+        no_divergence_guard: disable the convergence guard.
+        max_overshoot: batches a ``cpu_async`` rank may run past its planned sync (None = auto).
+        gamma: exponent of the realized-work weight n_k**gamma of each rank's parameters (finite).
+        bf16_wire: ship the CPU plane's snapshots and consensus as bfloat16.
+    """
+
+    mode: Union[ElCheMode, str] = ElCheMode.nccl_cadence
+    anchor: Optional[int] = None
+    max_anchor: Optional[int] = None
+    min_anchor: Optional[int] = None
+    overhead_target: Optional[float] = None
+    max_batch_diff: Optional[int] = None
+    relax_up: bool = False
+    partition_ratios: Optional[list[float]] = None
+    meta_controller: bool = True
+    convergence_guard: Optional[Any] = None
+    easgd_alpha: Optional[float] = None
+    divergence_threshold: Optional[float] = None
+    no_divergence_guard: bool = False
+    max_overshoot: Optional[int] = None
+    gamma: float = 1.0
+    bf16_wire: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            self.mode = ElCheMode(self.mode)
+        except ValueError:
+            allowed = ", ".join(m.value for m in ElCheMode)
+            raise _fail("mode", self.mode, f"expected one of {allowed}") from None
+        if self.anchor is None:
+            self.anchor = 1 if self.mode.is_sync else DEFAULT_ANCHOR
+        if self.easgd_alpha is None and self.mode.is_async:
+            self.easgd_alpha = DEFAULT_ASYNC_EASGD_ALPHA
+        self.validate()
+
+    # -- presets ---------------------------------------------------------------------------
+
+    @classmethod
+    def nccl_sync(cls) -> ElCheConfig:
+        """Average after every slow-rank step on the default process group (anchor 1)."""
+        return cls(mode=ElCheMode.nccl_sync)
+
+    @classmethod
+    def nccl_cadence(cls) -> ElCheConfig:
+        """Self-tuning windows on the default process group: the default for mixed GPUs."""
+        return cls(mode=ElCheMode.nccl_cadence)
+
+    @classmethod
+    def cpu_sync(cls) -> ElCheConfig:
+        """Average after every slow-rank step through host memory and a gloo side group."""
+        return cls(mode=ElCheMode.cpu_sync)
+
+    @classmethod
+    def cpu_cadence(cls) -> ElCheConfig:
+        """Self-tuning windows, averaged through host memory; ranks wait for the consensus."""
+        return cls(mode=ElCheMode.cpu_cadence)
+
+    @classmethod
+    def cpu_async(cls) -> ElCheConfig:
+        """Self-tuning windows; ranks keep training while the round is in flight (EASGD 0.5)."""
+        return cls(
+            mode=ElCheMode.cpu_async,
+            overhead_target=DEFAULT_OVERHEAD_TARGET,
+            easgd_alpha=DEFAULT_ASYNC_EASGD_ALPHA,
+        )
+
+    @classmethod
+    def preset(cls, mode: Union[ElCheMode, str]) -> ElCheConfig:
+        """The preset of ``mode`` (``ElCheConfig.preset("cpu_async") == ElCheConfig.cpu_async()``)."""
+        try:
+            mode = ElCheMode(mode)
+        except ValueError:
+            allowed = ", ".join(m.value for m in ElCheMode)
+            raise ValueError(f"mode={mode!r} is invalid: expected one of {allowed}.") from None
+        return getattr(cls, mode.value)()
+
+    def with_mode(self, mode: Union[ElCheMode, str]) -> ElCheConfig:
+        """A copy switched to ``mode`` with that mode's mode-dependent defaults re-derived."""
+        return replace(self, mode=mode, anchor=None, easgd_alpha=None)
+
+    # -- resolved values -------------------------------------------------------------------
+
+    @property
+    def resolved_max_anchor(self) -> int:
+        return DEFAULT_MAX_ANCHOR if self.max_anchor is None else self.max_anchor
+
+    @property
+    def resolved_min_anchor(self) -> int:
+        return self.anchor if self.min_anchor is None else self.min_anchor
+
+    @property
+    def resolved_overhead_target(self) -> float:
+        value = DEFAULT_OVERHEAD_TARGET if self.overhead_target is None else self.overhead_target
+        low, high = OVERHEAD_TARGET_RANGE
+        return min(max(value, low), high)
+
+    # -- validation ------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid knob, its value and what is allowed."""
+        _check_int("anchor", self.anchor, 1)
+        for knob in ("max_anchor", "min_anchor"):
+            value = getattr(self, knob)
+            if value is not None:
+                _check_int(knob, value, 1)
+        if self.min_anchor is not None and self.min_anchor > self.resolved_max_anchor:
+            raise _fail(
+                "min_anchor", self.min_anchor, f"must be <= max_anchor ({self.resolved_max_anchor})"
+            )
+        if self.anchor > self.resolved_max_anchor:
+            raise _fail("anchor", self.anchor, f"must be <= max_anchor ({self.resolved_max_anchor})")
+        if self.overhead_target is not None:
+            value = _check_real("overhead_target", self.overhead_target)
+            if not 0.0 < value < 1.0:
+                raise _fail("overhead_target", value, "expected a fraction in the open interval (0, 1)")
+        if self.max_batch_diff is not None:
+            _check_int("max_batch_diff", self.max_batch_diff, 0)
+        for knob in ("relax_up", "meta_controller", "no_divergence_guard", "bf16_wire"):
+            _check_bool(knob, getattr(self, knob))
+        if self.partition_ratios is not None:
+            self._validate_partition_ratios()
+        if self.convergence_guard is not None and not callable(
+            getattr(self.convergence_guard, "report", None)
+        ):
+            raise _fail(
+                "convergence_guard",
+                self.convergence_guard,
+                "expected an object with a report(report, k_used, k_max) method",
+            )
+        if self.easgd_alpha is not None:
+            value = _check_real("easgd_alpha", self.easgd_alpha)
+            if not 0.0 < value <= 1.0:
+                raise _fail("easgd_alpha", value, "expected a blend weight in (0, 1]")
+            if not self.mode.is_async:
+                raise _fail(
+                    "easgd_alpha",
+                    value,
+                    f"elastic blending applies to mode cpu_async only (mode is {self.mode.value}); "
+                    "leave it unset",
+                )
+        if self.divergence_threshold is not None:
+            value = _check_real("divergence_threshold", self.divergence_threshold)
+            if value <= 0.0:
+                raise _fail("divergence_threshold", value, "expected a number > 0")
+        if self.max_overshoot is not None:
+            _check_int("max_overshoot", self.max_overshoot, 0)
+            if not self.mode.is_async:
+                raise _fail(
+                    "max_overshoot",
+                    self.max_overshoot,
+                    f"lookahead applies to mode cpu_async only (mode is {self.mode.value}); "
+                    "leave it unset",
+                )
+        if self.relax_up and not self.mode.is_async:
+            raise _fail(
+                "relax_up", True, f"applies to mode cpu_async only (mode is {self.mode.value})"
+            )
+        _check_real("gamma", self.gamma)
+
+    def _validate_partition_ratios(self) -> None:
+        ratios = self.partition_ratios
+        if not isinstance(ratios, (list, tuple)) or len(ratios) < 1:
+            raise _fail("partition_ratios", ratios, "expected a list with one positive share per rank")
+        for share in ratios:
+            if isinstance(share, bool) or not isinstance(share, (int, float)):
+                raise _fail("partition_ratios", ratios, "every share must be a number")
+            if not math.isfinite(share) or share <= 0:
+                raise _fail("partition_ratios", ratios, "every share must be finite and > 0")
+        total = math.fsum(ratios)
+        if abs(total - 1.0) > PARTITION_SUM_TOLERANCE:
+            raise _fail(
+                "partition_ratios",
+                ratios,
+                f"shares must sum to 1 within {PARTITION_SUM_TOLERANCE:g} (they sum to {total!r})",
+            )
+        self.partition_ratios = [float(s) for s in ratios]
+
+    def validate_world_size(self, world_size: int) -> None:
+        """Checks that need the number of ranks, run by the strategy at setup."""
+        if self.partition_ratios is not None and len(self.partition_ratios) != world_size:
+            raise _fail(
+                "partition_ratios",
+                self.partition_ratios,
+                f"expected one share per rank: {world_size} values for a world size of {world_size}",
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """Plain values of every knob, for logs, checkpoints and the record log."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, ElCheMode):
+                value = value.value
+            elif f.name == "convergence_guard" and value is not None:
+                value = type(value).__qualname__
+            out[f.name] = value
+        return out

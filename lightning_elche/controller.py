@@ -1,0 +1,760 @@
+"""The ElChe cadence controller: how many batches each rank runs per averaging window.
+
+The slowest rank (the *anchor rank*) runs ``anchor`` batches per window; every other rank runs
+proportionally more, so that all ranks reach the window's end at about the same time. After each
+window the caller feeds the measured timing to :meth:`ElCheController.report_timing`; the
+controller refines its per-rank speed estimates, re-elects the anchor rank once it trusts its
+data, recomputes ``batch_counts`` and, when the per-window fixed cost (sync + pipeline fill) is a
+large fraction of the window, stages a proposal to grow the anchor. Only a convergence verdict
+(:meth:`ElCheController.apply_verdict`) ever changes the anchor: ``Stable`` commits the proposal,
+``SuppressGrowth`` drops it, ``NudgeDown`` drops it and shrinks the anchor.
+
+This is flodl 0.7.0's window-pressure controller (``elche-spec.md`` §3). It is pure and
+deterministic: the strategy runs one copy on every rank and feeds each copy the same all-gathered
+numbers, so every copy reaches the same decisions without further communication.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning_elche.config import (
+    DEFAULT_MAX_ANCHOR,
+    DEFAULT_OVERHEAD_TARGET,
+    OVERHEAD_TARGET_RANGE,
+)
+from lightning_elche.guard import NudgeDown, Stable, SuppressGrowth, Verdict
+
+if TYPE_CHECKING:
+    from lightning_elche.config import ElCheConfig
+
+COHORT_BAND = 0.15
+"""A rank is an anchor candidate when its ms/batch is at least (1 - band) x the slowest rank's."""
+
+DOMINANCE_MARGIN = 0.10
+"""A challenger replaces the current anchor rank only when it is this fraction slower."""
+
+TRUST_WINDOW_CAP = 5
+"""Readings kept per rank; also the number of consecutive missing readings that clears them."""
+
+MAX_SPEED_RATIO = 64
+"""Largest slow/fast speed ratio used for batch counts (guards against a degenerate reading)."""
+
+BATCH_COUNTS_WINDOW_CAP = 10
+"""Number of recent ``batch_counts`` snapshots behind :meth:`ElCheController.recent_batch_share`."""
+
+GROWTH_REARM_STABLE = 5
+"""Consecutive ``Stable`` verdicts that re-arm window growth after a non-``Stable`` one."""
+
+GROWTH_STEP_CAP = 2.0
+"""Largest multiplicative anchor growth in one proposal."""
+
+WARMUP_GROWTH_MARGIN = 2.0
+"""During Warmup, growth fires only above this multiple of the overhead target."""
+
+DEAD_ZONE = 0.05
+"""A rank's batch count changes only when the new target differs by more than this fraction."""
+
+STABLE_AFTER_CALIBRATIONS = 5
+MATURE_AFTER_CALIBRATIONS = 20
+SAME_SPEED_EPS_MS = 1e-6
+
+
+class Phase(enum.IntEnum):
+    """Lifecycle of the controller; it only ever moves forward.
+
+    PROBE: no successful report yet. WARMUP: after the first one; the anchor-rank pin holds and
+    only unambiguous window pressure may propose growth. STABLE: after 5; the anchor rank may be
+    re-elected and growth fires at the plain target. MATURE: after 20; same as STABLE inside the
+    controller (the meta-controller reads it).
+    """
+
+    PROBE = 0
+    WARMUP = 1
+    STABLE = 2
+    MATURE = 3
+
+
+def _round_half_away(value: float) -> int:
+    """Round a non-negative number to the nearest integer, halves up (Python's round() is
+    banker's rounding, which would turn a ratio of 22.5 into 22 instead of 23)."""
+    floor = math.floor(value)
+    return int(floor) + 1 if value - floor >= 0.5 else int(floor)
+
+
+def _finite_non_negative(value: float) -> float:
+    """``value`` when it is a finite number > 0, else 0.0 (no signal)."""
+    return value if math.isfinite(value) and value > 0.0 else 0.0
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    """One averaging window's timing, on both scales, as the strategy measured it.
+
+    ``wall_ms``/``steps`` are compute-only wall time and optimizer steps per rank. The delivered
+    pair (``delivered_ms``/``delivered_batches``) covers the window's 2nd..nth batch including data
+    wait; ``(0.0, 0)`` where a rank has no such sample. ``delivered_coherent`` is the caller's
+    statement that the delivered scale may be used this window (every moving rank has a sample).
+    ``fill_ms`` is each rank's first-batch excess over its marginal rate; ``sync_ms`` the wall of
+    the sync that closed the window.
+    """
+
+    wall_ms: Sequence[float]
+    steps: Sequence[int]
+    delivered_ms: Sequence[float]
+    delivered_batches: Sequence[int]
+    fill_ms: Sequence[float]
+    delivered_coherent: bool
+    sync_ms: float
+
+    def select_feed(self) -> tuple[list[float], list[int]]:
+        """The ``(ms, batches)`` pair to feed: never a mix of scales across ranks.
+
+        The controller's allocation is relative, so one window must use one scale for every
+        rank: the delivered pair when coherent (compute pair for ranks without a sample, which are
+        non-movers), otherwise the compute pair for everybody.
+        """
+        if not self.delivered_coherent:
+            return [float(ms) for ms in self.wall_ms], [int(n) for n in self.steps]
+        ms_out: list[float] = []
+        batches_out: list[int] = []
+        for rank in range(len(self.wall_ms)):
+            if self.delivered_batches[rank] > 0 and self.delivered_ms[rank] > 0.0:
+                ms_out.append(float(self.delivered_ms[rank]))
+                batches_out.append(int(self.delivered_batches[rank]))
+            else:
+                ms_out.append(float(self.wall_ms[rank]))
+                batches_out.append(int(self.steps[rank]))
+        return ms_out, batches_out
+
+
+class ElCheController:
+    """Per-rank batch counts for heterogeneous local SGD, tuned from measured timing.
+
+    Args:
+        world_size: number of ranks (>= 2).
+        anchor: batches the slowest rank runs per window at the start (>= 1).
+        min_anchor: growth floor (default ``anchor``; at least 1, at most ``max_anchor``); an
+            anchor below it is lifted to it. ``NudgeDown`` may go below it.
+        max_anchor: growth ceiling (default 1000, at least 1).
+        overhead_target: per-window fixed cost (sync + fill) as a fraction of the anchor rank's
+            window wall that growth aims for (default 0.05, clamped to [0.01, 0.5]).
+        max_batch_diff: largest change of a rank's count per recompute, and the spread limit of
+            :meth:`relax_anchor_up` (None = unlimited, 0 = lockstep).
+        window_growth_applicable: False for the sync modes, which have no window to amortize.
+        initial_anchor_rank: soft pin of the slow rank before there is timing data (held until
+            Stable).
+
+    Raises:
+        ValueError: naming the argument, for ``world_size < 2``, ``anchor < 1`` and other values
+            that cannot be used.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        anchor: int,
+        *,
+        min_anchor: int | None = None,
+        max_anchor: int | None = None,
+        overhead_target: float | None = None,
+        max_batch_diff: int | None = None,
+        window_growth_applicable: bool = True,
+        initial_anchor_rank: int | None = None,
+    ) -> None:
+        _require_int("world_size", world_size, 2, "ElChe needs at least 2 ranks")
+        _require_int("anchor", anchor, 1, "expected an integer >= 1")
+        if max_batch_diff is not None:
+            _require_int("max_batch_diff", max_batch_diff, 0, "expected None or an integer >= 0")
+        self.world_size: int = world_size
+        self._max_anchor = max(1, _int_or("max_anchor", max_anchor, DEFAULT_MAX_ANCHOR))
+        self._min_anchor = min(max(1, _int_or("min_anchor", min_anchor, anchor)), self._max_anchor)
+        self.anchor: int = min(max(anchor, self._min_anchor), self._max_anchor)
+        self._overhead_target = _clamp_target(overhead_target)
+        self._max_batch_diff = max_batch_diff
+        self._window_growth_applicable = bool(window_growth_applicable)
+        self._max_total_batches = 0
+
+        self.batch_counts: list[int] = [self.anchor] * world_size
+        self._ms_windows: list[deque[float]] = [
+            deque(maxlen=TRUST_WINDOW_CAP) for _ in range(world_size)
+        ]
+        self._zero_reports: list[int] = [0] * world_size
+        self._count_snapshots: deque[list[int]] = deque(maxlen=BATCH_COUNTS_WINDOW_CAP)
+        self._pending_slack_ms: list[float] = [0.0] * world_size
+
+        self.anchor_rank: int | None = None
+        self.phase: Phase = Phase.PROBE
+        self.calibrated: bool = False
+        self.calibration_count: int = 0
+        self.proposed_anchor: int | None = None
+        self.growth_enabled: bool = True
+        self.consecutive_stable: int = 0
+        self.window_cap_binding: bool = False
+        self.last_overhead: float = 0.0
+
+        if initial_anchor_rank is not None:
+            self.anchor_rank = self._checked_rank("initial_anchor_rank", initial_anchor_rank)
+
+    @classmethod
+    def from_config(cls, config: ElCheConfig, world_size: int) -> ElCheController:
+        """The controller that ``config`` describes for ``world_size`` ranks.
+
+        With ``partition_ratios`` the rank with the smallest share (lowest index on ties) is
+        pinned as the initial anchor rank; the sync modes get no window growth.
+        """
+        config.validate_world_size(world_size)
+        initial_anchor_rank: int | None = None
+        ratios = config.partition_ratios
+        if ratios is not None:
+            initial_anchor_rank = min(range(len(ratios)), key=lambda rank: ratios[rank])
+        return cls(
+            world_size,
+            config.anchor,
+            min_anchor=config.resolved_min_anchor,
+            max_anchor=config.resolved_max_anchor,
+            overhead_target=config.resolved_overhead_target,
+            max_batch_diff=config.max_batch_diff,
+            window_growth_applicable=not config.mode.is_sync,
+            initial_anchor_rank=initial_anchor_rank,
+        )
+
+    # -- knobs (read-only: fixed at construction) -----------------------------------------
+
+    @property
+    def min_anchor(self) -> int:
+        """Floor for window growth (not for nudges)."""
+        return self._min_anchor
+
+    @property
+    def max_anchor(self) -> int:
+        """Ceiling for window growth and :meth:`relax_anchor_up`."""
+        return self._max_anchor
+
+    @property
+    def overhead_target(self) -> float:
+        """Target fixed-cost fraction of the anchor rank's window, after clamping."""
+        return self._overhead_target
+
+    @property
+    def max_batch_diff(self) -> int | None:
+        """Per-recompute change limit of each count (None = unlimited)."""
+        return self._max_batch_diff
+
+    @property
+    def window_growth_applicable(self) -> bool:
+        """Whether growth proposals can happen at all (False for the sync modes)."""
+        return self._window_growth_applicable
+
+    @property
+    def max_total_batches(self) -> int:
+        """Cap on ``sum(batch_counts)`` applied at every recompute; 0 = no cap."""
+        return self._max_total_batches
+
+    @max_total_batches.setter
+    def max_total_batches(self, value: int) -> None:
+        _require_int("max_total_batches", value, 0, "expected an integer >= 0 (0 = no cap)")
+        self._max_total_batches = value
+
+    @property
+    def pending_callback_slack_ms(self) -> list[float]:
+        """Slack staged by :meth:`set_callback_slack` for the next recompute (a copy)."""
+        return list(self._pending_slack_ms)
+
+    # -- timing feed ----------------------------------------------------------------------
+
+    def report_timing(
+        self,
+        wall_ms: Sequence[float],
+        batches: Sequence[int],
+        sync_ms: float,
+        fill_ms: Sequence[float] | None = None,
+    ) -> None:
+        """Feed one window's timing; call once per averaging round, before the verdict.
+
+        ``wall_ms[r]`` is rank r's wall time over the ``batches[r]`` batches it actually ran since
+        the last sync; ``sync_ms`` the wall of the sync that closed the window; ``fill_ms[r]``
+        (optional) rank r's first-batch excess over its marginal rate. A rank with no batches or
+        no positive finite wall contributes no reading. Updates speeds, the anchor rank,
+        ``batch_counts``, the phase and ``proposed_anchor``; never the anchor itself.
+
+        Raises:
+            ValueError: if a sequence's length is not ``world_size``.
+        """
+        self._require_per_rank("wall_ms", wall_ms)
+        self._require_per_rank("batches", batches)
+        if fill_ms is not None:
+            self._require_per_rank("fill_ms", fill_ms)
+        self.last_overhead = 0.0
+        self._ingest_readings(wall_ms, batches)
+        if self.anchor_rank is None or self.phase >= Phase.STABLE:
+            elected = self._elect_anchor_rank()
+            if elected is not None:
+                self.anchor_rank = elected
+        if self.anchor_rank is None:
+            return
+        slow_ms = self._resolve_slow_ms()
+        if slow_ms <= 0.0:
+            return
+
+        fill_b = 0.0
+        if fill_ms is not None:
+            fill_b = _finite_non_negative(float(fill_ms[self.anchor_rank]))
+        overhead = self._window_overhead(slow_ms, _finite_non_negative(float(sync_ms)), fill_b)
+        self.last_overhead = 0.0 if overhead is None else overhead
+        self.proposed_anchor = None
+        if self.phase >= Phase.STABLE or (
+            self.phase == Phase.WARMUP and self.calibration_count >= 1
+        ):
+            self.proposed_anchor = self._propose_growth(overhead)
+
+        # Counts follow the current anchor; a proposal only lands through a verdict.
+        self._recompute_batch_counts(slow_ms)
+        self._count_snapshots.append(list(self.batch_counts))
+        self.calibrated = True
+        self.calibration_count += 1
+        self._advance_phase()
+
+    def report_window(self, report: WindowReport) -> None:
+        """Feed a :class:`WindowReport`: pick one timing scale for all ranks, then report it.
+
+        A window in which no rank has a positive time (everybody idle) reports nothing.
+        """
+        ms, batches = report.select_feed()
+        if any(value > 0.0 for value in ms):
+            self.report_timing(ms, batches, report.sync_ms, report.fill_ms)
+
+    def _ingest_readings(self, wall_ms: Sequence[float], batches: Sequence[int]) -> None:
+        for rank in range(self.world_size):
+            wall = float(wall_ms[rank])
+            count = batches[rank]
+            if count > 0 and wall > 0.0 and math.isfinite(wall):
+                self._ms_windows[rank].append(wall / count)
+                self._zero_reports[rank] = 0
+                continue
+            self._zero_reports[rank] += 1
+            # A rank silent for a whole trust window re-learns from scratch when it returns.
+            if self._zero_reports[rank] >= TRUST_WINDOW_CAP:
+                self._ms_windows[rank].clear()
+
+    def _resolve_slow_ms(self) -> float:
+        """The anchor rank's ms/batch; re-elects among ranks with data when a pinned anchor rank
+        has been silent for a whole trust window (else the controller would never calibrate)."""
+        assert self.anchor_rank is not None
+        slow_ms = self.smoothed_ms(self.anchor_rank)
+        if slow_ms > 0.0 or self._zero_reports[self.anchor_rank] < TRUST_WINDOW_CAP:
+            return slow_ms
+        elected = self._elect_anchor_rank()
+        if elected is None:
+            return 0.0
+        self.anchor_rank = elected
+        return self.smoothed_ms(elected)
+
+    # -- anchor-rank election -------------------------------------------------------------
+
+    def _slow_cohort(self) -> list[int]:
+        speeds = [self.smoothed_ms(rank) for rank in range(self.world_size)]
+        slowest = max(speeds)
+        if slowest <= 0.0:
+            return []
+        threshold = slowest * (1.0 - COHORT_BAND)
+        return [rank for rank, ms in enumerate(speeds) if ms >= threshold]
+
+    def _elect_anchor_rank(self) -> int | None:
+        """The slow cohort's anchor: the sticky current one unless a member is clearly slower."""
+        cohort = self._slow_cohort()
+        if not cohort:
+            return None
+        if len(cohort) == 1:
+            return cohort[0]
+        current = self.anchor_rank
+        if current is None or current not in cohort:
+            return cohort[0]
+        challengers = [rank for rank in cohort if rank != current]
+        # max() keeps the first of equals, so exact ties go to the lowest index.
+        challenger = max(challengers, key=self.smoothed_ms)
+        if self.smoothed_ms(challenger) > self.smoothed_ms(current) * (1.0 + DOMINANCE_MARGIN):
+            return challenger
+        return current
+
+    # -- window-pressure growth -----------------------------------------------------------
+
+    def _window_overhead(self, slow_ms: float, sync_ms: float, fill_ms: float) -> float | None:
+        """Fixed per-window cost as a fraction of the anchor rank's window wall, or None when
+        there is no fixed cost to measure."""
+        fixed = sync_ms + fill_ms
+        denominator = self.anchor * slow_ms + fixed
+        if fixed <= 0.0 or denominator <= 0.0:
+            return None
+        return fixed / denominator
+
+    def _propose_growth(self, overhead: float | None) -> int | None:
+        """The grown anchor that ``overhead`` calls for, or None. Grow-only by design."""
+        if not self._window_growth_applicable or not self.growth_enabled:
+            return None
+        # At the cap a larger anchor would not enlarge the window, only detach it from the anchor.
+        if self.window_cap_binding or overhead is None:
+            return None
+        fire_at = self._overhead_target
+        if self.phase < Phase.STABLE:
+            fire_at *= WARMUP_GROWTH_MARGIN
+        if overhead <= fire_at:
+            return None
+        scale = min(overhead / self._overhead_target, GROWTH_STEP_CAP)
+        grown = math.ceil(self.anchor * scale)
+        grown = min(max(grown, self._min_anchor), self._max_anchor)
+        return grown if grown > self.anchor else None
+
+    # -- batch counts ---------------------------------------------------------------------
+
+    def _recompute_batch_counts(self, slow_ms: float) -> None:
+        """Counts proportional to speed relative to the anchor rank, then the window cap.
+
+        Consumes the staged callback slack.
+        """
+        for rank in range(self.world_size):
+            ms = self.smoothed_ms(rank)
+            target, slack_batches = self._rank_target(rank, ms, slow_ms)
+            current = self.batch_counts[rank]
+            outside_dead_zone = abs(target - current) > current * DEAD_ZONE
+            if outside_dead_zone or not self.calibrated or slack_batches > 0:
+                self.batch_counts[rank] = self._limit_step(current, target)
+        self._apply_window_cap()
+        self._pending_slack_ms = [0.0] * self.world_size
+
+    def _rank_target(self, rank: int, ms: float, slow_ms: float) -> tuple[int, int]:
+        """(target count, batches removed for callback slack) of one rank."""
+        if ms <= 0.0 or abs(ms - slow_ms) < SAME_SPEED_EPS_MS:
+            base = self.anchor
+        else:
+            ratio = min(slow_ms / ms, MAX_SPEED_RATIO)
+            base = max(1, _round_half_away(self.anchor * ratio))
+        slack_ms = self._pending_slack_ms[rank]
+        slack_batches = 0
+        if slack_ms > 0.0 and ms > 0.0:
+            slack_batches = base if math.isinf(slack_ms) else math.ceil(slack_ms / ms)
+        return max(1, base - slack_batches), slack_batches
+
+    def _limit_step(self, current: int, target: int) -> int:
+        """``target``, moved at most ``max_batch_diff`` away from ``current`` once calibrated."""
+        step = self._max_batch_diff
+        if step is None or not self.calibrated:
+            return target
+        if target > current:
+            return min(current + step, target)
+        return max(current - step, target, 1)
+
+    def _apply_window_cap(self) -> None:
+        """Scale counts down to ``max_total_batches``; the floor of 1 per rank wins over the cap."""
+        self.window_cap_binding = False
+        cap = self._max_total_batches
+        total = sum(self.batch_counts)
+        if cap <= 0 or total <= cap:
+            return
+        self.window_cap_binding = True
+        scale = cap / total
+        self.batch_counts = [max(1, math.floor(count * scale)) for count in self.batch_counts]
+        remainder = cap - sum(self.batch_counts)
+        if remainder > 0:
+            largest = max(range(self.world_size), key=lambda rank: self.batch_counts[rank])
+            self.batch_counts[largest] += remainder
+
+    def clamp_total(self, maximum: int) -> list[int]:
+        """``batch_counts`` scaled to sum to ``maximum`` (unchanged when they already fit).
+
+        Each count is floored (at least 1) and the shortfall is handed out one batch per rank in
+        rank order. Does not change the controller.
+        """
+        _require_int("maximum", maximum, 0, "expected an integer >= 0")
+        total = sum(self.batch_counts)
+        if total <= maximum:
+            return list(self.batch_counts)
+        clamped = [max(1, math.floor(count * maximum / total)) for count in self.batch_counts]
+        remainder = maximum - sum(clamped)
+        for rank in range(self.world_size):
+            if remainder <= 0:
+                break
+            clamped[rank] += 1
+            remainder -= 1
+        return clamped
+
+    def set_callback_slack(self, slack_ms: Sequence[float]) -> None:
+        """Stage per-rank callback time (ms) to carve out of the next recompute, once.
+
+        Rank r's count drops by ``ceil(slack_ms[r] / ms_per_batch[r])`` (never below 1) so that
+        it can run an epoch-end callback without holding up the sync. A sequence whose length is
+        not ``world_size`` is ignored; NaN or negative entries count as 0.
+        """
+        if len(slack_ms) != self.world_size:
+            return
+        # max() returns its first argument when the other is NaN, so NaN stages 0.0.
+        self._pending_slack_ms = [max(0.0, float(value)) for value in slack_ms]
+
+    def set_speed_ratio(self, slow_rank: int, ratio: float) -> None:
+        """Seed counts before any timing: ``slow_rank`` runs ``anchor``, every other rank
+        ``round(anchor * ratio)`` (ratio below 1 counts as 1); also pins ``slow_rank`` as the
+        initial anchor rank. Measured timing overrides both."""
+        rank = self._checked_rank("slow_rank", slow_rank)
+        if not _is_finite_number(ratio):
+            raise ValueError(f"ratio={ratio!r} is invalid: expected a finite number.")
+        faster = max(1, _round_half_away(self.anchor * max(float(ratio), 1.0)))
+        self.batch_counts = [self.anchor if r == rank else faster for r in range(self.world_size)]
+        self.anchor_rank = rank
+
+    # -- verdicts -------------------------------------------------------------------------
+
+    def apply_verdict(self, verdict: Verdict, relax_up: bool = False) -> None:
+        """Apply a convergence verdict (guard or meta-controller): the only way the anchor moves
+        apart from :meth:`nudge_anchor_down` and :meth:`relax_anchor_up`.
+
+        ``Stable`` counts toward re-arming growth, commits a pending proposal and, with
+        ``relax_up``, then adds one to the anchor. ``SuppressGrowth`` drops the proposal and
+        latches growth off. ``NudgeDown`` drops the proposal, latches growth off, then shrinks.
+        """
+        if isinstance(verdict, Stable):
+            self._commit_proposal()
+            if relax_up:
+                self.relax_anchor_up()
+        elif isinstance(verdict, SuppressGrowth):
+            self._latch_growth_off()
+        elif isinstance(verdict, NudgeDown):
+            # Drop first: the proposal was sized from the pre-nudge anchor, and a Stable verdict
+            # later in the same cycle would otherwise commit it over the nudge.
+            self._latch_growth_off()
+            self.nudge_anchor_down(verdict.factor)
+        else:
+            raise TypeError(
+                f"verdict={verdict!r} is invalid: expected Stable, SuppressGrowth or NudgeDown."
+            )
+
+    def _commit_proposal(self) -> None:
+        self.consecutive_stable += 1
+        if self.consecutive_stable >= GROWTH_REARM_STABLE:
+            self.growth_enabled = True
+        if self.proposed_anchor is None:
+            return
+        self.anchor = self.proposed_anchor
+        self.proposed_anchor = None
+        self._recompute_if_timed()
+
+    def _latch_growth_off(self) -> None:
+        self.proposed_anchor = None
+        self.consecutive_stable = 0
+        self.growth_enabled = False
+
+    def nudge_anchor_down(self, factor: float) -> None:
+        """Multiply the anchor by ``factor`` clamped to [0.1, 1] (rounded up, at least 1).
+
+        Never increases the anchor; may go below ``min_anchor``. A non-finite factor is ignored.
+        """
+        if not math.isfinite(factor):
+            return
+        shrunk = math.ceil(self.anchor * min(max(factor, 0.1), 1.0))
+        self.anchor = max(1, min(self.anchor, shrunk))
+        self._recompute_if_timed()
+
+    def relax_anchor_up(self) -> bool:
+        """Add one to the anchor unless at ``max_anchor`` or, with ``max_batch_diff`` set, the
+        fastest rank's projected count would then exceed the anchor by more than it.
+
+        Returns whether the anchor grew.
+        """
+        if self.anchor >= self._max_anchor:
+            return False
+        grown = self.anchor + 1
+        limit = self._max_batch_diff
+        if limit is not None and self._projected_spread(grown) > limit:
+            return False
+        self.anchor = grown
+        self._recompute_if_timed()
+        return True
+
+    def _projected_spread(self, anchor: int) -> int:
+        """Fastest rank's count minus ``anchor`` at the current speeds (0 without data)."""
+        speeds = [ms for ms in map(self.smoothed_ms, range(self.world_size)) if ms > 0.0]
+        if not speeds:
+            return 0
+        fastest = max(1, _round_half_away(anchor * max(speeds) / min(speeds)))
+        return max(0, fastest - anchor)
+
+    def _recompute_if_timed(self) -> None:
+        slow_ms = self._slow_ms()
+        if slow_ms > 0.0:
+            self._recompute_batch_counts(slow_ms)
+
+    # -- phase ----------------------------------------------------------------------------
+
+    def _advance_phase(self) -> None:
+        if self.phase == Phase.PROBE:
+            self.phase = Phase.WARMUP
+        elif self.phase == Phase.WARMUP and self.calibration_count >= STABLE_AFTER_CALIBRATIONS:
+            self.phase = Phase.STABLE
+        elif self.phase == Phase.STABLE and self.calibration_count >= MATURE_AFTER_CALIBRATIONS:
+            self.phase = Phase.MATURE
+
+    # -- derived outputs ------------------------------------------------------------------
+
+    def smoothed_ms(self, rank: int) -> float:
+        """Mean ms/batch of ``rank``'s recent readings; 0.0 when it has none."""
+        window = self._ms_windows[self._checked_rank("rank", rank)]
+        if not window:
+            return 0.0
+        return sum(window) / len(window)
+
+    def smoothed_ms_or_none(self, rank: int) -> float | None:
+        """Like :meth:`smoothed_ms`, but None when ``rank`` has no reading."""
+        if not self._ms_windows[self._checked_rank("rank", rank)]:
+            return None
+        return self.smoothed_ms(rank)
+
+    def _slow_ms(self) -> float:
+        return 0.0 if self.anchor_rank is None else self.smoothed_ms(self.anchor_rank)
+
+    @property
+    def anchor_wall_ms(self) -> float:
+        """Intended wall time of one window: ``anchor`` x the anchor rank's ms/batch (0.0
+        before the first successful report)."""
+        if not self.calibrated:
+            return 0.0
+        return self.anchor * self._slow_ms()
+
+    def recent_batch_share(self) -> list[float]:
+        """Each rank's fraction of the batches planned over the last 10 reports.
+
+        Falls back to the current counts before any report, and to equal shares when the counts
+        sum to 0.
+        """
+        snapshots = list(self._count_snapshots) or [self.batch_counts]
+        sums = [float(sum(counts[rank] for counts in snapshots)) for rank in range(self.world_size)]
+        total = sum(sums)
+        if total <= 0.0:
+            return [1.0 / self.world_size] * self.world_size
+        return [value / total for value in sums]
+
+    # -- checkpointing --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trajectory state, as JSON-ready plain values (no user knobs, no pending proposal)."""
+        return {
+            "world_size": self.world_size,
+            "anchor": self.anchor,
+            "anchor_rank": self.anchor_rank,
+            "smoothed_ms": [self.smoothed_ms_or_none(rank) for rank in range(self.world_size)],
+            "phase": int(self.phase),
+            "calibration_count": self.calibration_count,
+            "batch_counts": list(self.batch_counts),
+            "growth_enabled": self.growth_enabled,
+            "consecutive_stable": self.consecutive_stable,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`. Each rank's readings restart as one sample equal to
+        the saved mean; knobs stay as constructed.
+
+        Raises:
+            ValueError: on a world-size mismatch or a malformed entry, naming the key.
+        """
+        smoothed = state.get("smoothed_ms")
+        saved_world = state.get("world_size")
+        shape_ok = isinstance(smoothed, list) and len(smoothed) == self.world_size
+        if saved_world != self.world_size or not shape_ok:
+            raise ValueError(
+                f"state world_size={saved_world!r} does not match this run's world_size="
+                f"{self.world_size}: resume with the same number of ranks as the saved run."
+            )
+        anchor = state.get("anchor")
+        _require_int("state['anchor']", anchor, 1, "expected an integer >= 1")
+        anchor_rank = state.get("anchor_rank")
+        if anchor_rank is not None:
+            anchor_rank = self._checked_rank("state['anchor_rank']", anchor_rank)
+        phase = _state_phase(state.get("phase"))
+        counts = _state_counts(state.get("batch_counts"), self.world_size)
+        calibration_count = state.get("calibration_count")
+        _require_int("state['calibration_count']", calibration_count, 0, "expected an integer >= 0")
+        streak = state.get("consecutive_stable", 0)
+        _require_int("state['consecutive_stable']", streak, 0, "expected an integer >= 0")
+
+        self.anchor = anchor
+        self.anchor_rank = anchor_rank
+        self.phase = phase
+        self.calibration_count = calibration_count
+        self.batch_counts = counts
+        self.growth_enabled = bool(state.get("growth_enabled", True))
+        self.consecutive_stable = streak
+        self.proposed_anchor = None
+        self._zero_reports = [0] * self.world_size
+        self._count_snapshots.clear()
+        for rank, mean in enumerate(smoothed):
+            self._ms_windows[rank].clear()
+            if mean is not None and math.isfinite(mean) and mean > 0.0:
+                self._ms_windows[rank].append(float(mean))
+        self.calibrated = any(self._ms_windows[rank] for rank in range(self.world_size))
+
+    # -- argument checks ------------------------------------------------------------------
+
+    def _checked_rank(self, name: str, rank: int) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(
+                f"{name}={rank!r} is invalid: expected a rank in 0..{self.world_size - 1}."
+            )
+        return rank
+
+    def _require_per_rank(self, name: str, values: Sequence[Any]) -> None:
+        if len(values) != self.world_size:
+            raise ValueError(
+                f"{name} has {len(values)} entries: expected one per rank ({self.world_size})."
+            )
+
+
+def _require_int(name: str, value: Any, minimum: int, allowed: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid: {allowed}.")
+
+
+def _is_finite_number(value: Any) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+    )
+
+
+def _int_or(name: str, value: int | None, default: int) -> int:
+    if value is None:
+        return default
+    _require_int(name, value, 1, "expected None or an integer >= 1")
+    return value
+
+
+def _clamp_target(target: float | None) -> float:
+    if target is None:
+        return DEFAULT_OVERHEAD_TARGET
+    if not _is_finite_number(target):
+        raise ValueError(f"overhead_target={target!r} is invalid: expected a finite number.")
+    low, high = OVERHEAD_TARGET_RANGE
+    return min(max(float(target), low), high)
+
+
+def _state_phase(value: Any) -> Phase:
+    try:
+        return Phase(value)
+    except ValueError:
+        allowed = ", ".join(str(int(p)) for p in Phase)
+        raise ValueError(
+            f"state['phase']={value!r} is invalid: expected one of {allowed}."
+        ) from None
+
+
+def _state_counts(value: Any, world_size: int) -> list[int]:
+    if not isinstance(value, list) or len(value) != world_size:
+        raise ValueError(
+            f"state['batch_counts']={value!r} is invalid: expected {world_size} integers >= 1."
+        )
+    for count in value:
+        _require_int("state['batch_counts']", count, 1, f"expected {world_size} integers >= 1")
+    return list(value)

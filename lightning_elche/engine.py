@@ -1,0 +1,327 @@
+"""The per-window protocol every rank runs: count local steps, join rounds, adopt the plan.
+
+A *round* is one fixed sequence of collectives that every rank joins: a small metadata
+all-gather, then (if any rank moved) the averaging reduce. A rank decides locally, from a plan
+all ranks agreed at the previous round, *when* it joins the next one: after its planned number
+of optimizer steps, or when it runs out of data. From the gathered metadata every rank runs the
+same deterministic controller on the same numbers, so the next plan needs no extra message.
+
+Nothing here touches Lightning; the strategy calls :meth:`ElCheEngine.record_step`,
+:meth:`window_due` and :meth:`run_round` from its hooks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_elche.averaging import RoundWeights, round_weights
+from lightning_elche.config import ElCheConfig
+from lightning_elche.controller import ElCheController
+from lightning_elche.guard import Stable
+from lightning_elche.planes.base import AveragingPlane
+
+
+class Meta(IntEnum):
+    """Slots of the per-rank metadata vector exchanged at every round."""
+
+    STEPS = 0
+    SAMPLES = 1
+    COMPUTE_S = 2
+    LAST_SYNC_S = 3
+    LOSS_SUM = 4
+    LR = 5
+    OUT_OF_DATA = 6
+    STOP_REQUESTED = 7
+    FINITE = 8
+    EPOCH = 9
+    ROUND = 10
+    SIGNATURE = 11
+
+
+META_SIZE = len(Meta)
+
+
+class RanksOutOfStep(RuntimeError):
+    """Ranks disagree on what round or epoch they are in, or on the model they average."""
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's row of a round's metadata."""
+
+    steps: int
+    samples: int
+    compute_s: float
+    last_sync_s: float
+    loss_sum: float
+    lr: float
+    out_of_data: bool
+    stop_level: int
+    finite: bool
+
+    @classmethod
+    def from_row(cls, row: list[float]) -> RankReport:
+        return cls(
+            steps=int(row[Meta.STEPS]),
+            samples=int(row[Meta.SAMPLES]),
+            compute_s=row[Meta.COMPUTE_S],
+            last_sync_s=row[Meta.LAST_SYNC_S],
+            loss_sum=row[Meta.LOSS_SUM],
+            lr=row[Meta.LR],
+            out_of_data=row[Meta.OUT_OF_DATA] > 0.5,
+            stop_level=int(row[Meta.STOP_REQUESTED]),
+            finite=row[Meta.FINITE] > 0.5,
+        )
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What every rank learned from a round (identical on all ranks)."""
+
+    index: int
+    reports: tuple[RankReport, ...]
+    weights: RoundWeights
+    planned: tuple[int, ...]
+    anchor: int
+    overhead: float
+    cohort_step: int
+    epoch_over: bool
+    stop_level: int
+    budget_reached: bool
+
+    @property
+    def ends_window_sequence(self) -> bool:
+        """No rank trains further in this epoch after this round."""
+        return self.epoch_over or self.stop_level > 0 or self.budget_reached
+
+
+@dataclass
+class RankTotals:
+    """Running totals per rank since the start of fit, for metrics and the summary."""
+
+    steps: int = 0
+    samples: int = 0
+    compute_s: float = 0.0
+    sync_s: float = 0.0
+
+
+@dataclass
+class EngineState:
+    """Counters that survive across epochs (and, later, checkpoints)."""
+
+    rounds: int = 0
+    cohort_step: int = 0
+    totals: list[RankTotals] = field(default_factory=list)
+
+
+class WindowClock:
+    """Host-side timing of compute windows and rounds, with one device sync per boundary.
+
+    On CUDA the boundary synchronizes the current stream once so that the window's compute time
+    is real device time; per step nothing is synchronized.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._window_start = time.perf_counter()
+
+    def restart_window(self) -> None:
+        self._window_start = time.perf_counter()
+
+    def close_window(self) -> float:
+        """Seconds of compute since the window started (device work included)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter() - self._window_start
+
+
+class ElCheEngine:
+    """Local step accounting and the round protocol of one rank.
+
+    Args:
+        config: the ElChe knobs.
+        plane: the transport running exchanges and reduces.
+        rank, world_size: this rank's index and the number of ranks.
+        device: the rank's device (for the loss accumulator and timing).
+        params: the live parameter tensors, checked for non-finite values at each round.
+        signature: a number identifying the averaged layout (same on every rank).
+        epoch_batches: batches per epoch over all ranks (caps the window).
+        step_budget: stop once the cohort has taken this many optimizer steps (None: no budget).
+    """
+
+    def __init__(
+        self,
+        config: ElCheConfig,
+        plane: AveragingPlane,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        params: list[Tensor],
+        signature: float,
+        epoch_batches: int,
+        step_budget: Optional[int] = None,
+    ) -> None:
+        self.config = config
+        self.plane = plane
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.params = params
+        self.signature = signature
+        self.step_budget = step_budget
+        self.controller = ElCheController.from_config(config, world_size)
+        self.controller.max_total_batches = max(epoch_batches, world_size)
+        self.state = EngineState(totals=[RankTotals() for _ in range(world_size)])
+        self.clock = WindowClock(device)
+        self.last_outcome: Optional[RoundOutcome] = None
+        self._steps = 0
+        self._samples = 0
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._last_sync_s = 0.0
+        self._lr = 0.0
+
+    # -- per step: no collective, no host sync --------------------------------------------
+
+    @property
+    def planned_steps(self) -> int:
+        """Optimizer steps this rank runs in the current window."""
+        return self.controller.batch_counts[self.rank]
+
+    def record_step(self, samples: int, loss: Optional[Tensor], lr: float) -> None:
+        """Account one local optimizer step (device-side loss accumulation only)."""
+        self._steps += 1
+        self._samples += samples
+        self._lr = lr
+        if isinstance(loss, Tensor):
+            self._loss_sum.add_(loss.detach().to(torch.float64))
+
+    def window_due(self) -> bool:
+        return self._steps >= self.planned_steps
+
+    def start_epoch(self) -> None:
+        """Exclude the time between epochs (validation, checkpoints) from the next window."""
+        self.clock.restart_window()
+
+    # -- per round -------------------------------------------------------------------------
+
+    def run_round(self, epoch: int, out_of_data: bool, stop_level: int = 0) -> RoundOutcome:
+        """Join one round: exchange metadata, average, update the controller, plan the next window.
+
+        ``stop_level`` is this rank's stop request (0 none; larger values are more urgent, the
+        strategy defines them); the round's outcome carries the largest over all ranks.
+        """
+        compute_s = self.clock.close_window()
+        round_start = time.perf_counter()
+        local = self._local_metadata(epoch, out_of_data, stop_level, compute_s)
+        table = self.plane.exchange(local).tolist()
+        self._check_in_step(table)
+        reports = tuple(RankReport.from_row(row) for row in table)
+        if not all(r.finite for r in reports):
+            bad = [k for k, r in enumerate(reports) if not r.finite]
+            raise FloatingPointError(
+                f"ElChe round {self.state.rounds}: parameters of rank(s) {bad} are NaN or infinite; "
+                "averaging would spread them to every replica. Lower the learning rate or clip gradients."
+            )
+        weights = round_weights([r.steps for r in reports], self.config.gamma)
+        self.plane.average(weights)
+        outcome = self._advance(reports, weights)
+        self._last_sync_s = time.perf_counter() - round_start
+        self._reset_window()
+        return outcome
+
+    def _local_metadata(self, epoch: int, out_of_data: bool, stop_level: int, compute_s: float) -> Tensor:
+        host = torch.zeros(META_SIZE, dtype=torch.float64)
+        host[Meta.STEPS] = self._steps
+        host[Meta.SAMPLES] = self._samples
+        host[Meta.COMPUTE_S] = compute_s
+        host[Meta.LAST_SYNC_S] = self._last_sync_s
+        host[Meta.LR] = self._lr
+        host[Meta.OUT_OF_DATA] = float(out_of_data)
+        host[Meta.STOP_REQUESTED] = float(stop_level)
+        host[Meta.EPOCH] = epoch
+        host[Meta.ROUND] = self.state.rounds
+        host[Meta.SIGNATURE] = self.signature
+        local = host.to(self.device)
+        local[Meta.LOSS_SUM] = self._loss_sum
+        if self.params:
+            norms = torch._foreach_norm(self.params)
+            local[Meta.FINITE] = torch.stack(norms).isfinite().all().to(torch.float64)
+        else:
+            local[Meta.FINITE] = 1.0
+        return local
+
+    def _check_in_step(self, table: list[list[float]]) -> None:
+        for slot in (Meta.ROUND, Meta.EPOCH, Meta.SIGNATURE):
+            column = [row[slot] for row in table]
+            if any(v != column[0] for v in column):
+                raise RanksOutOfStep(
+                    f"ElChe ranks disagree on {slot.name.lower()} at round {self.state.rounds}: {column}. "
+                    "Every rank must run the same model, data and trainer settings; a rank that "
+                    "stepped outside ElChe's rounds (manual collectives, rank-local stops) breaks this."
+                )
+
+    def _advance(self, reports: tuple[RankReport, ...], weights: RoundWeights) -> RoundOutcome:
+        state = self.state
+        for totals, report in zip(state.totals, reports, strict=True):
+            totals.steps += report.steps
+            totals.samples += report.samples
+            totals.compute_s += report.compute_s
+            totals.sync_s += report.last_sync_s
+        state.cohort_step += sum(r.steps for r in reports)
+        state.rounds += 1
+        # The fastest arrival pays no wait, so the smallest round time is the pure reduce cost.
+        sync_ms = 1000.0 * min(r.last_sync_s for r in reports)
+        self.controller.report_timing(
+            [1000.0 * r.compute_s for r in reports], [r.steps for r in reports], sync_ms
+        )
+        self.controller.apply_verdict(Stable())
+        budget_reached = self.step_budget is not None and state.cohort_step >= self.step_budget
+        outcome = RoundOutcome(
+            index=state.rounds,
+            reports=reports,
+            weights=weights,
+            planned=tuple(self.controller.batch_counts),
+            anchor=self.controller.anchor,
+            overhead=self.controller.last_overhead,
+            cohort_step=state.cohort_step,
+            epoch_over=all(r.out_of_data for r in reports),
+            stop_level=max(r.stop_level for r in reports),
+            budget_reached=budget_reached,
+        )
+        self.last_outcome = outcome
+        return outcome
+
+    def _reset_window(self) -> None:
+        self._steps = 0
+        self._samples = 0
+        self._loss_sum.zero_()
+        self.clock.restart_window()
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def metrics(self, outcome: RoundOutcome) -> dict[str, float]:
+        """The ``elche/*`` scalars of one round, for the Trainer's loggers."""
+        metrics: dict[str, float] = {
+            "elche/anchor": float(outcome.anchor),
+            "elche/overhead": float(outcome.overhead),
+            "elche/syncs": float(outcome.index),
+            "elche/cohort_step": float(outcome.cohort_step),
+        }
+        total_steps = sum(r.steps for r in outcome.reports)
+        moved = [r for r in outcome.reports if r.steps > 0]
+        if moved:
+            metrics["elche/train_loss"] = math.fsum(r.loss_sum for r in moved) / max(total_steps, 1)
+        for k, (report, totals) in enumerate(zip(outcome.reports, self.state.totals, strict=True)):
+            metrics[f"elche/batch_share/rank{k}"] = report.steps / total_steps if total_steps else 0.0
+            if report.compute_s > 0 and report.samples > 0:
+                metrics[f"elche/samples_per_s/rank{k}"] = report.samples / report.compute_s
+            busy = totals.compute_s + totals.sync_s
+            metrics[f"elche/idle/rank{k}"] = totals.sync_s / busy if busy > 0 else 0.0
+        return metrics

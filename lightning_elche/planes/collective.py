@@ -1,0 +1,67 @@
+"""The ``nccl_*`` modes: a blocking round on the job's default process group.
+
+NCCL on GPUs, gloo on CPU. Each rank pre-scales its flat parameter buffer by its share of the
+realized-work mass and a SUM all-reduce yields the consensus directly, which is copied back into
+the live parameters in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_elche.averaging import FlatTensors, RoundWeights
+from lightning_elche.planes.base import AveragingPlane
+
+
+class CollectivePlane(AveragingPlane):
+    """Blocking averaging on a process group (the default group unless ``group`` is given).
+
+    Args:
+        params: the model's parameters in flat persistent buffers.
+        buffers: the model's floating-point buffers in flat persistent buffers.
+        rank, world_size: this rank's index and the number of ranks in ``group``.
+        device: where metadata travels (CUDA for NCCL, CPU for gloo).
+        group: the process group; ``None`` is the default group.
+    """
+
+    def __init__(
+        self,
+        params: FlatTensors,
+        buffers: FlatTensors,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        group: Optional[Any] = None,
+    ) -> None:
+        self.params = params
+        self.buffers = buffers
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.group = group
+        self._meta_out: Optional[Tensor] = None
+
+    def exchange(self, local: Tensor) -> Tensor:
+        local = local.to(self.device, dtype=torch.float64)
+        if self._meta_out is None or self._meta_out.numel() != self.world_size * local.numel():
+            self._meta_out = torch.empty(self.world_size * local.numel(), dtype=torch.float64, device=self.device)
+        dist.all_gather_into_tensor(self._meta_out, local, group=self.group)
+        return self._meta_out.view(self.world_size, -1).cpu()
+
+    def average(self, weights: RoundWeights) -> None:
+        if not weights.realized:
+            return
+        self._reduce(self.params, weights.param_factors[self.rank])
+        if self.buffers:
+            self._reduce(self.buffers, weights.buffer_factors[self.rank])
+
+    def _reduce(self, flat: FlatTensors, factor: float) -> None:
+        flat.pack()
+        for buffer in flat.flats:
+            buffer.mul_(factor)
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
+        flat.unpack()

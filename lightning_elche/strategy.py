@@ -1,0 +1,445 @@
+"""``ElCheStrategy``: heterogeneity-aware local SGD as a Lightning strategy.
+
+Every rank trains its own replica with its own optimizer for a window of steps; faster ranks take
+proportionally more steps per window and claim proportionally more data; at the window's end the
+replicas' parameters are averaged, weighted by the work each did. The strategy is thin glue: the
+round protocol lives in :mod:`lightning_elche.engine`, the controller in
+:mod:`lightning_elche.controller`, the transport in :mod:`lightning_elche.planes`, the dispatch in
+:mod:`lightning_elche.data`.
+
+It subclasses ``DDPStrategy`` to keep Lightning's launchers, cluster environments, process-group
+set-up and epoch-level ``sync_dist``, but never wraps the model in ``DistributedDataParallel``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+from collections.abc import Callable
+from datetime import timedelta
+from types import FrameType
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies.ddp import default_pg_timeout
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from lightning_elche.averaging import averaged_state
+from lightning_elche.config import ElCheConfig, ElCheMode
+from lightning_elche.data import ElCheSampler
+from lightning_elche.engine import ElCheEngine, RoundOutcome
+from lightning_elche.planes import CollectivePlane
+from lightning_elche.summary import format_summary
+from lightning_elche.trainer_checks import check_trainer
+
+log = logging.getLogger(__name__)
+
+_STOP_NONE, _STOP_GRACEFUL, _STOP_SIGTERM = 0, 1, 2
+
+
+def resolve_config(mode: Optional[Union[ElCheMode, str]], elche: Optional[ElCheConfig]) -> ElCheConfig:
+    """The effective config from the strategy's ``mode`` and ``elche`` arguments."""
+    if elche is None:
+        return ElCheConfig.preset(ElCheMode.nccl_cadence if mode is None else mode)
+    if not isinstance(elche, ElCheConfig):
+        raise TypeError(f"ElCheStrategy(elche={elche!r}) is invalid: expected an ElCheConfig.")
+    if mode is not None:
+        try:
+            requested = ElCheMode(mode)
+        except ValueError:
+            allowed = ", ".join(m.value for m in ElCheMode)
+            raise ValueError(f"ElCheStrategy(mode={mode!r}) is invalid: expected one of {allowed}.") from None
+        if requested is not elche.mode:
+            raise ValueError(
+                f"ElCheStrategy(mode={requested.value!r}) conflicts with elche.mode={elche.mode.value!r}: "
+                "give the mode once (either argument), or the same value in both."
+            )
+    return elche
+
+
+def _refuse_unbuilt(config: ElCheConfig) -> None:
+    """Knobs that are validated but whose behaviour is not in this version raise, never no-op."""
+    if config.mode.uses_cpu_plane:
+        raise NotImplementedError(
+            f"ElCheConfig.mode={config.mode.value!r}: the CPU averaging plane is not built in this version; "
+            "use mode 'nccl_sync' or 'nccl_cadence' (they run on gloo on CPU and NCCL on GPUs)."
+        )
+    for knob, value, unset in (
+        ("convergence_guard", config.convergence_guard, None),
+        ("divergence_threshold", config.divergence_threshold, None),
+        ("no_divergence_guard", config.no_divergence_guard, False),
+    ):
+        if value != unset:
+            raise NotImplementedError(
+                f"ElCheConfig.{knob}={value!r}: the convergence guard is not built in this version; "
+                f"leave {knob} unset."
+            )
+
+
+class ElCheStrategy(DDPStrategy):
+    """Heterogeneity-aware local SGD with a self-tuning averaging window (flodl's ElChe).
+
+    Args:
+        mode: one of ``nccl_sync``, ``nccl_cadence`` (default), ``cpu_sync``, ``cpu_cadence``,
+            ``cpu_async``; selects that mode's preset when ``elche`` is not given.
+        elche: the full :class:`~lightning_elche.ElCheConfig`; ``mode`` must then be omitted or equal.
+        chunk_batches: longest run of batches a rank claims at once from the shared data pool
+            (cadence/async modes). Chunks shrink to single batches near the end of an epoch.
+        log_every_n_syncs: log the ``elche/*`` metrics every this many syncs (rank 0).
+        summary: print a per-rank summary table at the end of ``fit``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "elche"
+
+    def __init__(
+        self,
+        mode: Optional[Union[ElCheMode, str]] = None,
+        elche: Optional[ElCheConfig] = None,
+        chunk_batches: int = 4,
+        log_every_n_syncs: int = 1,
+        summary: bool = True,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.elche = resolve_config(mode, elche)
+        _refuse_unbuilt(self.elche)
+        for name, value in (("chunk_batches", chunk_batches), ("log_every_n_syncs", log_every_n_syncs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ElCheStrategy({name}={value!r}) is invalid: expected an integer >= 1.")
+        self.chunk_batches = chunk_batches
+        self.log_every_n_syncs = log_every_n_syncs
+        self.summary = summary
+        # Everything below is built per fit, inside the rank processes (never pickled).
+        self._engine: Optional[ElCheEngine] = None
+        self._sampler: Optional[ElCheSampler] = None
+        self._dispatch_prefix = ""
+        self._step_budget: Optional[int] = None
+        self._pending_samples = 0
+        self._stop_request = _STOP_NONE
+        self._should_stop_seen = False
+        self._uneven_phase = False
+        self._warned_rank_local_reduce = False
+
+    @property
+    def engine(self) -> Optional[ElCheEngine]:
+        """The round protocol of this rank (built in ``setup`` when fitting)."""
+        return self._engine
+
+    # -- set-up, in the order Lightning calls it --------------------------------------------
+
+    def setup(self, trainer: Trainer) -> None:
+        fitting = trainer.state.fn == "fit"
+        if fitting:
+            self.elche.validate_world_size(self.world_size)
+            self._take_over_max_steps(trainer)
+        super().setup(trainer)
+        if not fitting:
+            return
+        check_trainer(trainer)
+        if self.elche.bf16_wire:
+            rank_zero_warn(
+                f"ElCheConfig.bf16_wire=True is ignored by mode {self.elche.mode.value!r}: its reduce "
+                "never leaves the devices. bf16_wire applies to the cpu_* modes."
+            )
+        assert self.lightning_module is not None
+        params, buffers = averaged_state(self.lightning_module)
+        plane = CollectivePlane(params, buffers, self.global_rank, self.world_size, self._metadata_device())
+        signature = float(params.numel + 1_000_003 * buffers.numel) % 2**52
+        self._engine = ElCheEngine(
+            config=self.elche,
+            plane=plane,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            device=self.root_device,
+            params=params.tensors,
+            signature=signature,
+            epoch_batches=0,
+            step_budget=self._step_budget,
+        )
+        self._dispatch_prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
+
+    def _take_over_max_steps(self, trainer: Trainer) -> None:
+        # Lightning would stop each rank at its own global_step; ElChe counts the cohort's steps
+        # instead and stops every rank together at the first sync past the budget.
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if epoch_loop.max_steps not in (None, -1):
+            self._step_budget = int(epoch_loop.max_steps)
+            epoch_loop.max_steps = -1
+
+    def _metadata_device(self) -> torch.device:
+        backend = dist.get_backend() if _distributed_is_initialized() else "gloo"
+        return self.root_device if "nccl" in str(backend) else torch.device("cpu")
+
+    def configure_ddp(self) -> None:
+        # No DistributedDataParallel: replicas train independently between syncs. Start them
+        # from identical weights, as DDP's constructor would.
+        assert self.model is not None
+        _sync_module_states(self.model)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or self._engine is None:
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise TypeError(
+                f"ElCheStrategy dispatches training data itself and needs a torch DataLoader; got "
+                f"{type(dataloader).__name__}."
+            )
+        self._sampler = self._build_sampler(dataloader)
+        self._engine.controller.max_total_batches = max(self._sampler.num_batches, self.world_size)
+        return _update_dataloader(dataloader, self._sampler, mode=RunningStage.TRAINING)
+
+    def _build_sampler(self, dataloader: DataLoader) -> ElCheSampler:
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise TypeError(
+                "ElCheStrategy cannot dispatch an IterableDataset: it hands out sample indices by "
+                "throughput. Use a map-style Dataset."
+            )
+        if dataloader.batch_sampler is not None and type(dataloader.batch_sampler).__name__ != "BatchSampler":
+            raise TypeError(
+                f"ElCheStrategy cannot honour a custom batch_sampler ({type(dataloader.batch_sampler).__name__}): "
+                "it assigns batches to ranks by speed. Use batch_size with the default batching."
+            )
+        sampler = dataloader.sampler
+        if isinstance(sampler, DistributedSampler) and type(sampler) is DistributedSampler:
+            shuffle, seed = sampler.shuffle, sampler.seed
+        elif isinstance(sampler, (RandomSampler, SequentialSampler)):
+            shuffle, seed = isinstance(sampler, RandomSampler), 0
+        else:
+            raise TypeError(
+                f"ElCheStrategy cannot honour a custom sampler ({type(sampler).__name__}): it assigns "
+                "samples to ranks by speed. Use shuffle=True/False in the DataLoader."
+            )
+        assert dataloader.batch_size is not None
+        mode = self.elche.mode
+        dispatch = "fixed" if self.elche.partition_ratios else ("pool" if mode.progressive_dispatch else "equal")
+        store = dist.distributed_c10d._get_default_store() if dispatch == "pool" else None
+        return ElCheSampler(
+            len(dataloader.dataset),  # type: ignore[arg-type]
+            dataloader.batch_size,
+            self.global_rank,
+            self.world_size,
+            shuffle=shuffle,
+            seed=seed,
+            dispatch=dispatch,
+            counter=store,
+            key_prefix=self._dispatch_prefix,
+            partition_ratios=self.elche.partition_ratios,
+            max_chunk_batches=self.chunk_batches,
+            drop_last=dataloader.drop_last,
+        )
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if self._sampler is None:
+            raise RuntimeError(
+                "ElCheStrategy found no training DataLoader to dispatch: return a torch DataLoader "
+                "from train_dataloader()."
+            )
+        if len(trainer.fit_loop._combined_loader.flattened) != 1:
+            raise TypeError("ElCheStrategy supports exactly one training DataLoader.")
+        self._silence_per_step_sigterm_broadcast(trainer)
+        self._install_sigterm_handler(trainer)
+
+    def _silence_per_step_sigterm_broadcast(self, trainer: Trainer) -> None:
+        # Lightning broadcasts a SIGTERM flag before every training batch, which deadlocks as
+        # soon as ranks take different numbers of steps. ElChe carries stop requests in its own
+        # round metadata instead.
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            raise RuntimeError(
+                "This Lightning version has no TrainingEpochLoop._broadcast_sigterm_tensor; "
+                "lightning-elche supports lightning>=2.6,<2.7."
+            )
+        epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+    def _install_sigterm_handler(self, trainer: Trainer) -> None:
+        # Lightning's own handler broadcasts on the default group and raises on this rank alone.
+        # Ours only records the request; every rank stops after the next round.
+        launcher = self.launcher
+
+        def request_stop(signum: int, frame: Optional[FrameType]) -> None:
+            if self._stop_request != _STOP_SIGTERM and launcher is not None:
+                launcher.kill(signum)
+            self._stop_request = _STOP_SIGTERM
+
+        try:
+            signal.signal(signal.SIGTERM, request_stop)
+        except ValueError:  # not the main thread: Lightning's handler stays, SIGTERM is not graceful
+            rank_zero_warn("ElCheStrategy could not install its SIGTERM handler outside the main thread.")
+
+    # -- per batch -----------------------------------------------------------------------------
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        assert self._engine is not None
+        if batch_idx == 0:
+            self._engine.start_epoch()
+        self._uneven_phase = True
+        try:
+            self._pending_samples += extract_batch_size(batch)
+        except Exception:  # an exotic batch: count the loader's nominal batch size
+            self._pending_samples += self._sampler.batch_size if self._sampler else 0
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        engine = self._engine
+        if engine is None:  # not fitting
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = self.lightning_module.trainer
+        self._defer_rank_local_stop(trainer)
+        output = Strategy.optimizer_step(self, optimizer, closure, model, **kwargs)
+        raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        engine.record_step(self._pending_samples, output, float(raw.param_groups[0]["lr"]))
+        self._pending_samples = 0
+        out_of_data = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        if out_of_data or engine.window_due():
+            self._sync(trainer, out_of_data)
+        return output
+
+    def _defer_rank_local_stop(self, trainer: Trainer) -> None:
+        # A stop raised on one rank mid-window would make it leave the epoch alone; hold it back
+        # and let the next round stop every rank together.
+        if trainer.should_stop and not self._should_stop_seen:
+            trainer.should_stop = False
+            self._stop_request = max(self._stop_request, _STOP_GRACEFUL)
+
+    def _sync(self, trainer: Trainer, out_of_data: bool) -> None:
+        """Join rounds until this rank may continue: one round, or until the epoch drains."""
+        assert self._engine is not None
+        while True:
+            outcome = self._engine.run_round(trainer.current_epoch, out_of_data, self._stop_request)
+            self._stop_request = _STOP_NONE
+            leaving = self._after_round(trainer, outcome)
+            # A rank out of data keeps joining rounds (with zero mass) until every rank is, so
+            # that all ranks leave the epoch after the same round.
+            if not out_of_data or leaving:
+                break
+
+    def _after_round(self, trainer: Trainer, outcome: RoundOutcome) -> bool:
+        """Log, and turn the round's stop requests into the same decision on every rank.
+
+        Returns whether every rank leaves the epoch after the current batch.
+        """
+        assert self._engine is not None
+        if self.is_global_zero and (outcome.index % self.log_every_n_syncs == 0 or outcome.epoch_over):
+            metrics = self._engine.metrics(outcome)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=outcome.cohort_step)
+        if outcome.stop_level >= _STOP_SIGTERM:
+            self._uneven_phase = False
+            raise SIGTERMException()
+        leaving = outcome.epoch_over
+        if outcome.budget_reached or outcome.stop_level == _STOP_GRACEFUL:
+            # min_epochs is identical on every rank and only changes at epoch ends, which all
+            # ranks cross together: until it allows stopping, keep the request for later rounds.
+            if trainer.fit_loop._can_stop_early:
+                trainer.should_stop = True
+                leaving = True
+            else:
+                self._stop_request = _STOP_GRACEFUL
+        if leaving:
+            self._uneven_phase = False
+        self._should_stop_seen = trainer.should_stop
+        return leaving
+
+    # -- collectives outside ElChe's rounds ---------------------------------------------------
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if self._uneven_phase:
+            if not self._warned_rank_local_reduce:
+                self._warned_rank_local_reduce = True
+                rank_zero_warn(
+                    "ElCheStrategy: a per-step `self.log(..., sync_dist=True)` (or another reduce during "
+                    "training steps) is rank-local under ElChe, since ranks take different numbers of steps. "
+                    "Epoch-level values (on_epoch=True) are still reduced across ranks at the epoch end."
+                )
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def _refuse_mid_window(self, what: str) -> None:
+        if self._uneven_phase:
+            raise RuntimeError(
+                f"ElCheStrategy: {what} during training steps cannot work: ranks take different numbers "
+                "of steps, so a peer may never reach the matching call. Do it at epoch end or in validation."
+            )
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_mid_window("barrier()")
+        super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._refuse_mid_window("broadcast()")
+        return super().broadcast(obj, src)
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        self._refuse_mid_window("all_gather()")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    # -- end of fit ----------------------------------------------------------------------------
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._uneven_phase = False
+        if self.summary and self.is_global_zero and self._engine is not None and self._engine.state.rounds:
+            rank_zero_info(format_summary(self._engine))
+
+    def teardown(self) -> None:
+        # The engine stays readable after fit (its totals and controller state are the run's
+        # record); only its transport is released.
+        if self._engine is not None:
+            self._engine.plane.close()
+        self._sampler = None
+        self._uneven_phase = False
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        entries: list[tuple[str, Optional[ElCheMode]]] = [("elche", None)]
+        entries += [(f"elche_{mode.value}", mode) for mode in ElCheMode]
+        for name, mode in entries:
+            if name in strategy_registry:
+                continue
+            label = mode.value if mode else "nccl_cadence (default)"
+            strategy_registry.register(
+                name, cls, description=f"ElChe heterogeneity-aware local SGD, mode {label}", mode=mode
+            )

@@ -1,0 +1,26 @@
+"""The console table printed at the end of ``fit``."""
+
+from __future__ import annotations
+
+from lightning_elche.engine import ElCheEngine
+
+
+def format_summary(engine: ElCheEngine) -> str:
+    """Per-rank work, throughput and idle share over the whole fit, plus the controller's state."""
+    state = engine.state
+    total_steps = sum(t.steps for t in state.totals) or 1
+    lines = [
+        f"ElChe summary: mode {engine.config.mode.value}, {state.rounds} syncs, "
+        f"{state.cohort_step} cohort steps, final anchor {engine.controller.anchor}, "
+        f"window plan {engine.controller.batch_counts}",
+        f"{'rank':>4} {'steps':>8} {'share':>7} {'samples':>9} {'samples/s':>10} {'idle':>6}",
+    ]
+    for rank, totals in enumerate(state.totals):
+        busy = totals.compute_s + totals.sync_s
+        rate = totals.samples / totals.compute_s if totals.compute_s > 0 else 0.0
+        idle = totals.sync_s / busy if busy > 0 else 0.0
+        lines.append(
+            f"{rank:>4} {totals.steps:>8} {totals.steps / total_steps:>7.1%} {totals.samples:>9} "
+            f"{rate:>10.1f} {idle:>6.1%}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""Rehearse a heterogeneous rig on identical hardware: make one rank slower on purpose.
+
+Used by the tests, the demo and the benchmark; useful to users who want to see how ElChe behaves
+on a mixed rig before they have one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+SM_GRANULARITY = 8
+
+
+def green_context_sms(total_sms: int, slowdown: float) -> int:
+    """SMs to leave a rank so that compute-bound work runs about ``slowdown`` times slower.
+
+    Rounded down to the partition granularity of recent GPUs (8 SMs), never below it.
+    """
+    wanted = total_sms / slowdown
+    return max(SM_GRANULARITY, int(wanted // SM_GRANULARITY) * SM_GRANULARITY)
+
+
+class Throttle(Callback):
+    """Make rank ``rank`` about ``slowdown`` times slower than it would be.
+
+    * ``sleep`` (the CPU default): after each backward pass the rank sleeps ``slowdown - 1`` times
+      the host time its forward and backward took. The sleep frees the core, as a slower device
+      would, and the optimizer step and any sync stay outside the measured span.
+    * ``sm_limit`` (the CUDA default): the rank computes on the stream of a CUDA green context
+      that holds only ``total_sms / slowdown`` SMs, so the slowdown is real device time. Work that
+      is not compute-bound (a small model fed from the CPU) may not slow down: check with a solo
+      run, as the benchmark does.
+
+    Args:
+        rank: the global rank to slow down.
+        slowdown: factor >= 1 (1 = no throttle).
+        method: ``"auto"`` (``sm_limit`` on CUDA, else ``sleep``), ``"sleep"`` or ``"sm_limit"``.
+    """
+
+    def __init__(self, rank: int, slowdown: float, method: Literal["auto", "sleep", "sm_limit"] = "auto") -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"Throttle(rank={rank!r}) is invalid: expected an integer >= 0.")
+        numeric = isinstance(slowdown, (int, float)) and not isinstance(slowdown, bool)
+        if not numeric or not math.isfinite(slowdown) or slowdown < 1:
+            raise ValueError(f"Throttle(slowdown={slowdown!r}) is invalid: expected a finite number >= 1.")
+        if method not in ("auto", "sleep", "sm_limit"):
+            raise ValueError(f"Throttle(method={method!r}) is invalid: expected 'auto', 'sleep' or 'sm_limit'.")
+        self.rank = rank
+        self.slowdown = float(slowdown)
+        self.method = method
+        self.active_method: Optional[str] = None
+        self.sleep_s = 0.0
+        self.sms: Optional[int] = None
+        self._t0 = 0.0
+        self._green: Any = None
+        self._previous_stream: Optional[torch.cuda.Stream] = None
+
+    def _resolve(self, device: torch.device) -> Optional[str]:
+        if self.slowdown == 1.0:
+            return None
+        if self.method == "auto":
+            return "sm_limit" if device.type == "cuda" else "sleep"
+        if self.method == "sm_limit" and device.type != "cuda":
+            raise ValueError("Throttle(method='sm_limit') needs a CUDA device.")
+        return self.method
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        self.active_method = self._resolve(trainer.strategy.root_device)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.active_method == "sm_limit":
+            self._enter_green_context(trainer.strategy.root_device)
+
+    def _enter_green_context(self, device: torch.device) -> None:
+        from torch.cuda.green_contexts import GreenContext
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).multi_processor_count
+        self.sms = green_context_sms(total, self.slowdown)
+        try:
+            self._green = GreenContext.create(num_sms=self.sms, device_id=index)
+        except TypeError:  # older signature: create(num_sms, device_id)
+            self._green = GreenContext.create(self.sms, index)
+        stream = self._green.Stream()
+        self._previous_stream = torch.cuda.current_stream(device)
+        stream.wait_stream(self._previous_stream)
+        torch.cuda.set_stream(stream)
+
+    def _leave_green_context(self) -> None:
+        if self._previous_stream is None:
+            return
+        current = torch.cuda.current_stream()
+        self._previous_stream.wait_stream(current)
+        torch.cuda.set_stream(self._previous_stream)
+        self._previous_stream = None
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.active_method == "sleep":
+            self._t0 = time.perf_counter()
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.active_method == "sleep":
+            pause = (self.slowdown - 1.0) * (time.perf_counter() - self._t0)
+            self.sleep_s += pause
+            time.sleep(pause)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._leave_green_context()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._leave_green_context()

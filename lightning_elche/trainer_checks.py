@@ -1,0 +1,88 @@
+"""Trainer settings that cannot work when ranks take different numbers of steps.
+
+Each of these evaluates a rank-local step counter or clock, or issues a collective per step, so
+with ElChe one rank would leave a loop (or enter a collective) that its peers never reach. They
+are refused in ``setup`` with the setting, its value and what to use instead, before any
+training step runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+
+def _refuse(setting: str, value: Any, why: str, instead: str) -> MisconfigurationException:
+    return MisconfigurationException(f"ElCheStrategy cannot run with {setting}={value!r}: {why}. {instead}")
+
+
+def check_trainer(trainer: pl.Trainer) -> None:
+    """Raise ``MisconfigurationException`` for the first unsupported setting found."""
+    uneven = "ranks take different numbers of steps under ElChe"
+    if trainer.fit_loop.epoch_loop.min_steps not in (None, -1, 0):
+        raise _refuse(
+            "Trainer(min_steps)", trainer.fit_loop.epoch_loop.min_steps,
+            f"it is checked against each rank's own step count, and {uneven}",
+            "Use min_epochs instead.",
+        )
+    for callback in trainer.callbacks:
+        if isinstance(callback, Timer) and getattr(callback, "_interval", None) == "step" and callback._duration:
+            raise _refuse(
+                "Trainer(max_time) / Timer(interval='step')", callback._duration,
+                "the timer broadcasts after every training step, and " + uneven,
+                "Use max_epochs, or Timer(duration, interval='epoch').",
+            )
+        if isinstance(callback, ModelCheckpoint):
+            if callback._every_n_train_steps:
+                raise _refuse(
+                    "ModelCheckpoint(every_n_train_steps)", callback._every_n_train_steps,
+                    "it saves (a collective) when each rank's own global_step hits a multiple, and " + uneven,
+                    "Use every_n_epochs (checkpoints at epoch ends hold the consensus weights).",
+                )
+            if callback._train_time_interval is not None:
+                raise _refuse(
+                    "ModelCheckpoint(train_time_interval)", callback._train_time_interval,
+                    "it broadcasts after every training step, and " + uneven,
+                    "Use every_n_epochs.",
+                )
+    interval = trainer.val_check_interval
+    if isinstance(interval, int) or (isinstance(interval, float) and interval != 1.0):
+        raise _refuse(
+            "Trainer(val_check_interval)", interval,
+            "validation inside an epoch would start on each rank after its own batch count, and " + uneven,
+            "Leave val_check_interval=1.0 and use check_val_every_n_epoch.",
+        )
+    if trainer.limit_train_batches not in (1.0, None):
+        raise _refuse(
+            "Trainer(limit_train_batches)", trainer.limit_train_batches,
+            "ElChe hands each rank as many batches as its speed earns, so a per-rank limit "
+            "would drop samples unevenly",
+            "Pass a torch.utils.data.Subset of the training set instead.",
+        )
+    if trainer.overfit_batches:
+        raise _refuse(
+            "Trainer(overfit_batches)", trainer.overfit_batches,
+            "it fixes a per-rank batch count", "Pass a small Subset of the training set instead.",
+        )
+    strategy = trainer.strategy
+    if getattr(strategy, "_layer_sync", None) is not None:
+        raise _refuse(
+            "Trainer(sync_batchnorm)", True,
+            "SyncBatchNorm all-reduces statistics in every forward pass, and " + uneven,
+            "Leave it off: BatchNorm running statistics are averaged at every ElChe sync.",
+        )
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        raise _refuse(
+            "LightningModule.automatic_optimization", False,
+            "ElChe counts work and syncs at optimizer steps that Lightning drives",
+            "Use automatic optimization (one optimizer).",
+        )
+    if len(trainer.optimizers) != 1:
+        raise _refuse(
+            "configure_optimizers()", f"{len(trainer.optimizers)} optimizers",
+            "automatic optimization steps exactly one optimizer", "Return one optimizer.",
+        )

@@ -1,0 +1,129 @@
+"""Module-level models and data for the 2-process tests (spawned ranks must unpickle them)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class IndexedRegression(Dataset):
+    """``(index, x, y)`` samples of a fixed random linear map plus noise, identical on every rank."""
+
+    def __init__(self, n: int = 512, dim: int = 8, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        w = torch.randn(dim, 1, generator=g)
+        self.y = self.x @ w + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
+
+
+class RecordingModel(LightningModule):
+    """A small MLP that records which sample indices each rank trained, per epoch.
+
+    Validation logs ``val_loss`` with ``sync_dist=True`` (epoch level) so that tests exercise the
+    epoch-end collectives that must stay aligned across ranks.
+    """
+
+    def __init__(
+        self,
+        out_dir: str,
+        dim: int = 8,
+        hidden: int = 16,
+        lr: float = 0.05,
+        n: int = 512,
+        batch_size: int = 16,
+        momentum: float = 0.0,
+        batchnorm: bool = False,
+        val: bool = True,
+        log_step_sync: bool = False,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(dim, hidden)]
+        if batchnorm:
+            layers.append(nn.BatchNorm1d(hidden))
+        layers += [nn.Tanh(), nn.Linear(hidden, 1)]
+        self.net = nn.Sequential(*layers)
+        self.out_dir = out_dir
+        self.lr = lr
+        self.n = n
+        self.batch_size = batch_size
+        self.momentum = momentum
+        self.val = val
+        self.log_step_sync = log_step_sync
+        self.seen: dict[int, list[int]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, x, y = batch
+        self.seen.setdefault(self.current_epoch, []).extend(idx.tolist())
+        loss = nn.functional.mse_loss(self(x), y)
+        if self.log_step_sync:
+            self.log("train_loss_step", loss, on_step=True, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        _, x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), on_epoch=True, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedRegression(self.n), batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> Optional[DataLoader]:
+        if not self.val:
+            return None
+        return DataLoader(IndexedRegression(128, seed=1), batch_size=32)
+
+    def on_fit_end(self) -> None:
+        strategy = self.trainer.strategy
+        engine = getattr(strategy, "engine", None)
+        record: dict[str, Any] = {
+            "rank": self.global_rank,
+            "seen": {str(k): v for k, v in self.seen.items()},
+            "params": [p.detach().cpu().flatten().tolist() for p in self.parameters()],
+            "global_step": self.trainer.global_step,
+            "current_epoch": self.trainer.current_epoch,
+            "callback_metrics": {k: float(v) for k, v in self.trainer.callback_metrics.items()},
+        }
+        if engine is not None:
+            record["rounds"] = engine.state.rounds
+            record["cohort_step"] = engine.state.cohort_step
+            record["steps"] = [t.steps for t in engine.state.totals]
+            record["batch_counts"] = list(engine.controller.batch_counts)
+        Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+def load_records(out_dir: Path, world_size: int = 2) -> list[dict[str, Any]]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+class StopAtStep(Callback):
+    """Requests a stop on one rank mid-window, the way a user callback or SIGTERM would."""
+
+    def __init__(self, rank: int, step: int, sigterm: bool = False) -> None:
+        self.rank = rank
+        self.step = step
+        self.sigterm = sigterm
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            if self.sigterm:
+                os.kill(os.getpid(), 15)
+            else:
+                trainer.should_stop = True

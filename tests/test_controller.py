@@ -1,0 +1,1022 @@
+"""Unit tests of the ElChe cadence controller (elche-spec.md §3, acceptance lists of §16)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from lightning_elche import controller as ctl
+from lightning_elche.config import ElCheConfig
+from lightning_elche.controller import ElCheController, Phase, WindowReport
+from lightning_elche.guard import NudgeDown, Stable, SuppressGrowth
+
+
+def feed(
+    c: ElCheController,
+    wall_ms: Sequence[float],
+    sync_ms: float,
+    batches: Sequence[int] | None = None,
+    fill_ms: Sequence[float] | None = None,
+) -> None:
+    """One report; ``batches`` defaults to the planned counts, as a real window would run."""
+    c.report_timing(wall_ms, list(c.batch_counts) if batches is None else batches, sync_ms, fill_ms)
+
+
+def reach_stable(c: ElCheController, wall_ms: Sequence[float], batches: Sequence[int]) -> None:
+    """Five quiet reports (sync 5 ms): the controller ends in Stable with no proposal."""
+    for _ in range(5):
+        c.report_timing(wall_ms, batches, 5.0)
+    assert c.phase == Phase.STABLE
+    assert c.proposed_anchor is None
+
+
+# -- construction ---------------------------------------------------------------------------
+
+
+def test_cadence_initial_equal() -> None:
+    c = ElCheController(2, 10)
+    assert c.batch_counts == [10, 10]
+    assert sum(c.batch_counts) == 20
+    assert c.anchor == 10
+    assert not c.calibrated
+    assert c.anchor_rank is None
+
+
+def test_cadence_initial_three_devices() -> None:
+    c = ElCheController(3, 15)
+    assert c.batch_counts == [15, 15, 15]
+    assert sum(c.batch_counts) == 45
+
+
+def test_cadence_requires_two_devices() -> None:
+    with pytest.raises(ValueError, match="world_size=1"):
+        ElCheController(1, 10)
+
+
+def test_cadence_requires_positive_anchor() -> None:
+    with pytest.raises(ValueError, match="anchor=0"):
+        ElCheController(2, 0)
+
+
+def test_cadence_builders_clamp_overhead_target() -> None:
+    assert ElCheController(2, 10, overhead_target=0.20, max_anchor=100).overhead_target == 0.20
+    assert ElCheController(2, 5, overhead_target=0.001).overhead_target == 0.01
+    assert ElCheController(2, 5, overhead_target=0.9).overhead_target == 0.50
+    assert ElCheController(2, 5).overhead_target == 0.05
+    with pytest.raises(ValueError, match="overhead_target"):
+        ElCheController(2, 5, overhead_target=math.nan)
+
+
+def test_cadence_max_batch_diff_accessor() -> None:
+    assert ElCheController(2, 10, max_batch_diff=5).max_batch_diff == 5
+    assert ElCheController(2, 10).max_batch_diff is None
+    with pytest.raises(ValueError, match="max_batch_diff=-1"):
+        ElCheController(2, 10, max_batch_diff=-1)
+
+
+def test_min_and_max_anchor_resolution() -> None:
+    capped = ElCheController(2, 20, max_anchor=15)
+    assert (capped.anchor, capped.min_anchor, capped.max_anchor) == (15, 15, 15)
+    lifted = ElCheController(2, 5, min_anchor=8)
+    assert (lifted.anchor, lifted.min_anchor, lifted.batch_counts) == (8, 8, [8, 8])
+    floor_above_ceiling = ElCheController(2, 10, min_anchor=50, max_anchor=30)
+    assert (floor_above_ceiling.anchor, floor_above_ceiling.min_anchor) == (30, 30)
+    assert ElCheController(2, 10).max_anchor == 1000
+
+
+def test_rank_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="initial_anchor_rank=2"):
+        ElCheController(2, 10, initial_anchor_rank=2)
+    c = ElCheController(2, 10)
+    with pytest.raises(ValueError, match="slow_rank=5"):
+        c.set_speed_ratio(5, 2.0)
+    with pytest.raises(ValueError, match="rank=-1"):
+        c.smoothed_ms(-1)
+    with pytest.raises(ValueError, match="max_total_batches=-1"):
+        c.max_total_batches = -1
+
+
+def test_constants_match_the_spec() -> None:
+    assert (ctl.COHORT_BAND, ctl.DOMINANCE_MARGIN, ctl.TRUST_WINDOW_CAP) == (0.15, 0.10, 5)
+    assert (ctl.MAX_SPEED_RATIO, ctl.BATCH_COUNTS_WINDOW_CAP, ctl.GROWTH_REARM_STABLE) == (64, 10, 5)
+    assert (ctl.GROWTH_STEP_CAP, ctl.WARMUP_GROWTH_MARGIN, ctl.DEAD_ZONE) == (2.0, 2.0, 0.05)
+    assert [int(p) for p in Phase] == [0, 1, 2, 3]
+
+
+# -- speed discovery and counts -------------------------------------------------------------
+
+
+def test_cadence_ratio_discovery_2x() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    feed(c, [500.0, 1000.0], 10.0)
+    assert c.calibrated
+    assert c.batch_counts == [20, 10]
+    assert c.anchor_rank == 1
+
+
+def test_cadence_ratio_discovery_fbrl_like() -> None:
+    # 73 vs 164 ms/batch: 10 * 164/73 = 22.47 rounds to 22.
+    c = ElCheController(2, 10, overhead_target=0.50)
+    feed(c, [730.0, 1640.0], 50.0)
+    assert c.batch_counts == [22, 10]
+
+
+def test_counts_round_half_away_from_zero() -> None:
+    # 10 * 45/20 = 22.5 must give 23 (Python's round() would give 22).
+    c = ElCheController(2, 10, overhead_target=0.50)
+    feed(c, [200.0, 450.0], 1.0)
+    assert c.batch_counts == [23, 10]
+
+
+def test_cadence_three_devices_mixed_speed() -> None:
+    c = ElCheController(3, 10, overhead_target=0.50)
+    feed(c, [333.0, 500.0, 1000.0], 10.0)
+    assert c.batch_counts == [30, 20, 10]
+
+
+def test_cadence_successive_reports_refine() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    feed(c, [500.0, 1000.0], 10.0)
+    assert c.batch_counts == [20, 10]
+    feed(c, [1000.0, 1000.0], 10.0)  # 20 batches at 50 ms, 10 at 100 ms
+    assert c.batch_counts == [20, 10]
+
+
+def test_speed_ratio_clamped_against_degenerate_sample() -> None:
+    c = ElCheController(2, 10)
+    for _ in range(6):
+        c.report_timing([0.1, 1000.0], [10, 10], 1.0)  # 0.01 vs 100 ms: ratio 10000
+    assert c.batch_counts == [10 * 64, 10]
+
+
+def test_trust_window_keeps_last_five_readings() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    for wall in (100.0, 200.0, 300.0, 400.0, 500.0, 600.0):
+        c.report_timing([wall, 1000.0], [10, 10], 1.0)
+    assert c.smoothed_ms(0) == pytest.approx((20 + 30 + 40 + 50 + 60) / 5)
+    assert c.smoothed_ms(1) == 100.0
+
+
+def test_five_missing_readings_clear_a_rank() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    c.report_timing([500.0, 1000.0], [10, 10], 1.0)
+    for _ in range(4):
+        c.report_timing([math.nan, 1000.0], [10, 10], 1.0)
+    assert c.smoothed_ms(0) == 50.0
+    c.report_timing([0.0, 1000.0], [0, 10], 1.0)
+    assert c.smoothed_ms(0) == 0.0
+    assert c.smoothed_ms_or_none(0) is None
+    assert c.smoothed_ms_or_none(1) == 100.0
+
+
+def test_batch_count_clamped_to_max_diff() -> None:
+    c = ElCheController(2, 10, max_batch_diff=3)
+    feed(c, [100.0, 20.0], 0.0)  # 10 vs 2 ms/batch; the first report is not clamped
+    assert c.batch_counts == [10, 50]
+    # Rank 1 slows to 9 ms: its mean becomes 5.5 and its target 18, but it may drop by 3 only.
+    feed(c, [100.0, 450.0], 0.0)
+    assert c.batch_counts == [10, 47]
+    feed(c, [100.0, 47 * 9.0], 0.0)
+    assert c.batch_counts == [10, 44]
+
+
+def test_dead_zone_holds_small_changes() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    c.report_timing([500.0, 1000.0], [10, 10], 1.0)
+    assert c.batch_counts == [20, 10]
+    c.report_timing([520.0, 1000.0], [10, 10], 1.0)  # mean 51 ms: target 20, unchanged
+    assert c.batch_counts == [20, 10]
+    c.report_timing([560.0, 1000.0], [10, 10], 1.0)  # mean 52.67 ms: target 19, exactly 5 %
+    assert c.batch_counts == [20, 10]
+    c.report_timing([700.0, 1000.0], [10, 10], 1.0)  # mean 57 ms: target 18, 10 %
+    assert c.batch_counts == [18, 10]
+
+
+# -- speed ratio hint -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("world_size", "slow_rank", "ratio", "expected"),
+    [
+        (2, 1, 2.0, [20, 10]),
+        (2, 1, 2.3, [23, 10]),
+        (2, 0, 3.0, [10, 30]),
+        (2, 1, 1.0, [10, 10]),
+        (2, 1, 0.5, [10, 10]),
+        (3, 2, 3.0, [30, 30, 10]),
+        (3, 1, 2.0, [20, 10, 20]),
+    ],
+)
+def test_cadence_speed_ratio(
+    world_size: int, slow_rank: int, ratio: float, expected: list[int]
+) -> None:
+    c = ElCheController(world_size, 10)
+    c.set_speed_ratio(slow_rank, ratio)
+    assert c.batch_counts == expected
+    assert c.anchor_rank == slow_rank
+
+
+def test_cadence_speed_ratio_self_corrects() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    c.set_speed_ratio(0, 2.0)  # wrong: rank 0 is actually the fast one
+    assert c.batch_counts == [10, 20]
+    for _ in range(5):
+        c.report_timing([500.0, 2000.0], [10, 20], 10.0)  # 50 vs 100 ms/batch
+    assert c.anchor_rank == 0, "the pin holds through Warmup"
+    assert c.batch_counts == [10, 5]
+    c.report_timing([500.0, 2000.0], [10, 20], 10.0)
+    assert c.anchor_rank == 1
+    assert c.batch_counts == [20, 10]
+
+
+def test_cadence_max_anchor_one() -> None:
+    c = ElCheController(2, 1, max_anchor=1)
+    c.set_speed_ratio(1, 2.0)
+    assert c.batch_counts == [2, 1]
+    for _ in range(8):
+        c.report_timing([100.0, 200.0], [2, 1], 500.0)  # 50 vs 200 ms/batch
+        c.apply_verdict(Stable())
+    assert c.anchor == 1
+    assert c.batch_counts == [4, 1]
+
+
+# -- anchor-rank election -------------------------------------------------------------------
+
+
+def test_anchor_election_lowest_rank_tiebreak() -> None:
+    c = ElCheController(3, 10, overhead_target=0.50)
+    feed(c, [100.0, 100.0, 100.0], 10.0)
+    assert c.anchor_rank == 0
+
+
+def test_anchor_stable_under_tied_slow_ranks() -> None:
+    c = ElCheController(3, 10, overhead_target=0.50)
+    feed(c, [100.0, 380.0, 395.0], 10.0)
+    assert c.anchor_rank == 1  # both in the cohort, no current anchor: lowest index
+    swings = [(390.0, 380.0), (385.0, 388.0), (392.0, 386.0)] * 4  # reaches Stable and beyond
+    for a, b in swings:
+        feed(c, [100.0, a, b], 10.0)
+        assert c.anchor_rank == 1, "a <10 % difference inside the cohort must not move the anchor"
+    assert c.phase == Phase.STABLE
+
+
+def test_anchor_switches_when_clear_winner_emerges() -> None:
+    c = ElCheController(3, 10, overhead_target=0.50)
+    c.report_timing([100.0, 400.0, 200.0], [10, 10, 10], 10.0)
+    assert c.anchor_rank == 1
+    for _ in range(4):
+        c.report_timing([100.0, 200.0, 600.0], [10, 10, 10], 10.0)
+        assert c.anchor_rank == 1, "Warmup holds the anchor rank"
+    c.report_timing([100.0, 200.0, 600.0], [10, 10, 10], 10.0)
+    assert c.anchor_rank == 2
+    assert c.batch_counts == [60, 30, 10]  # rings now hold only the new speeds: 10, 20, 60 ms
+
+
+def test_dominance_margin_inside_the_cohort() -> None:
+    # Rank 1 anchors at 100 ms; rank 2 moves to 109 ms (kept) and then to 111 ms (taken).
+    c = ElCheController(3, 10, overhead_target=0.50)
+    c.report_timing([100.0, 1000.0, 900.0], [10, 10, 10], 1.0)
+    assert c.anchor_rank == 1
+    for _ in range(10):
+        c.report_timing([100.0, 1000.0, 1090.0], [10, 10, 10], 1.0)
+    assert c.phase == Phase.STABLE
+    assert c.anchor_rank == 1
+    for _ in range(5):
+        c.report_timing([100.0, 1000.0, 1110.0], [10, 10, 10], 1.0)
+    assert c.anchor_rank == 2
+
+
+def test_warmup_unsticks_when_pinned_anchor_never_reports() -> None:
+    c = ElCheController(2, 10, initial_anchor_rank=1)
+    for i in range(4):
+        c.report_timing([100.0, 0.0], [10, 0], 1.0)
+        assert not c.calibrated, f"report {i + 1}: the silent pin is still trusted"
+    for _ in range(6):
+        c.report_timing([100.0, 0.0], [10, 0], 1.0)
+    assert c.calibrated
+    assert c.anchor_rank == 0
+    assert c.calibration_count == 6
+    assert c.phase == Phase.STABLE
+    assert c.batch_counts == [10, 10]
+
+
+# -- phases ---------------------------------------------------------------------------------
+
+
+def test_phase_starts_at_probe() -> None:
+    c = ElCheController(3, 10)
+    assert c.phase == Phase.PROBE
+    assert c.anchor_rank is None
+
+
+def test_phase_advances_on_first_calibration() -> None:
+    c = ElCheController(3, 10, overhead_target=0.50)
+    feed(c, [100.0, 380.0, 395.0], 10.0)
+    assert c.phase == Phase.WARMUP
+    assert c.anchor_rank == 1
+    assert c.calibration_count == 1
+
+
+def test_phase_warmup_to_stable_at_5() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    for _ in range(4):
+        feed(c, [500.0, 1000.0], 10.0)
+    assert c.phase == Phase.WARMUP
+    feed(c, [500.0, 1000.0], 10.0)
+    assert c.phase == Phase.STABLE
+
+
+def test_phase_stable_to_mature_at_20() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    for _ in range(19):
+        feed(c, [500.0, 1000.0], 10.0)
+    assert c.phase == Phase.STABLE
+    feed(c, [500.0, 1000.0], 10.0)
+    assert c.phase == Phase.MATURE
+
+
+# -- window-pressure growth -----------------------------------------------------------------
+
+
+def test_cadence_anchor_auto_tune() -> None:
+    c = ElCheController(2, 10, overhead_target=0.10)
+    reach_stable(c, [1000.0, 1000.0], [10, 10])
+    c.report_timing([1000.0, 1000.0], [10, 10], 500.0)  # 500 / (10*100 + 500) = 0.33
+    assert c.last_overhead == pytest.approx(1 / 3)
+    assert c.proposed_anchor == 20  # scale 3.3 capped at 2
+    c.apply_verdict(Stable())
+    assert c.anchor == 20
+    assert c.batch_counts == [20, 20]
+
+
+def test_cadence_anchor_auto_tune_with_speed_ratio() -> None:
+    c = ElCheController(2, 10, overhead_target=0.10)
+    reach_stable(c, [500.0, 1000.0], [10, 10])
+    c.report_timing([500.0, 1000.0], [10, 10], 400.0)  # 400 / 1400 = 0.286
+    c.apply_verdict(Stable())
+    assert c.anchor == 20
+    assert c.batch_counts == [40, 20]
+
+
+def test_cadence_anchor_capped_at_max() -> None:
+    c = ElCheController(2, 10, overhead_target=0.01, max_anchor=15)
+    for _ in range(5):
+        feed(c, [100.0, 100.0], 0.5)
+    assert c.proposed_anchor is None
+    feed(c, [100.0, 100.0], 500.0)
+    c.apply_verdict(Stable())
+    assert c.anchor == 15
+    assert c.batch_counts == [15, 15]
+
+
+def test_cadence_stable_when_overhead_low() -> None:
+    c = ElCheController(2, 10, overhead_target=0.10)
+    feed(c, [1000.0, 1000.0], 5.0)
+    assert c.anchor == 10
+    assert c.proposed_anchor is None
+    assert c.last_overhead == pytest.approx(5 / 1005)
+
+
+def test_overhead_proposal_committed_on_stable_verdict() -> None:
+    c = ElCheController(2, 10, overhead_target=0.10)
+    reach_stable(c, [1000.0, 1000.0], [10, 10])
+    c.report_timing([1000.0, 1000.0], [10, 10], 500.0)
+    assert c.anchor == 10, "report_timing must not move the anchor"
+    assert c.proposed_anchor == 20
+    c.apply_verdict(Stable())
+    assert c.anchor == 20
+    assert c.proposed_anchor is None
+
+
+def test_overhead_grow_vetoed_on_suppress_growth() -> None:
+    c = ElCheController(2, 10, overhead_target=0.10)
+    reach_stable(c, [1000.0, 1000.0], [10, 10])
+    c.report_timing([1000.0, 1000.0], [10, 10], 500.0)
+    c.apply_verdict(SuppressGrowth())
+    assert c.anchor == 10
+    assert c.proposed_anchor is None
+    assert not c.growth_enabled
+
+
+def test_growth_latched_off_after_suppress_growth() -> None:
+    c = ElCheController(2, 10, overhead_target=0.10)
+    reach_stable(c, [1000.0, 1000.0], [10, 10])
+    c.report_timing([1000.0, 1000.0], [10, 10], 500.0)
+    c.apply_verdict(SuppressGrowth())
+    assert c.anchor == 10
+    assert not c.growth_enabled
+    for streak in range(1, 6):
+        c.report_timing([1000.0, 1000.0], [10, 10], 500.0)
+        assert c.proposed_anchor is None, "latched off: no proposal"
+        c.apply_verdict(Stable())
+        assert c.anchor == 10
+        assert c.consecutive_stable == streak
+        assert c.growth_enabled == (streak == 5)
+    c.report_timing([1000.0, 1000.0], [10, 10], 500.0)
+    c.apply_verdict(Stable())
+    assert c.anchor == 20
+
+
+def test_overhead_proposal_discarded_on_nudge_down() -> None:
+    c = ElCheController(2, 20, overhead_target=0.10)
+    reach_stable(c, [1000.0, 1000.0], [20, 20])
+    c.report_timing([1000.0, 1000.0], [20, 20], 500.0)
+    assert c.proposed_anchor == 40
+    c.apply_verdict(NudgeDown(0.5))
+    assert c.anchor == 10
+    assert c.proposed_anchor is None
+    assert c.batch_counts == [10, 10]
+
+
+def test_cap_binding_suppresses_anchor_growth() -> None:
+    c = ElCheController(2, 10, overhead_target=0.10)
+    c.max_total_batches = 30
+    reach_stable(c, [500.0, 1000.0], [10, 10])
+    assert c.batch_counts == [20, 10]
+    assert not c.window_cap_binding
+    c.report_timing([500.0, 1000.0], [10, 10], 400.0)
+    c.apply_verdict(Stable())
+    assert c.anchor == 20  # [40, 20] scaled down to the cap
+    assert c.batch_counts == [20, 10]
+    assert c.window_cap_binding
+    for _ in range(10):
+        c.report_timing([500.0, 1000.0], [10, 10], 400.0)
+        assert c.proposed_anchor is None
+        c.apply_verdict(Stable())
+    assert c.anchor == 20
+    assert c.batch_counts == [20, 10]
+
+
+def test_cadence_window_capped_to_max_total() -> None:
+    c = ElCheController(2, 10, overhead_target=0.10)
+    c.max_total_batches = 40
+    reach_stable(c, [500.0, 1000.0], [10, 10])
+    c.report_timing([500.0, 1000.0], [10, 10], 400.0)
+    c.apply_verdict(Stable())
+    # [40, 20] * 40/60 = [26.7, 13.3] -> [26, 13]; the remainder goes to the largest count.
+    assert c.batch_counts == [27, 13]
+    assert c.window_cap_binding
+
+
+def test_window_cap_floor_of_one_beats_the_cap() -> None:
+    c = ElCheController(3, 10)
+    c.max_total_batches = 2
+    feed(c, [100.0, 100.0, 100.0], 1.0)
+    assert c.batch_counts == [1, 1, 1]
+    assert c.window_cap_binding
+
+
+def test_window_cap_remainder_tie_goes_to_lowest_rank() -> None:
+    c = ElCheController(2, 20)
+    c.max_total_batches = 31
+    feed(c, [100.0, 100.0], 1.0)
+    assert c.batch_counts == [16, 15]
+
+
+def test_fill_of_the_anchor_rank_drives_growth() -> None:
+    # Equal speeds: rank 0 anchors. Fill 300 ms on rank 0: 300 / 1300 = 0.23 > 2 x 0.10.
+    c = ElCheController(2, 10, overhead_target=0.10)
+    for _ in range(2):
+        feed(c, [1000.0, 1000.0], 0.0, fill_ms=[300.0, 0.0])
+    assert c.last_overhead == pytest.approx(300 / 1300)
+    assert c.proposed_anchor == 20
+    other = ElCheController(2, 10, overhead_target=0.10)
+    for _ in range(2):
+        feed(other, [1000.0, 1000.0], 0.0, fill_ms=[0.0, 300.0])
+    assert other.proposed_anchor is None
+    assert other.last_overhead == 0.0
+
+
+def test_proposal_respects_min_anchor() -> None:
+    # A nudge may go below min_anchor; growth from there jumps back to the floor at once:
+    # overhead 0.13 / target 0.10 -> ceil(10 * 1.304) = 14, lifted to min_anchor 30.
+    c = ElCheController(2, 30, overhead_target=0.10, min_anchor=30)
+    c.nudge_anchor_down(1 / 3)
+    assert c.anchor == 10
+    reach_stable(c, [1000.0, 1000.0], [10, 10])
+    c.report_timing([1000.0, 1000.0], [10, 10], 150.0)
+    assert c.proposed_anchor == 30
+
+
+def test_sync_policy_exempt_from_window_pressure_growth() -> None:
+    windowed = ElCheController(2, 10)
+    sync = ElCheController(2, 10, window_growth_applicable=False)
+    for c in (windowed, sync):
+        for _ in range(2):
+            c.report_timing([10.0, 10.0], [10, 10], 10.0)  # 1 ms/batch, overhead 0.5
+    assert windowed.proposed_anchor == 20
+    assert sync.proposed_anchor is None
+    for _ in range(10):
+        sync.report_timing([10.0, 10.0], [10, 10], 10.0)
+        assert sync.proposed_anchor is None
+        sync.apply_verdict(Stable())
+    assert sync.anchor == 10
+    assert sync.last_overhead == pytest.approx(0.5), "overhead is still measured for logging"
+
+
+def test_warmup_proposes_growth_from_the_second_calibration() -> None:
+    c = ElCheController(2, 10)
+    feed(c, [1000.0, 1000.0], 5000.0)
+    assert c.phase == Phase.WARMUP
+    assert c.proposed_anchor is None, "the first report never proposes"
+    feed(c, [1000.0, 1000.0], 5000.0)  # 5000 / 6000 = 0.83 > 2 x 0.05
+    assert c.phase == Phase.WARMUP
+    assert c.proposed_anchor == 20
+    c.apply_verdict(Stable())
+    assert c.anchor == 20
+
+
+def test_warmup_growth_still_dies_on_a_guard_veto() -> None:
+    c = ElCheController(2, 10)
+    feed(c, [1000.0, 1000.0], 5000.0)
+    feed(c, [1000.0, 1000.0], 5000.0)
+    assert c.proposed_anchor == 20
+    c.apply_verdict(SuppressGrowth())
+    assert c.anchor == 10
+    assert c.proposed_anchor is None
+
+
+def test_borderline_warmup_pressure_waits_for_stable() -> None:
+    c = ElCheController(2, 10, overhead_target=0.10)
+    for i in range(5):
+        feed(c, [1000.0, 1000.0], 150.0)  # 150 / 1150 = 0.13: above 0.10, below 0.20
+        assert c.proposed_anchor is None, f"report {i + 1} proposed during Warmup"
+    assert c.phase == Phase.STABLE
+    feed(c, [1000.0, 1000.0], 150.0)
+    assert c.proposed_anchor == 14  # ceil(10 * 1.304)
+
+
+# -- verdicts, nudge, relax -----------------------------------------------------------------
+
+
+def test_nudge_anchor_down() -> None:
+    c = ElCheController(2, 20, overhead_target=0.50)
+    feed(c, [50.0, 100.0], 0.0)
+    assert c.batch_counts == [40, 20]
+    c.nudge_anchor_down(0.5)
+    assert c.anchor == 10
+    assert c.batch_counts == [20, 10]
+
+
+def test_nudge_anchor_down_clamped_to_one() -> None:
+    c = ElCheController(2, 5)
+    c.nudge_anchor_down(0.1)  # ceil(0.5)
+    assert c.anchor == 1
+    c = ElCheController(2, 5)
+    c.nudge_anchor_down(0.01)  # clamped to 0.1 first
+    assert c.anchor == 1
+
+
+def test_nudge_anchor_down_never_increases() -> None:
+    c = ElCheController(2, 10)
+    c.nudge_anchor_down(2.0)
+    assert c.anchor == 10
+
+
+def test_nudge_anchor_down_ignores_nan_factor() -> None:
+    c = ElCheController(2, 10)
+    for _ in range(6):
+        c.report_timing([100.0, 100.0], [10, 10], 1.0)
+    c.nudge_anchor_down(math.nan)
+    c.nudge_anchor_down(math.inf)
+    assert c.anchor == 10
+    c.nudge_anchor_down(0.5)
+    assert c.anchor == 5
+    assert c.batch_counts == [5, 5]
+
+
+def test_nudge_then_discard_survives_a_later_commit() -> None:
+    c = ElCheController(2, 10)
+    c.proposed_anchor = 20  # as a report would have staged it
+    c.apply_verdict(NudgeDown(0.5))  # e.g. the meta-controller's LR-cliff nudge
+    assert c.anchor == 5
+    c.apply_verdict(Stable())  # the guard's verdict later in the same cycle
+    assert c.anchor == 5
+
+
+def test_nudge_without_discard_is_clobbered_by_commit() -> None:
+    # Why the verdict seam discards: a bare nudge leaves the pre-nudge grow to be committed.
+    c = ElCheController(2, 10)
+    c.proposed_anchor = 20
+    c.nudge_anchor_down(0.5)
+    assert c.anchor == 5
+    c.apply_verdict(Stable())
+    assert c.anchor == 20
+
+
+def test_verdict_nudge_down_discards_and_nudges() -> None:
+    c = ElCheController(2, 10)
+    c.proposed_anchor = 20
+    c.consecutive_stable = 3
+    c.apply_verdict(NudgeDown(0.5))
+    assert c.anchor == 5
+    assert c.proposed_anchor is None
+    assert not c.growth_enabled
+    assert c.consecutive_stable == 0
+    c.apply_verdict(Stable())
+    assert c.anchor == 5
+
+
+def test_verdict_stable_commits_pending_grow() -> None:
+    c = ElCheController(2, 10)
+    c.proposed_anchor = 20
+    c.apply_verdict(Stable())
+    assert c.anchor == 20
+    assert c.proposed_anchor is None
+    assert c.consecutive_stable == 1
+
+
+def test_verdict_stable_relax_up_drifts_anchor() -> None:
+    c = ElCheController(2, 10)
+    c.apply_verdict(Stable(), relax_up=True)
+    assert c.anchor == 11
+    c = ElCheController(2, 10)
+    c.apply_verdict(Stable())
+    assert c.anchor == 10
+
+
+def test_verdict_stable_commits_before_relaxing() -> None:
+    c = ElCheController(2, 10)
+    c.proposed_anchor = 20
+    c.apply_verdict(Stable(), relax_up=True)
+    assert c.anchor == 21
+
+
+def test_verdict_suppress_growth_drops_proposal_and_latches() -> None:
+    c = ElCheController(2, 10)
+    c.proposed_anchor = 20
+    c.apply_verdict(SuppressGrowth())
+    assert c.anchor == 10
+    assert not c.growth_enabled
+    c.apply_verdict(Stable())
+    assert c.anchor == 10
+
+
+def test_apply_verdict_rejects_unknown_verdicts() -> None:
+    with pytest.raises(TypeError, match="verdict"):
+        ElCheController(2, 10).apply_verdict("Stable")  # type: ignore[arg-type]
+
+
+def test_relax_anchor_up_grows_anchor() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    feed(c, [500.0, 1000.0], 5.0)
+    assert c.relax_anchor_up() is True
+    assert c.anchor == 11
+    assert c.batch_counts == [22, 11]
+
+
+def test_relax_anchor_up_capped_by_max_batch_diff() -> None:
+    # 1:3 speeds: at anchor 11 the fast rank would run 33, 22 more than the anchor (> 20).
+    c = ElCheController(2, 10, overhead_target=0.50, max_batch_diff=20)
+    feed(c, [300.0, 900.0], 5.0)
+    assert c.batch_counts == [30, 10]
+    assert c.relax_anchor_up() is False
+    assert c.anchor == 10
+
+
+def test_relax_anchor_up_capped_by_max_anchor() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50, max_anchor=11)
+    feed(c, [500.0, 1000.0], 5.0)
+    assert c.relax_anchor_up() is True
+    assert c.anchor == 11
+    assert c.relax_anchor_up() is False
+    assert c.anchor == 11
+
+
+# -- callback slack -------------------------------------------------------------------------
+
+
+def test_callback_slack_reduces_firing_rank_count() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    c.report_timing([500.0, 1000.0], [10, 10], 10.0)
+    assert c.batch_counts == [20, 10]
+    c.set_callback_slack([200.0, 0.0])  # 4 batches at 50 ms
+    c.report_timing([1000.0, 1000.0], [20, 10], 10.0)
+    assert c.batch_counts == [16, 10]
+    assert c.pending_callback_slack_ms == [0.0, 0.0]
+    c.report_timing([800.0, 1000.0], [16, 10], 10.0)
+    assert c.batch_counts == [20, 10]
+
+
+def test_callback_slack_clamps_at_one() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    feed(c, [500.0, 1000.0], 10.0)
+    c.set_callback_slack([10_000.0, 0.0])
+    feed(c, [500.0, 1000.0], 10.0)
+    assert c.batch_counts == [1, 10]
+
+
+def test_callback_slack_size_mismatch_is_noop() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    c.report_timing([500.0, 1000.0], [10, 10], 10.0)
+    c.set_callback_slack([200.0, 0.0, 0.0])
+    assert c.pending_callback_slack_ms == [0.0, 0.0]
+    c.set_callback_slack([])
+    assert c.pending_callback_slack_ms == [0.0, 0.0]
+    c.report_timing([1000.0, 1000.0], [20, 10], 10.0)
+    assert c.batch_counts == [20, 10]
+
+
+def test_callback_slack_multi_rank() -> None:
+    c = ElCheController(3, 10, overhead_target=0.50)
+    c.report_timing([333.0, 500.0, 1000.0], [10, 10, 10], 10.0)
+    assert c.batch_counts == [30, 20, 10]
+    c.set_callback_slack([100.0, 100.0, 0.0])  # ceil(100/33.3) = 4, ceil(100/50) = 2
+    c.report_timing([30 * 33.3, 20 * 50.0, 1000.0], [30, 20, 10], 10.0)
+    assert c.batch_counts == [26, 18, 10]
+
+
+def test_callback_slack_ignores_nan_and_negative() -> None:
+    c = ElCheController(2, 10)
+    c.set_callback_slack([math.nan, -5.0])
+    assert c.pending_callback_slack_ms == [0.0, 0.0]
+
+
+# -- clamp_total ----------------------------------------------------------------------------
+
+
+def test_cadence_clamp_total() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    feed(c, [500.0, 1000.0], 10.0)
+    assert c.clamp_total(15) == [10, 5]
+    assert c.batch_counts == [20, 10], "clamp_total does not change the controller"
+
+
+def test_cadence_clamp_total_hands_remainder_in_rank_order() -> None:
+    assert ElCheController(3, 10).clamp_total(20) == [7, 7, 6]
+
+
+def test_cadence_clamp_total_no_op_when_within() -> None:
+    assert ElCheController(2, 10).clamp_total(30) == [10, 10]
+
+
+# -- timing feed ----------------------------------------------------------------------------
+
+
+def test_report_timing_rejects_wrong_lengths() -> None:
+    c = ElCheController(2, 10)
+    with pytest.raises(ValueError, match="wall_ms has 3 entries"):
+        c.report_timing([1.0, 1.0, 1.0], [1, 1], 0.0)
+    with pytest.raises(ValueError, match="batches has 1 entries"):
+        c.report_timing([1.0, 1.0], [1], 0.0)
+    with pytest.raises(ValueError, match="fill_ms has 1 entries"):
+        c.report_timing([1.0, 1.0], [1, 1], 0.0, [0.0])
+    assert not c.calibrated
+
+
+def test_no_reading_reports_nothing() -> None:
+    c = ElCheController(2, 10)
+    c.report_timing([0.0, math.inf], [5, 5], 100.0)
+    assert not c.calibrated
+    assert c.phase == Phase.PROBE
+    assert c.anchor_rank is None
+
+
+def _window(wall: list[float], dms: list[float], dbatches: list[int], coherent: bool) -> WindowReport:
+    return WindowReport(
+        wall_ms=wall,
+        steps=[4, 4],
+        delivered_ms=dms,
+        delivered_batches=dbatches,
+        fill_ms=[0.0, 0.0],
+        delivered_coherent=coherent,
+        sync_ms=1.0,
+    )
+
+
+def test_coherent_report_feeds_the_delivered_scale() -> None:
+    c = ElCheController(2, 4)
+    c.report_window(_window([40.0, 100.0], [80.0, 220.0], [4, 4], coherent=True))
+    assert c.calibrated
+    assert c.smoothed_ms_or_none(0) == 20.0
+    assert c.smoothed_ms_or_none(1) == 55.0
+
+
+def test_incoherent_report_feeds_the_compute_scale() -> None:
+    c = ElCheController(2, 4)
+    c.report_window(_window([40.0, 100.0], [80.0, 0.0], [4, 0], coherent=False))
+    assert c.smoothed_ms_or_none(0) == 10.0
+    assert c.smoothed_ms_or_none(1) == 25.0
+
+
+def test_all_zero_window_reports_nothing() -> None:
+    c = ElCheController(2, 4)
+    c.report_window(
+        WindowReport([0.0, 0.0], [0, 0], [0.0, 0.0], [0, 0], [0.0, 0.0], True, 1.0)
+    )
+    assert not c.calibrated
+    assert c.calibration_count == 0
+
+
+# -- derived outputs ------------------------------------------------------------------------
+
+
+def test_anchor_wall_ms() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    assert c.anchor_wall_ms == 0.0
+    feed(c, [500.0, 1000.0], 10.0)
+    assert c.anchor_wall_ms == 1000.0
+
+
+def test_recent_batch_share() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    assert c.recent_batch_share() == [0.5, 0.5]
+    c.set_speed_ratio(1, 3.0)
+    assert c.recent_batch_share() == [0.75, 0.25]
+    c.report_timing([500.0, 1000.0], [10, 10], 1.0)  # snapshot [20, 10]
+    assert c.recent_batch_share() == pytest.approx([2 / 3, 1 / 3])
+    for _ in range(10):
+        c.report_timing([250.0, 1000.0], [10, 10], 1.0)
+    # Rank 0's mean falls 37.5, 33.3, 31.25, 30, 25, ... ms: counts 27, 30, 32, (33 is inside
+    # the dead zone) 32, then 40 six times. The first [20, 10] snapshot has left the window.
+    fast = [27, 30, 32, 32] + [40] * 6
+    share = sum(fast) / (sum(fast) + 10 * len(fast))
+    assert c.recent_batch_share() == pytest.approx([share, 1 - share])
+
+
+# -- from_config ----------------------------------------------------------------------------
+
+
+def test_from_config_defaults() -> None:
+    c = ElCheController.from_config(ElCheConfig(), 2)
+    assert (c.anchor, c.min_anchor, c.max_anchor) == (10, 10, 1000)
+    assert c.overhead_target == 0.05
+    assert c.max_batch_diff is None
+    assert c.window_growth_applicable
+    assert c.anchor_rank is None
+
+
+def test_from_config_knobs_and_sync_mode() -> None:
+    cfg = ElCheConfig(
+        mode="cpu_sync", max_anchor=40, min_anchor=2, overhead_target=0.2, max_batch_diff=7
+    )
+    c = ElCheController.from_config(cfg, 3)
+    assert (c.anchor, c.min_anchor, c.max_anchor) == (2, 2, 40)  # sync modes start at 1
+    assert c.overhead_target == 0.2
+    assert c.max_batch_diff == 7
+    assert not c.window_growth_applicable
+    assert not ElCheController.from_config(ElCheConfig.nccl_sync(), 2).window_growth_applicable
+    assert ElCheController.from_config(ElCheConfig.cpu_async(), 2).window_growth_applicable
+
+
+def test_from_config_pins_smallest_partition_ratio() -> None:
+    c = ElCheController.from_config(ElCheConfig(partition_ratios=[0.5, 0.2, 0.3]), 3)
+    assert c.anchor_rank == 1
+    tied = ElCheController.from_config(ElCheConfig(partition_ratios=[0.4, 0.3, 0.3]), 3)
+    assert tied.anchor_rank == 1
+    with pytest.raises(ValueError, match="partition_ratios"):
+        ElCheController.from_config(ElCheConfig(partition_ratios=[0.5, 0.5]), 3)
+
+
+# -- checkpoint state -----------------------------------------------------------------------
+
+
+def _trained_controller() -> ElCheController:
+    c = ElCheController(3, 10, overhead_target=0.10)
+    for _ in range(6):
+        c.report_timing([300.0, 1000.0, 0.0], [10, 10, 0], 400.0)
+        c.apply_verdict(Stable())
+    c.apply_verdict(SuppressGrowth())
+    c.apply_verdict(Stable())
+    return c
+
+
+def test_state_dict_round_trip() -> None:
+    source = _trained_controller()
+    state = json.loads(json.dumps(source.state_dict()))
+    # Grew 10 -> 20 on report 2 (Warmup bar), 20 -> 34 on report 6 (0.167 / 0.10 = 1.67).
+    assert state == {
+        "world_size": 3,
+        "anchor": 34,
+        "anchor_rank": 1,
+        "smoothed_ms": [30.0, 100.0, None],
+        "phase": int(Phase.STABLE),
+        "calibration_count": 6,
+        "batch_counts": [113, 34, 34],
+        "growth_enabled": False,
+        "consecutive_stable": 1,
+    }
+    resumed = ElCheController(3, 4, max_anchor=500, overhead_target=0.3)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    assert resumed.calibrated
+    assert resumed.phase is Phase.STABLE
+    assert resumed.anchor_wall_ms == 3400.0
+    assert (resumed.max_anchor, resumed.overhead_target) == (500, 0.3), "knobs are not restored"
+    # Each ring restarts from one sample equal to the saved mean.
+    resumed.report_timing([600.0, 1000.0, 0.0], [20, 10, 0], 1.0)
+    assert resumed.smoothed_ms(0) == 30.0
+    resumed.report_timing([400.0, 1000.0, 0.0], [20, 10, 0], 1.0)
+    assert resumed.smoothed_ms(0) == pytest.approx((30.0 + 30.0 + 20.0) / 3)
+
+
+def test_load_state_dict_rejects_world_size_mismatch() -> None:
+    state = _trained_controller().state_dict()
+    with pytest.raises(ValueError, match="world_size"):
+        ElCheController(2, 10).load_state_dict(state)
+
+
+def test_load_state_dict_rejects_malformed_entries() -> None:
+    state = _trained_controller().state_dict()
+    with pytest.raises(ValueError, match="phase"):
+        ElCheController(3, 10).load_state_dict({**state, "phase": 7})
+    with pytest.raises(ValueError, match="anchor_rank"):
+        ElCheController(3, 10).load_state_dict({**state, "anchor_rank": 3})
+    with pytest.raises(ValueError, match="batch_counts"):
+        ElCheController(3, 10).load_state_dict({**state, "batch_counts": [1, 2]})
+
+
+# -- invariants (property style, seeded) ----------------------------------------------------
+
+VERDICT_KINDS = ("stable", "stable_relax", "suppress", "nudge")
+
+
+def _random_controller(rng: random.Random) -> ElCheController:
+    world_size = rng.randint(2, 4)
+    c = ElCheController(
+        world_size,
+        rng.randint(1, 30),
+        max_anchor=rng.choice([None, 40, 200]),
+        overhead_target=rng.choice([None, 0.02, 0.1, 0.3]),
+        max_batch_diff=rng.choice([None, 0, 3, 25]),
+        window_growth_applicable=rng.random() < 0.85,
+        initial_anchor_rank=rng.choice([None, rng.randrange(world_size)]),
+    )
+    c.max_total_batches = rng.choice([0, 0, 50, 400])
+    return c
+
+
+def _random_report(
+    rng: random.Random, c: ElCheController
+) -> tuple[list[float], list[int], float, list[float] | None]:
+    walls: list[float] = []
+    batches: list[int] = []
+    for count in c.batch_counts:
+        roll = rng.random()
+        if roll < 0.08:
+            walls.append(rng.choice([0.0, math.nan, math.inf, -3.0]))
+            batches.append(rng.choice([0, count]))
+        else:
+            walls.append(count * rng.uniform(0.5, 400.0))
+            batches.append(count)
+    sync = rng.choice([0.0, rng.uniform(0.0, 50.0), rng.uniform(100.0, 20_000.0)])
+    fill = None if rng.random() < 0.5 else [rng.uniform(0.0, 500.0) for _ in walls]
+    return walls, batches, sync, fill
+
+
+def test_invariant_anchor_never_changes_inside_report_timing() -> None:
+    proposals = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        c = _random_controller(rng)
+        for _ in range(50):
+            if rng.random() < 0.1:
+                c.set_callback_slack([rng.uniform(0.0, 3000.0) for _ in range(c.world_size)])
+            before = c.anchor
+            c.report_timing(*_random_report(rng, c))
+            assert c.anchor == before, f"seed {seed}: report_timing moved the anchor"
+            proposals += c.proposed_anchor is not None
+            assert min(c.batch_counts) >= 1
+            for kind in rng.choices(VERDICT_KINDS, weights=(6, 2, 1, 1), k=rng.randint(0, 2)):
+                _apply(c, kind, rng)
+    assert proposals > 100, "the scenarios must exercise growth proposals"
+
+
+def _apply(c: ElCheController, kind: str, rng: random.Random) -> None:
+    if kind == "stable":
+        c.apply_verdict(Stable())
+    elif kind == "stable_relax":
+        c.apply_verdict(Stable(), relax_up=True)
+    elif kind == "suppress":
+        c.apply_verdict(SuppressGrowth())
+    else:
+        c.apply_verdict(NudgeDown(rng.uniform(0.05, 1.0)))
+
+
+def test_invariant_nudge_down_is_never_overwritten_by_a_later_commit() -> None:
+    nudged_over_a_proposal = 0
+    for seed in range(40):
+        rng = random.Random(1000 + seed)
+        c = _random_controller(rng)
+        for _ in range(50):
+            c.report_timing(*_random_report(rng, c))
+            ceiling: int | None = None
+            kinds = [rng.choice(("stable", "suppress", "nudge")) for _ in range(rng.randint(1, 4))]
+            for kind in kinds:
+                had_proposal = c.proposed_anchor is not None
+                before = c.anchor
+                _apply(c, kind, rng)
+                if kind == "nudge":
+                    assert c.anchor <= before
+                    nudged_over_a_proposal += had_proposal
+                    ceiling = c.anchor if ceiling is None else min(ceiling, c.anchor)
+                elif ceiling is not None:
+                    assert c.anchor <= ceiling, f"seed {seed}: a commit overwrote the nudge"
+            if rng.random() < 0.3:  # let growth re-arm so that proposals keep coming
+                for _ in range(5):
+                    c.apply_verdict(Stable())
+    assert nudged_over_a_proposal > 50, "the scenarios must nudge over pending proposals"
