@@ -9,6 +9,7 @@ and what is allowed.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Any, Optional, Union
@@ -223,6 +224,13 @@ class ElCheConfig:
             value = _check_real("overhead_target", self.overhead_target)
             if not 0.0 < value < 1.0:
                 raise _fail("overhead_target", value, "expected a fraction in the open interval (0, 1)")
+            low, high = OVERHEAD_TARGET_RANGE
+            if not low <= value <= high:
+                warnings.warn(
+                    f"ElCheConfig.overhead_target={value!r} is outside the controller's working range "
+                    f"[{low}, {high}] and will be clamped to {min(max(value, low), high)}.",
+                    stacklevel=3,
+                )
         if self.max_batch_diff is not None:
             _check_int("max_batch_diff", self.max_batch_diff, 0)
         for knob in ("relax_up", "meta_controller", "no_divergence_guard", "bf16_wire"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -167,10 +168,12 @@ class ElCheController:
         window_growth_applicable: bool = True,
         initial_anchor_rank: int | None = None,
     ) -> None:
-        _require_int("world_size", world_size, 2, "ElChe needs at least 2 ranks")
-        _require_int("anchor", anchor, 1, "expected an integer >= 1")
+        world_size = _require_int("world_size", world_size, 2, "ElChe needs at least 2 ranks")
+        anchor = _require_int("anchor", anchor, 1, "expected an integer >= 1")
         if max_batch_diff is not None:
-            _require_int("max_batch_diff", max_batch_diff, 0, "expected None or an integer >= 0")
+            max_batch_diff = _require_int(
+                "max_batch_diff", max_batch_diff, 0, "expected None or an integer >= 0"
+            )
         self.world_size: int = world_size
         self._max_anchor = max(1, _int_or("max_anchor", max_anchor, DEFAULT_MAX_ANCHOR))
         self._min_anchor = min(max(1, _int_or("min_anchor", min_anchor, anchor)), self._max_anchor)
@@ -258,8 +261,9 @@ class ElCheController:
 
     @max_total_batches.setter
     def max_total_batches(self, value: int) -> None:
-        _require_int("max_total_batches", value, 0, "expected an integer >= 0 (0 = no cap)")
-        self._max_total_batches = value
+        self._max_total_batches = _require_int(
+            "max_total_batches", value, 0, "expected an integer >= 0 (0 = no cap)"
+        )
 
     @property
     def pending_callback_slack_ms(self) -> list[float]:
@@ -298,7 +302,7 @@ class ElCheController:
                 self.anchor_rank = elected
         if self.anchor_rank is None:
             return
-        slow_ms = self._resolve_slow_ms()
+        slow_ms = self._resolve_slow_ms(self.anchor_rank)
         if slow_ms <= 0.0:
             return
 
@@ -342,12 +346,11 @@ class ElCheController:
             if self._zero_reports[rank] >= TRUST_WINDOW_CAP:
                 self._ms_windows[rank].clear()
 
-    def _resolve_slow_ms(self) -> float:
+    def _resolve_slow_ms(self, anchor_rank: int) -> float:
         """The anchor rank's ms/batch; re-elects among ranks with data when a pinned anchor rank
         has been silent for a whole trust window (else the controller would never calibrate)."""
-        assert self.anchor_rank is not None
-        slow_ms = self.smoothed_ms(self.anchor_rank)
-        if slow_ms > 0.0 or self._zero_reports[self.anchor_rank] < TRUST_WINDOW_CAP:
+        slow_ms = self.smoothed_ms(anchor_rank)
+        if slow_ms > 0.0 or self._zero_reports[anchor_rank] < TRUST_WINDOW_CAP:
             return slow_ms
         elected = self._elect_anchor_rank()
         if elected is None:
@@ -470,7 +473,7 @@ class ElCheController:
         Each count is floored (at least 1) and the shortfall is handed out one batch per rank in
         rank order. Does not change the controller.
         """
-        _require_int("maximum", maximum, 0, "expected an integer >= 0")
+        maximum = _require_int("maximum", maximum, 0, "expected an integer >= 0")
         total = sum(self.batch_counts)
         if total <= maximum:
             return list(self.batch_counts)
@@ -659,50 +662,31 @@ class ElCheController:
         Raises:
             ValueError: on a world-size mismatch or a malformed entry, naming the key.
         """
-        smoothed = state.get("smoothed_ms")
-        saved_world = state.get("world_size")
-        shape_ok = isinstance(smoothed, list) and len(smoothed) == self.world_size
-        if saved_world != self.world_size or not shape_ok:
-            raise ValueError(
-                f"state world_size={saved_world!r} does not match this run's world_size="
-                f"{self.world_size}: resume with the same number of ranks as the saved run."
-            )
-        anchor = state.get("anchor")
-        _require_int("state['anchor']", anchor, 1, "expected an integer >= 1")
-        anchor_rank = state.get("anchor_rank")
-        if anchor_rank is not None:
-            anchor_rank = self._checked_rank("state['anchor_rank']", anchor_rank)
-        phase = _state_phase(state.get("phase"))
-        counts = _state_counts(state.get("batch_counts"), self.world_size)
-        calibration_count = state.get("calibration_count")
-        _require_int("state['calibration_count']", calibration_count, 0, "expected an integer >= 0")
-        streak = state.get("consecutive_stable", 0)
-        _require_int("state['consecutive_stable']", streak, 0, "expected an integer >= 0")
-
-        self.anchor = anchor
-        self.anchor_rank = anchor_rank
-        self.phase = phase
-        self.calibration_count = calibration_count
-        self.batch_counts = counts
-        self.growth_enabled = bool(state.get("growth_enabled", True))
-        self.consecutive_stable = streak
+        saved = _SavedState.parse(state, self.world_size)
+        self.anchor = saved.anchor
+        self.anchor_rank = saved.anchor_rank
+        self.phase = saved.phase
+        self.calibration_count = saved.calibration_count
+        self.batch_counts = list(saved.batch_counts)
+        self.growth_enabled = saved.growth_enabled
+        self.consecutive_stable = saved.consecutive_stable
         self.proposed_anchor = None
         self._zero_reports = [0] * self.world_size
         self._count_snapshots.clear()
-        for rank, mean in enumerate(smoothed):
-            self._ms_windows[rank].clear()
-            if mean is not None and math.isfinite(mean) and mean > 0.0:
-                self._ms_windows[rank].append(float(mean))
-        self.calibrated = any(self._ms_windows[rank] for rank in range(self.world_size))
+        for window, mean in zip(self._ms_windows, saved.smoothed_ms, strict=True):
+            window.clear()
+            if mean is not None and mean > 0.0:
+                window.append(mean)
+        self.calibrated = any(self._ms_windows)
 
     # -- argument checks ------------------------------------------------------------------
 
     def _checked_rank(self, name: str, rank: int) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(
-                f"{name}={rank!r} is invalid: expected a rank in 0..{self.world_size - 1}."
-            )
-        return rank
+        allowed = f"expected a rank in 0..{self.world_size - 1}"
+        number = _require_int(name, rank, 0, allowed)
+        if number >= self.world_size:
+            raise ValueError(f"{name}={rank!r} is invalid: {allowed}.")
+        return number
 
     def _require_per_rank(self, name: str, values: Sequence[Any]) -> None:
         if len(values) != self.world_size:
@@ -711,24 +695,27 @@ class ElCheController:
             )
 
 
-def _require_int(name: str, value: Any, minimum: int, allowed: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _require_int(name: str, value: Any, minimum: int, allowed: str) -> int:
+    """``value`` as an int (any integer type, e.g. numpy's; not bool) that is >= ``minimum``."""
+    number: int | None = None
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = None
+    if number is None or number < minimum:
         raise ValueError(f"{name}={value!r} is invalid: {allowed}.")
+    return number
 
 
 def _is_finite_number(value: Any) -> bool:
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-    )
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _int_or(name: str, value: int | None, default: int) -> int:
     if value is None:
         return default
-    _require_int(name, value, 1, "expected None or an integer >= 1")
-    return value
+    return _require_int(name, value, 1, "expected None or an integer >= 1")
 
 
 def _clamp_target(target: float | None) -> float:
@@ -740,7 +727,81 @@ def _clamp_target(target: float | None) -> float:
     return min(max(float(target), low), high)
 
 
-def _state_phase(value: Any) -> Phase:
+@dataclass(frozen=True)
+class _SavedState:
+    """A checked :meth:`ElCheController.state_dict`."""
+
+    anchor: int
+    anchor_rank: int | None
+    smoothed_ms: tuple[float | None, ...]
+    phase: Phase
+    calibration_count: int
+    batch_counts: tuple[int, ...]
+    growth_enabled: bool
+    consecutive_stable: int
+
+    @classmethod
+    def parse(cls, state: dict[str, Any], world_size: int) -> _SavedState:
+        """Raise ValueError naming the first entry that does not fit a ``world_size`` run."""
+        saved_world = state.get("world_size")
+        smoothed = state.get("smoothed_ms")
+        if (
+            saved_world != world_size
+            or not isinstance(smoothed, list)
+            or len(smoothed) != world_size
+        ):
+            raise ValueError(
+                f"state world_size={saved_world!r} does not match this run's world_size="
+                f"{world_size}: resume with the same number of ranks as the saved run."
+            )
+        anchor_rank = state.get("anchor_rank")
+        if anchor_rank is not None:
+            anchor_rank = _require_int(
+                "state['anchor_rank']", anchor_rank, 0, f"expected None or 0..{world_size - 1}"
+            )
+            if anchor_rank >= world_size:
+                raise ValueError(
+                    f"state['anchor_rank']={anchor_rank} is invalid: expected None or "
+                    f"0..{world_size - 1}."
+                )
+        counts = state.get("batch_counts")
+        if not isinstance(counts, list) or len(counts) != world_size:
+            raise ValueError(
+                f"state['batch_counts']={counts!r} is invalid: expected {world_size} integers >= 1."
+            )
+        return cls(
+            anchor=_require_int("state['anchor']", state.get("anchor"), 1, "expected an int >= 1"),
+            anchor_rank=anchor_rank,
+            smoothed_ms=tuple(_saved_mean(value) for value in smoothed),
+            phase=_saved_phase(state.get("phase")),
+            calibration_count=_require_int(
+                "state['calibration_count']", state.get("calibration_count"), 0, "expected >= 0"
+            ),
+            batch_counts=tuple(
+                _require_int("state['batch_counts']", count, 1, "expected integers >= 1")
+                for count in counts
+            ),
+            growth_enabled=bool(state.get("growth_enabled", True)),
+            consecutive_stable=_require_int(
+                "state['consecutive_stable']",
+                state.get("consecutive_stable", 0),
+                0,
+                "expected >= 0",
+            ),
+        )
+
+
+def _saved_mean(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not _is_finite_number(value) or value < 0.0:
+        raise ValueError(
+            f"state['smoothed_ms'] entry {value!r} is invalid: expected None or a finite ms >= 0."
+        )
+    return float(value)
+
+
+def _saved_phase(value: Any) -> Phase:
     try:
         return Phase(value)
     except ValueError:
@@ -748,13 +809,3 @@ def _state_phase(value: Any) -> Phase:
         raise ValueError(
             f"state['phase']={value!r} is invalid: expected one of {allowed}."
         ) from None
-
-
-def _state_counts(value: Any, world_size: int) -> list[int]:
-    if not isinstance(value, list) or len(value) != world_size:
-        raise ValueError(
-            f"state['batch_counts']={value!r} is invalid: expected {world_size} integers >= 1."
-        )
-    for count in value:
-        _require_int("state['batch_counts']", count, 1, f"expected {world_size} integers >= 1")
-    return list(value)

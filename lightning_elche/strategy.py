@@ -326,8 +326,8 @@ class ElCheStrategy(DDPStrategy):
         if engine is None:  # not fitting
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer
-        self._defer_rank_local_stop(trainer)
         output = Strategy.optimizer_step(self, optimizer, closure, model, **kwargs)
+        self._defer_rank_local_stop(trainer)
         raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         engine.record_step(self._pending_samples, output, float(raw.param_groups[0]["lr"]))
         self._pending_samples = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -85,9 +85,7 @@ class RecordingModel(LightningModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(IndexedRegression(self.n), batch_size=self.batch_size, shuffle=True)
 
-    def val_dataloader(self) -> Optional[DataLoader]:
-        if not self.val:
-            return None
+    def val_dataloader(self) -> DataLoader:
         return DataLoader(IndexedRegression(128, seed=1), batch_size=32)
 
     def on_fit_end(self) -> None:
@@ -127,3 +125,54 @@ class StopAtStep(Callback):
                 os.kill(os.getpid(), 15)
             else:
                 trainer.should_stop = True
+
+
+class RecordRounds(Callback):
+    """Writes each rank's round count when fit ends by an exception (spawn returns only one error)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        engine = trainer.strategy.engine
+        Path(self.out_dir, f"exception{trainer.global_rank}.json").write_text(
+            json.dumps({"type": type(exception).__name__, "rounds": engine.state.rounds if engine else -1})
+        )
+
+
+class CountCollectives(Callback):
+    """Counts torch.distributed collectives issued between train start and train end."""
+
+    NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "broadcast", "all_gather", "barrier")
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.counts: dict[str, int] = {}
+        self._originals: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        import torch.distributed as dist
+
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._originals[name] = original
+            self.counts[name] = 0
+
+            def counted(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+                self.counts[_name] += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        import torch.distributed as dist
+
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        engine = trainer.strategy.engine
+        realized = engine.state.rounds  # every round in this test has movers
+        Path(self.out_dir, f"collectives{trainer.global_rank}.json").write_text(
+            json.dumps({"counts": self.counts, "rounds": engine.state.rounds, "realized": realized})
+        )

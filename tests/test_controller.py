@@ -100,10 +100,39 @@ def test_rank_arguments_are_checked() -> None:
         c.max_total_batches = -1
 
 
+class _Index:
+    """An integer type that is not ``int`` (like numpy's), usable through ``__index__``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_integer_like_arguments_are_accepted() -> None:
+    c = ElCheController(_Index(2), _Index(10), max_batch_diff=_Index(3))  # type: ignore[arg-type]
+    assert (c.world_size, c.anchor, c.max_batch_diff) == (2, 10, 3)
+    c.set_speed_ratio(_Index(1), 2.0)  # type: ignore[arg-type]
+    assert c.anchor_rank == 1
+    assert c.smoothed_ms(_Index(0)) == 0.0  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="slow_rank=True"):
+        c.set_speed_ratio(True, 2.0)
+
+
 def test_constants_match_the_spec() -> None:
-    assert (ctl.COHORT_BAND, ctl.DOMINANCE_MARGIN, ctl.TRUST_WINDOW_CAP) == (0.15, 0.10, 5)
-    assert (ctl.MAX_SPEED_RATIO, ctl.BATCH_COUNTS_WINDOW_CAP, ctl.GROWTH_REARM_STABLE) == (64, 10, 5)
-    assert (ctl.GROWTH_STEP_CAP, ctl.WARMUP_GROWTH_MARGIN, ctl.DEAD_ZONE) == (2.0, 2.0, 0.05)
+    expected = {
+        "COHORT_BAND": 0.15,
+        "DOMINANCE_MARGIN": 0.10,
+        "TRUST_WINDOW_CAP": 5,
+        "MAX_SPEED_RATIO": 64,
+        "BATCH_COUNTS_WINDOW_CAP": 10,
+        "GROWTH_REARM_STABLE": 5,
+        "GROWTH_STEP_CAP": 2.0,
+        "WARMUP_GROWTH_MARGIN": 2.0,
+        "DEAD_ZONE": 0.05,
+    }
+    assert {name: getattr(ctl, name) for name in expected} == expected
     assert [int(p) for p in Phase] == [0, 1, 2, 3]
 
 
@@ -776,7 +805,9 @@ def test_no_reading_reports_nothing() -> None:
     assert c.anchor_rank is None
 
 
-def _window(wall: list[float], dms: list[float], dbatches: list[int], coherent: bool) -> WindowReport:
+def _window(
+    wall: list[float], dms: list[float], dbatches: list[int], coherent: bool
+) -> WindowReport:
     return WindowReport(
         wall_ms=wall,
         steps=[4, 4],
@@ -805,9 +836,7 @@ def test_incoherent_report_feeds_the_compute_scale() -> None:
 
 def test_all_zero_window_reports_nothing() -> None:
     c = ElCheController(2, 4)
-    c.report_window(
-        WindowReport([0.0, 0.0], [0, 0], [0.0, 0.0], [0, 0], [0.0, 0.0], True, 1.0)
-    )
+    c.report_window(WindowReport([0.0, 0.0], [0, 0], [0.0, 0.0], [0, 0], [0.0, 0.0], True, 1.0))
     assert not c.calibrated
     assert c.calibration_count == 0
 
@@ -928,6 +957,8 @@ def test_load_state_dict_rejects_malformed_entries() -> None:
         ElCheController(3, 10).load_state_dict({**state, "anchor_rank": 3})
     with pytest.raises(ValueError, match="batch_counts"):
         ElCheController(3, 10).load_state_dict({**state, "batch_counts": [1, 2]})
+    with pytest.raises(ValueError, match="smoothed_ms"):
+        ElCheController(3, 10).load_state_dict({**state, "smoothed_ms": [1.0, "x", None]})
 
 
 # -- invariants (property style, seeded) ----------------------------------------------------

@@ -17,6 +17,12 @@ from lightning_elche.averaging import FlatTensors, RoundWeights
 from lightning_elche.planes.base import AveragingPlane
 
 
+def _all_gather_flat(output: Tensor, local: Tensor, group: Optional[Any]) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, local, group=group)
+
+
 class CollectivePlane(AveragingPlane):
     """Blocking averaging on a process group (the default group unless ``group`` is given).
 
@@ -49,7 +55,7 @@ class CollectivePlane(AveragingPlane):
         local = local.to(self.device, dtype=torch.float64)
         if self._meta_out is None or self._meta_out.numel() != self.world_size * local.numel():
             self._meta_out = torch.empty(self.world_size * local.numel(), dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(self._meta_out, local, group=self.group)
+        _all_gather_flat(self._meta_out, local, group=self.group)
         return self._meta_out.view(self.world_size, -1).cpu()
 
     def average(self, weights: RoundWeights) -> None:

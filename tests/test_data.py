@@ -1,0 +1,161 @@
+import random
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from lightning_elche.data import ElCheSampler, chunk_layout, epoch_permutation, fixed_share_batches
+
+
+class SharedCounter:
+    """An in-memory stand-in for the torch.distributed store's atomic add."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+
+def drain_interleaved(samplers, rng: random.Random, speeds):
+    """Advance rank iterators in a random order biased by speed, as concurrent ranks would."""
+    iters = [iter(s) for s in samplers]
+    out = [[] for _ in samplers]
+    live = list(range(len(samplers)))
+    while live:
+        r = rng.choices(live, weights=[speeds[k] for k in live])[0]
+        try:
+            out[r].append(next(iters[r]))
+        except StopIteration:
+            live.remove(r)
+    return out
+
+
+def make(dispatch, rank, counter=None, n=1000, batch=10, world=2, **kw):
+    return ElCheSampler(n, batch, rank, world, shuffle=True, seed=3, dispatch=dispatch, counter=counter,
+                        key_prefix="t", **kw)
+
+
+def test_permutation_matches_distributed_sampler():
+    ds = list(range(97))
+    ref = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=5)
+    ref.set_epoch(4)
+    assert epoch_permutation(97, 4, 5, True) == list(ref)
+    assert epoch_permutation(5, 0, 0, False) == [0, 1, 2, 3, 4]
+
+
+def test_equal_split_reproduces_ddp_batches_without_padding():
+    ds = list(range(100))
+    for rank in range(2):
+        ref = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        ref.set_epoch(2)
+        mine = make("equal", rank, n=100)
+        mine.set_epoch(2)
+        assert list(mine) == list(ref)
+    odd = [list(make("equal", r, n=101)) for r in range(2)]
+    assert sorted(odd[0] + odd[1]) == list(range(101))
+
+
+@pytest.mark.parametrize("speeds", [(1, 1), (3, 1), (1, 10)])
+def test_pool_covers_every_sample_exactly_once_and_fast_ranks_claim_more(speeds):
+    counter = SharedCounter()
+    samplers = [make("pool", r, counter, max_chunk_batches=4) for r in range(2)]
+    for s in samplers:
+        s.set_epoch(1)
+    out = drain_interleaved(samplers, random.Random(0), speeds)
+    assert sorted(out[0] + out[1]) == list(range(1000))
+    if speeds[0] != speeds[1]:
+        fast = 0 if speeds[0] > speeds[1] else 1
+        assert len(out[fast]) > 2 * len(out[1 - fast])
+    # Chunks are whole batches, so every rank's stream splits into full batches but the last.
+    assert all(len(o) % 10 == 0 for o in out)
+
+
+def test_pool_epochs_use_separate_counters_and_permutations():
+    counter = SharedCounter()
+    samplers = [make("pool", r, counter) for r in range(2)]
+    orders = []
+    for epoch in (0, 1):
+        for s in samplers:
+            s.set_epoch(epoch)
+        out = drain_interleaved(samplers, random.Random(epoch), (1, 1))
+        assert sorted(out[0] + out[1]) == list(range(1000))
+        orders.append(out[0][:10])
+    assert orders[0] != orders[1]
+    assert set(counter.values) == {"t/epoch0", "t/epoch1"}
+
+
+def test_pool_reserves_one_chunk_per_rank():
+    counter = SharedCounter()
+    samplers = [make("pool", r, counter, n=40, batch=10) for r in range(2)]
+    # Rank 0 alone drains the pool before rank 1 starts: rank 1 still gets its reserved chunk.
+    first = list(samplers[0])
+    second = list(samplers[1])
+    assert len(second) >= 10 and sorted(first + second) == list(range(40))
+
+
+def test_pool_tail_is_one_partial_batch_and_drop_last_drops_only_the_global_tail():
+    counter = SharedCounter()
+    samplers = [make("pool", r, counter, n=105) for r in range(2)]
+    out = drain_interleaved(samplers, random.Random(1), (1, 1))
+    assert sorted(out[0] + out[1]) == list(range(105))
+    shared = SharedCounter()
+    dropped = [make("pool", r, shared, n=105, drop_last=True) for r in range(2)]
+    out = drain_interleaved(dropped, random.Random(1), (1, 1))
+    assert len(out[0]) + len(out[1]) == 100 and len(set(out[0] + out[1])) == 100
+
+
+def test_chunk_layout_shrinks_toward_the_end_and_sums():
+    layout = chunk_layout(100, 2, 4)
+    assert sum(n for _, n in layout) == 100
+    assert layout[0] == (0, 4) and layout[-1][1] == 1
+    starts = [s for s, _ in layout]
+    assert starts == sorted(starts) and all(a + n == b for (a, n), (b, _) in zip(layout, layout[1:], strict=False))
+    assert all(n <= 4 for _, n in layout)
+
+
+def test_fixed_shares():
+    assert fixed_share_batches(100, [0.75, 0.25]) == [75, 25]
+    assert fixed_share_batches(10, [0.5, 0.3, 0.2]) == [5, 3, 2]
+    assert fixed_share_batches(7, [0.5, 0.5]) == [4, 3]
+    out = [list(make("fixed", r, partition_ratios=[0.7, 0.3])) for r in range(2)]
+    assert len(out[0]) == 700 and len(out[1]) == 300
+    assert sorted(out[0] + out[1]) == list(range(1000))
+
+
+def test_shuffle_is_deterministic_from_the_seed():
+    a, b = make("equal", 0), make("equal", 0)
+    a.set_epoch(3), b.set_epoch(3)
+    assert list(a) == list(b)
+    c = ElCheSampler(1000, 10, 0, 2, shuffle=True, seed=4, dispatch="equal")
+    c.set_epoch(3)
+    assert list(c) != list(a)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": 15, "batch": 10}, "too few"),
+        ({"dispatch": "bogus"}, "dispatch="),
+        ({"dispatch": "fixed", "partition_ratios": [0.999, 0.001]}, "no batch"),
+    ],
+)
+def test_splits_that_leave_a_rank_without_data_are_refused(kwargs, message):
+    dispatch = kwargs.pop("dispatch", "pool")
+    with pytest.raises(ValueError, match=message):
+        make(dispatch, 0, SharedCounter(), **kwargs)
+
+
+def test_sampler_has_no_len_so_lightning_runs_until_exhausted():
+    with pytest.raises(TypeError):
+        len(make("pool", 0, SharedCounter()))
+
+
+def test_dispatch_record_counts_chunks():
+    s = make("pool", 1, SharedCounter(), n=200)
+    got = list(s)  # alone on the counter: its reserved chunk 1, then every chunk from 2 on
+    layout = chunk_layout(20, 2, 4)
+    assert s.record.chunks == [1] + list(range(2, len(layout)))
+    assert s.record.samples == len(got) == 200 - 10 * layout[0][1]
+    assert torch.tensor(got).unique().numel() == len(got)

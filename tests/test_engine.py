@@ -1,0 +1,152 @@
+"""The round protocol of one rank, driven against a scripted peer (no processes)."""
+
+import math
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_elche import ElCheConfig
+from lightning_elche.engine import META_SIZE, ElCheEngine, Meta, RanksOutOfStep
+from lightning_elche.planes.base import AveragingPlane
+
+
+class ScriptedPeer(AveragingPlane):
+    """Rank 1's rows come from a script; rank 0 is the engine under test."""
+
+    def __init__(self) -> None:
+        self.peer_rows: list[dict] = []
+        self.averaged = []
+
+    def exchange(self, local):
+        peer = torch.zeros(META_SIZE, dtype=torch.float64)
+        row = {"ROUND": local[Meta.ROUND].item(), "EPOCH": local[Meta.EPOCH].item(),
+               "SIGNATURE": local[Meta.SIGNATURE].item(), "FINITE": 1.0, **self.peer_rows.pop(0)}
+        for name, value in row.items():
+            peer[Meta[name]] = value
+        return torch.stack([local.cpu(), peer])
+
+    def average(self, weights):
+        self.averaged.append(weights)
+
+
+def make_engine(**config):
+    plane = ScriptedPeer()
+    param = torch.ones(4)
+    engine = ElCheEngine(ElCheConfig(**config), plane, rank=0, world_size=2, device=torch.device("cpu"),
+                         params=[param], signature=42.0, epoch_batches=1000)
+    return engine, plane, param
+
+
+def run_window(engine, steps, loss=1.0):
+    for _ in range(steps):
+        engine.record_step(8, torch.tensor(loss), lr=0.1)
+
+
+def test_window_plan_starts_at_anchor_and_is_due_after_planned_steps():
+    engine, _, _ = make_engine()
+    assert engine.planned_steps == 10
+    run_window(engine, 9)
+    assert not engine.window_due()
+    run_window(engine, 1)
+    assert engine.window_due()
+
+
+def test_round_weights_by_work_and_plans_the_fast_rank_more():
+    engine, plane, _ = make_engine()
+    for _ in range(3):
+        run_window(engine, engine.planned_steps)
+        with mock.patch.object(engine.clock, "close_window", return_value=0.1 * engine.planned_steps / 10):
+            plane.peer_rows.append({"STEPS": 10, "SAMPLES": 80, "COMPUTE_S": 0.3, "LAST_SYNC_S": 0.001})
+            outcome = engine.run_round(epoch=0, out_of_data=False)
+    # Rank 0 is 3x faster per step (10 ms vs 30 ms): it gets ~3x the batches per window.
+    assert outcome.planned == (30, 10)
+    assert plane.averaged[0].param_factors == (0.5, 0.5)
+    assert plane.averaged[-1].param_factors == pytest.approx((0.75, 0.25))
+    assert outcome.cohort_step == (10 + 10) + (30 + 10) + (30 + 10)
+    assert not outcome.epoch_over and outcome.stop_level == 0
+
+
+def test_epoch_is_over_only_when_every_rank_is_out_of_data():
+    engine, plane, _ = make_engine()
+    run_window(engine, 3)
+    plane.peer_rows.append({"STEPS": 10, "OUT_OF_DATA": 0.0})
+    assert not engine.run_round(0, out_of_data=True).epoch_over
+    plane.peer_rows.append({"STEPS": 2, "OUT_OF_DATA": 1.0})
+    outcome = engine.run_round(0, out_of_data=True)
+    assert outcome.epoch_over
+    # The draining rank joined with zero steps: zero mass.
+    assert plane.averaged[-1].param_factors == (0.0, 1.0)
+
+
+def test_stop_requests_travel_to_every_rank():
+    engine, plane, _ = make_engine()
+    run_window(engine, 10)
+    plane.peer_rows.append({"STEPS": 10, "STOP_REQUESTED": 2.0})
+    outcome = engine.run_round(0, out_of_data=False, stop_level=1)
+    assert outcome.stop_level == 2 and outcome.ends_window_sequence
+
+
+def test_step_budget_counts_cohort_steps():
+    engine, plane, _ = make_engine()
+    engine.step_budget = 35
+    run_window(engine, 10)
+    plane.peer_rows.append({"STEPS": 10})
+    assert not engine.run_round(0, False).budget_reached
+    run_window(engine, 10)
+    plane.peer_rows.append({"STEPS": 10})
+    assert engine.run_round(0, False).budget_reached
+
+
+def test_ranks_in_different_rounds_fail_loudly_instead_of_hanging():
+    engine, plane, _ = make_engine()
+    run_window(engine, 10)
+    plane.peer_rows.append({"STEPS": 10, "ROUND": 7.0})
+    with pytest.raises(RanksOutOfStep, match="round"):
+        engine.run_round(0, False)
+
+
+def test_different_models_fail_loudly():
+    engine, plane, _ = make_engine()
+    plane.peer_rows.append({"STEPS": 1, "SIGNATURE": 1.0})
+    with pytest.raises(RanksOutOfStep, match="signature"):
+        engine.run_round(0, False)
+
+
+def test_non_finite_parameters_anywhere_stop_every_rank():
+    engine, plane, param = make_engine()
+    param[0] = math.nan
+    plane.peer_rows.append({"STEPS": 1})
+    with pytest.raises(FloatingPointError, match=r"rank\(s\) \[0\]"):
+        engine.run_round(0, False)
+
+
+def test_metrics_of_a_round():
+    engine, plane, _ = make_engine()
+    run_window(engine, 10, loss=2.0)
+    plane.peer_rows.append({"STEPS": 10, "SAMPLES": 40, "COMPUTE_S": 0.5, "LOSS_SUM": 40.0})
+    with mock.patch.object(engine.clock, "close_window", return_value=0.2):
+        outcome = engine.run_round(0, False)
+    m = engine.metrics(outcome)
+    assert m["elche/anchor"] == 10 and m["elche/syncs"] == 1 and m["elche/cohort_step"] == 20
+    assert m["elche/batch_share/rank0"] == 0.5 and m["elche/batch_share/rank1"] == 0.5
+    assert m["elche/samples_per_s/rank0"] == pytest.approx(80 / 0.2)
+    assert m["elche/samples_per_s/rank1"] == pytest.approx(40 / 0.5)
+    assert m["elche/train_loss"] == pytest.approx((20.0 + 40.0) / 20)
+    assert set(m) >= {"elche/overhead", "elche/idle/rank0", "elche/idle/rank1"}
+
+
+def test_per_step_path_makes_no_collective_no_item_no_device_sync():
+    engine, _, _ = make_engine()
+    forbidden = RuntimeError("called in the per-step path")
+    with mock.patch.object(torch.Tensor, "item", side_effect=forbidden), \
+            mock.patch.object(torch.Tensor, "tolist", side_effect=forbidden), \
+            mock.patch.object(torch.cuda, "synchronize", side_effect=forbidden), \
+            mock.patch.object(dist, "all_reduce", side_effect=forbidden), \
+            mock.patch.object(dist, "all_gather_into_tensor", side_effect=forbidden), \
+            mock.patch.object(dist, "broadcast", side_effect=forbidden):
+        for _ in range(100):
+            engine.record_step(8, torch.tensor(0.5), lr=0.1)
+            engine.window_due()
+    assert engine._steps == 100
