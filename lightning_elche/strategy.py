@@ -362,9 +362,11 @@ class ElCheStrategy(DDPStrategy):
         """
         assert self._engine is not None
         if self.is_global_zero and (outcome.index % self.log_every_n_syncs == 0 or outcome.epoch_over):
+            # One x-axis with Lightning's own metrics (rank 0's global_step); the cohort's step
+            # count is a logged value, elche/cohort_step.
             metrics = self._engine.metrics(outcome)
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=outcome.cohort_step)
+                logger.log_metrics(metrics, step=trainer.global_step)
         if outcome.stop_level >= _STOP_SIGTERM:
             self._uneven_phase = False
             raise SIGTERMException()

@@ -13,7 +13,8 @@ def format_summary(engine: ElCheEngine) -> str:
         f"ElChe summary: mode {engine.config.mode.value}, {state.rounds} syncs, "
         f"{state.cohort_step} cohort steps, final anchor {engine.controller.anchor}, "
         f"window plan {engine.controller.batch_counts}",
-        f"{'rank':>4} {'steps':>8} {'share':>7} {'samples':>9} {'samples/s':>10} {'idle':>6}",
+        f"{'rank':>4} {'steps':>8} {'share':>7} {'samples':>9} {'samples/s':>10} {'idle':>6}"
+        "   (samples/s over compute time; idle = time in syncs / (compute + syncs))",
     ]
     for rank, totals in enumerate(state.totals):
         busy = totals.compute_s + totals.sync_s

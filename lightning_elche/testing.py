@@ -29,8 +29,10 @@ class Throttle(Callback):
     """Make rank ``rank`` about ``slowdown`` times slower than it would be.
 
     * ``sleep`` (the CPU default): after each backward pass the rank sleeps ``slowdown - 1`` times
-      the host time its forward and backward took. The sleep frees the core, as a slower device
-      would, and the optimizer step and any sync stay outside the measured span.
+      the host time from the batch start to the moment the last parameter gradient was computed.
+      The sleep frees the core, as a slower device would. Ending the span at the last gradient
+      keeps communication out of it: DDP's gradient all-reduce finishes after that point, so a
+      DDP run is not slowed more than an ElChe run by the same throttle.
     * ``sm_limit`` (the CUDA default): the rank computes on the stream of a CUDA green context
       that holds only ``total_sms / slowdown`` SMs, so the slowdown is real device time. Work that
       is not compute-bound (a small model fed from the CPU) may not slow down: check with a solo
@@ -57,6 +59,8 @@ class Throttle(Callback):
         self.sleep_s = 0.0
         self.sms: Optional[int] = None
         self._t0 = 0.0
+        self._t_grads: Optional[float] = None
+        self._grad_hook: Any = None
         self._green: Any = None
         self._previous_stream: Optional[torch.cuda.Stream] = None
 
@@ -73,6 +77,20 @@ class Throttle(Callback):
         if trainer.global_rank != self.rank:
             return
         self.active_method = self._resolve(trainer.strategy.root_device)
+        if self.active_method == "sleep":
+            params = [p for p in pl_module.parameters() if p.requires_grad]
+            if params:
+                self._grad_hook = torch.autograd.graph.register_multi_grad_hook(
+                    params, self._on_gradients_ready, mode="all"
+                )
+
+    def _on_gradients_ready(self, grads: Any) -> None:
+        self._t_grads = time.perf_counter()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._grad_hook is not None:
+            self._grad_hook.remove()
+            self._grad_hook = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.active_method == "sm_limit":
@@ -103,11 +121,13 @@ class Throttle(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.active_method == "sleep":
+            self._t_grads = None
             self._t0 = time.perf_counter()
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.active_method == "sleep":
-            pause = (self.slowdown - 1.0) * (time.perf_counter() - self._t0)
+            end = self._t_grads if self._t_grads is not None else time.perf_counter()
+            pause = (self.slowdown - 1.0) * (end - self._t0)
             self.sleep_s += pause
             time.sleep(pause)
 

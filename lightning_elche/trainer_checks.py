@@ -55,17 +55,17 @@ def check_trainer(trainer: pl.Trainer) -> None:
             "validation inside an epoch would start on each rank after its own batch count, and " + uneven,
             "Leave val_check_interval=1.0 and use check_val_every_n_epoch.",
         )
+    if trainer.overfit_batches:
+        raise _refuse(
+            "Trainer(overfit_batches)", trainer.overfit_batches,
+            "it fixes a per-rank batch count", "Pass a small Subset of the training set instead.",
+        )
     if trainer.limit_train_batches not in (1.0, None):
         raise _refuse(
             "Trainer(limit_train_batches)", trainer.limit_train_batches,
             "ElChe hands each rank as many batches as its speed earns, so a per-rank limit "
             "would drop samples unevenly",
             "Pass a torch.utils.data.Subset of the training set instead.",
-        )
-    if trainer.overfit_batches:
-        raise _refuse(
-            "Trainer(overfit_batches)", trainer.overfit_batches,
-            "it fixes a per-rank batch count", "Pass a small Subset of the training set instead.",
         )
     strategy = trainer.strategy
     if getattr(strategy, "_layer_sync", None) is not None:

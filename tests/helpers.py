@@ -103,6 +103,7 @@ class RecordingModel(LightningModule):
             record["rounds"] = engine.state.rounds
             record["cohort_step"] = engine.state.cohort_step
             record["steps"] = [t.steps for t in engine.state.totals]
+            record["compute_s"] = [t.compute_s for t in engine.state.totals]
             record["batch_counts"] = list(engine.controller.batch_counts)
         Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
@@ -176,3 +177,20 @@ class CountCollectives(Callback):
         Path(self.out_dir, f"collectives{trainer.global_rank}.json").write_text(
             json.dumps({"counts": self.counts, "rounds": engine.state.rounds, "realized": realized})
         )
+
+
+class WideRegression(RecordingModel):
+    """A compute-bound variant for GPUs: wide layers, so that an SM limit really slows a rank."""
+
+    def __init__(self, out_dir: str, dim: int = 1024, hidden: int = 8192, n: int = 16384, batch_size: int = 512,
+                 lr: float = 1e-3) -> None:
+        super().__init__(out_dir, dim=dim, hidden=hidden, lr=lr, n=n, batch_size=batch_size, val=True)
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                 nn.Linear(hidden, 1))
+        self.dim = dim
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedRegression(self.n, dim=self.dim), batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedRegression(1024, dim=self.dim, seed=1), batch_size=self.batch_size)

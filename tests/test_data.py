@@ -159,3 +159,27 @@ def test_dispatch_record_counts_chunks():
     assert s.record.chunks == [1] + list(range(2, len(layout)))
     assert s.record.samples == len(got) == 200 - 10 * layout[0][1]
     assert torch.tensor(got).unique().numel() == len(got)
+
+
+def test_split_adapts_within_the_epoch_when_a_rank_slows_down():
+    counter = SharedCounter()
+    samplers = [make("pool", r, counter, n=4000, max_chunk_batches=2) for r in range(2)]
+    iters = [iter(s) for s in samplers]
+    rng = random.Random(5)
+    taken = [[0, 0], [0, 0]]  # [half][rank]
+    done = [False, False]
+    total = 0
+    while not all(done):
+        half = 0 if total < 2000 else 1
+        speeds = (1, 1) if half == 0 else (1, 8)  # rank 0 becomes 8x slower mid-epoch
+        live = [k for k in range(2) if not done[k]]
+        r = rng.choices(live, weights=[speeds[k] for k in live])[0]
+        try:
+            next(iters[r])
+            taken[half][r] += 1
+            total += 1
+        except StopIteration:
+            done[r] = True
+    assert total == 4000
+    assert abs(taken[0][0] - taken[0][1]) < 400  # even split while speeds were equal
+    assert taken[1][1] > 4 * taken[1][0]  # after the slowdown, the other rank takes the bulk

@@ -1,0 +1,110 @@
+"""Each Trainer setting that cannot work with uneven step counts is refused, naming what to use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import RecordingModel
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+import lightning_elche  # noqa: F401  (registers the strategy names)
+from lightning_elche import ElCheConfig, ElCheMode, ElCheStrategy
+from lightning_elche.strategy import resolve_config
+from lightning_elche.trainer_checks import check_trainer
+
+
+def attached_trainer(tmp_path, model=None, **kwargs) -> Trainer:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ElCheStrategy(), logger=False,
+                      enable_progress_bar=False, default_root_dir=str(tmp_path), **kwargs)
+    model = model or RecordingModel(str(tmp_path))
+    trainer.strategy.connect(model)
+    model.trainer = trainer
+    trainer.strategy.optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    return trainer
+
+
+def test_a_supported_configuration_passes(tmp_path):
+    check_trainer(attached_trainer(tmp_path, max_epochs=3, check_val_every_n_epoch=2,
+                                   callbacks=[ModelCheckpoint(every_n_epochs=1), Timer(interval="epoch")]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "setting", "instead"),
+    [
+        ({"min_steps": 10}, "min_steps", "min_epochs"),
+        ({"max_time": "00:00:01:00"}, "max_time", "Timer(duration, interval='epoch')"),
+        ({"callbacks": [ModelCheckpoint(every_n_train_steps=5)]}, "every_n_train_steps", "every_n_epochs"),
+        ({"callbacks": [ModelCheckpoint(train_time_interval=__import__("datetime").timedelta(minutes=1))]},
+         "train_time_interval", "every_n_epochs"),
+        ({"val_check_interval": 0.5}, "val_check_interval", "check_val_every_n_epoch"),
+        ({"val_check_interval": 100, "check_val_every_n_epoch": None}, "val_check_interval", "check_val_every_n_epoch"),
+        ({"limit_train_batches": 10}, "limit_train_batches", "Subset"),
+        ({"overfit_batches": 2}, "overfit_batches", "Subset"),
+        ({"sync_batchnorm": True}, "sync_batchnorm", "running statistics are averaged"),
+    ],
+)
+def test_unsupported_settings_are_refused_with_an_alternative(tmp_path, kwargs, setting, instead):
+    trainer = attached_trainer(tmp_path, **kwargs)
+    if kwargs.get("sync_batchnorm"):
+        trainer.strategy._layer_sync = object()
+    with pytest.raises(MisconfigurationException) as info:
+        check_trainer(trainer)
+    assert setting in str(info.value) and instead in str(info.value)
+
+
+def test_manual_optimization_is_refused(tmp_path):
+    model = RecordingModel(str(tmp_path))
+    model.automatic_optimization = False
+    with pytest.raises(MisconfigurationException, match="automatic_optimization"):
+        check_trainer(attached_trainer(tmp_path, model=model))
+
+
+def test_two_optimizers_are_refused(tmp_path):
+    trainer = attached_trainer(tmp_path)
+    trainer.strategy.optimizers = trainer.strategy.optimizers * 2
+    with pytest.raises(MisconfigurationException, match="2 optimizers"):
+        check_trainer(trainer)
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [("elche", ElCheMode.nccl_cadence), ("elche_nccl_sync", ElCheMode.nccl_sync),
+     ("elche_nccl_cadence", ElCheMode.nccl_cadence)],
+)
+def test_registered_names_build_the_strategy(name, mode):
+    assert name in StrategyRegistry
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+    assert isinstance(trainer.strategy, ElCheStrategy)
+    assert trainer.strategy.elche.mode is mode
+
+
+@pytest.mark.parametrize("name", ["elche_cpu_sync", "elche_cpu_cadence", "elche_cpu_async"])
+def test_unbuilt_modes_are_registered_but_refuse_loudly(name):
+    assert name in StrategyRegistry
+    with pytest.raises(NotImplementedError, match="ElCheConfig.mode='cpu_"):
+        Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+
+
+def test_mode_and_config_arguments():
+    assert resolve_config("nccl_sync", None) == ElCheConfig.nccl_sync()
+    assert resolve_config(None, None) == ElCheConfig()
+    cfg = ElCheConfig(max_anchor=20)
+    assert resolve_config(None, cfg) is cfg and resolve_config("nccl_cadence", cfg) is cfg
+    with pytest.raises(ValueError, match="conflicts with elche.mode='nccl_cadence'"):
+        ElCheStrategy(mode="nccl_sync", elche=cfg)
+    with pytest.raises(ValueError, match="mode='turbo'"):
+        ElCheStrategy(mode="turbo")
+    with pytest.raises(ValueError, match="chunk_batches=0"):
+        ElCheStrategy(chunk_batches=0)
+    with pytest.raises(NotImplementedError, match="divergence_threshold"):
+        ElCheStrategy(elche=ElCheConfig(divergence_threshold=0.1))
+
+
+def test_strategy_is_picklable_before_fit():
+    import pickle
+
+    strategy = pickle.loads(pickle.dumps(ElCheStrategy(mode="nccl_sync")))
+    assert strategy.elche.mode is ElCheMode.nccl_sync and strategy.engine is None
