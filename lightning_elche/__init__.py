@@ -7,18 +7,39 @@ names ``"elche"`` and ``"elche_<mode>"``.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_elche.config import ElCheConfig, ElCheMode
-from lightning_elche.guard import NudgeDown, Stable, SuppressGrowth
+from lightning_elche.guard import (
+    ConvergenceGuard,
+    DivergenceReport,
+    GrowthGuard,
+    NoGuard,
+    NudgeDown,
+    Stable,
+    SuppressGrowth,
+    TrendGuard,
+)
+from lightning_elche.meta import MetaController
+from lightning_elche.outer import DiLoCo, OuterAvg, OuterOptimizer, SlowMo
 from lightning_elche.strategy import ElCheStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConvergenceGuard",
+    "DiLoCo",
+    "DivergenceReport",
     "ElCheConfig",
     "ElCheMode",
     "ElCheStrategy",
+    "GrowthGuard",
+    "MetaController",
+    "NoGuard",
     "NudgeDown",
+    "OuterAvg",
+    "OuterOptimizer",
+    "SlowMo",
     "Stable",
     "SuppressGrowth",
+    "TrendGuard",
     "__version__",
 ]
 

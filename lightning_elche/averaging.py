@@ -129,3 +129,21 @@ def averaged_state(module: nn.Module) -> tuple[FlatTensors, FlatTensors]:
     params = [p.data for _, p in module.named_parameters()]
     buffers = [b for _, b in module.named_buffers() if b.is_floating_point()]
     return FlatTensors(params), FlatTensors(buffers)
+
+
+def divergence_norms(pre: Sequence[Tensor], consensus: Sequence[Tensor]) -> Tensor:
+    """``[||pre - consensus||, ||pre||, ||consensus||]`` over all tensors, as a float64 tensor.
+
+    ``pre`` is overwritten with the difference (it is the caller's scratch copy). Stays on the
+    device: the values travel in the next round's metadata, so reading them costs no extra sync.
+    """
+    pre_sq = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in pre]).sum()
+    post_sq = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in consensus]).sum()
+    torch._foreach_sub_(list(pre), list(consensus))
+    diff_sq = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in pre]).sum()
+    return torch.stack([diff_sq, pre_sq, post_sq]).sqrt()
+
+
+def relative_divergence(delta_norm: float, post_norm: float) -> float:
+    """``||pre - consensus|| / ||consensus||``, 0 for a vanishing consensus."""
+    return delta_norm / post_norm if post_norm > 1e-10 else 0.0

@@ -16,15 +16,17 @@ import math
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_elche.averaging import RoundWeights, round_weights
+from lightning_elche.averaging import RoundWeights, relative_divergence, round_weights
 from lightning_elche.config import ElCheConfig
 from lightning_elche.controller import ElCheController
-from lightning_elche.guard import Stable
+from lightning_elche.convergence import ConvergenceControl, Feedback
+from lightning_elche.guard import DivergenceReport
+from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane
 
 
@@ -43,6 +45,10 @@ class Meta(IntEnum):
     EPOCH = 9
     ROUND = 10
     SIGNATURE = 11
+    HAS_DIVERGENCE = 12  # the three norms below come from the previous realized round
+    DELTA_NORM = 13
+    PRE_NORM = 14
+    POST_NORM = 15
 
 
 META_SIZE = len(Meta)
@@ -65,6 +71,7 @@ class RankReport:
     out_of_data: bool
     stop_level: int
     finite: bool
+    divergence: Optional[tuple[float, float, float]]
 
     @classmethod
     def from_row(cls, row: list[float]) -> RankReport:
@@ -78,6 +85,9 @@ class RankReport:
             out_of_data=row[Meta.OUT_OF_DATA] > 0.5,
             stop_level=int(row[Meta.STOP_REQUESTED]),
             finite=row[Meta.FINITE] > 0.5,
+            divergence=(row[Meta.DELTA_NORM], row[Meta.PRE_NORM], row[Meta.POST_NORM])
+            if row[Meta.HAS_DIVERGENCE] > 0.5
+            else None,
         )
 
 
@@ -95,6 +105,9 @@ class RoundOutcome:
     epoch_over: bool
     stop_level: int
     budget_reached: bool
+    divergence: Optional[DivergenceReport]
+    feedback: Feedback
+    reset_inner: bool
 
     @property
     def ends_window_sequence(self) -> bool:
@@ -154,6 +167,7 @@ class ElCheEngine:
         signature: a number identifying the averaged layout (same on every rank).
         epoch_batches: batches per epoch over all ranks (caps the window).
         step_budget: stop once the cohort has taken this many optimizer steps (None: no budget).
+        outer: the outer optimizer applied to each realized consensus (default: plain averaging).
     """
 
     def __init__(
@@ -167,6 +181,7 @@ class ElCheEngine:
         signature: float,
         epoch_batches: int,
         step_budget: Optional[int] = None,
+        outer: Optional[OuterOptimizer] = None,
     ) -> None:
         self.config = config
         self.plane = plane
@@ -178,6 +193,9 @@ class ElCheEngine:
         self.step_budget = step_budget
         self.controller = ElCheController.from_config(config, world_size)
         self.controller.max_total_batches = max(epoch_batches, world_size)
+        self.convergence = ConvergenceControl(config, self.controller)
+        self.outer: OuterOptimizer = outer if outer is not None else OuterAvg()
+        self._divergence: Optional[Tensor] = None
         self.state = EngineState(totals=[RankTotals() for _ in range(world_size)])
         self.clock = WindowClock(device)
         self.last_outcome: Optional[RoundOutcome] = None
@@ -230,7 +248,9 @@ class ElCheEngine:
                 "averaging would spread them to every replica. Lower the learning rate or clip gradients."
             )
         weights = round_weights([r.steps for r in reports], self.config.gamma)
-        self.plane.average(weights)
+        divergence = self.plane.average(weights, None if isinstance(self.outer, OuterAvg) else self.outer)
+        if divergence is not None:
+            self._divergence = divergence
         outcome = self._advance(reports, weights)
         self._last_sync_s = time.perf_counter() - round_start
         self._reset_window()
@@ -248,8 +268,12 @@ class ElCheEngine:
         host[Meta.EPOCH] = epoch
         host[Meta.ROUND] = self.state.rounds
         host[Meta.SIGNATURE] = self.signature
+        host[Meta.HAS_DIVERGENCE] = float(self._divergence is not None)
         local = host.to(self.device)
         local[Meta.LOSS_SUM] = self._loss_sum
+        if self._divergence is not None:
+            local[Meta.DELTA_NORM : Meta.POST_NORM + 1] = self._divergence
+            self._divergence = None
         if self.params:
             norms = torch._foreach_norm(self.params)
             local[Meta.FINITE] = torch.stack(norms).isfinite().all().to(torch.float64)
@@ -281,7 +305,10 @@ class ElCheEngine:
         self.controller.report_timing(
             [1000.0 * r.compute_s for r in reports], [r.steps for r in reports], sync_ms
         )
-        self.controller.apply_verdict(Stable())
+        divergence = self._divergence_report(reports)
+        steps = [r.steps for r in reports]
+        lr = reports[0].lr if reports[0].lr > 0 else None
+        feedback = self.convergence.after_round(divergence, sum(steps), max(steps), lr)
         budget_reached = self.step_budget is not None and state.cohort_step >= self.step_budget
         outcome = RoundOutcome(
             index=state.rounds,
@@ -294,15 +321,50 @@ class ElCheEngine:
             epoch_over=all(r.out_of_data for r in reports),
             stop_level=max(r.stop_level for r in reports),
             budget_reached=budget_reached,
+            divergence=divergence,
+            feedback=feedback,
+            reset_inner=weights.realized and self.outer.resets_inner,
         )
         self.last_outcome = outcome
         return outcome
+
+    @staticmethod
+    def _divergence_report(reports: tuple[RankReport, ...]) -> Optional[DivergenceReport]:
+        """The previous realized round's drift of every rank from the consensus (one-round lag)."""
+        measured = [r.divergence for r in reports]
+        if any(m is None for m in measured):
+            return None
+        post_norm = measured[0][2]  # type: ignore[index]
+        return DivergenceReport(
+            deltas=[relative_divergence(m[0], post_norm) for m in measured],  # type: ignore[index]
+            pre_norms=[m[1] for m in measured],  # type: ignore[index]
+            post_norm=post_norm,
+        )
 
     def _reset_window(self) -> None:
         self._steps = 0
         self._samples = 0
         self._loss_sum.zero_()
         self.clock.restart_window()
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue the same cadence (identical on every rank)."""
+        return {
+            "rounds": self.state.rounds,
+            "cohort_step": self.state.cohort_step,
+            "controller": self.controller.state_dict(),
+            "convergence": self.convergence.state_dict(),
+            "outer": self.outer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.rounds = int(state["rounds"])
+        self.state.cohort_step = int(state["cohort_step"])
+        self.controller.load_state_dict(state["controller"])
+        self.convergence.load_state_dict(state["convergence"])
+        self.outer.load_state_dict(state["outer"])
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -314,6 +376,13 @@ class ElCheEngine:
             "elche/syncs": float(outcome.index),
             "elche/cohort_step": float(outcome.cohort_step),
         }
+        metrics.update(outcome.feedback.metrics())
+        if outcome.divergence is not None:
+            metrics["elche/divergence"] = outcome.divergence.max_relative_delta()
+            for k, d in enumerate(outcome.divergence.deltas):
+                metrics[f"elche/divergence/rank{k}"] = d
+        if not isinstance(self.outer, OuterAvg) and outcome.weights.realized:
+            metrics["elche/outer_step_norm"] = self.outer.last_step_norm
         total_steps = sum(r.steps for r in outcome.reports)
         moved = [r for r in outcome.reports if r.steps > 0]
         if moved:

@@ -13,6 +13,7 @@ set-up and epoch-level ``sync_dist``, but never wraps the model in ``Distributed
 
 from __future__ import annotations
 
+import copy
 import logging
 import secrets
 import signal
@@ -33,7 +34,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -44,6 +45,7 @@ from lightning_elche.averaging import averaged_state
 from lightning_elche.config import ElCheConfig, ElCheMode
 from lightning_elche.data import ElCheSampler
 from lightning_elche.engine import ElCheEngine, RoundOutcome
+from lightning_elche.outer import OuterOptimizer
 from lightning_elche.planes import CollectivePlane
 from lightning_elche.summary import format_summary
 from lightning_elche.trainer_checks import check_trainer
@@ -80,16 +82,6 @@ def _refuse_unbuilt(config: ElCheConfig) -> None:
             f"ElCheConfig.mode={config.mode.value!r}: the CPU averaging plane is not built in this version; "
             "use mode 'nccl_sync' or 'nccl_cadence' (they run on gloo on CPU and NCCL on GPUs)."
         )
-    for knob, value, unset in (
-        ("convergence_guard", config.convergence_guard, None),
-        ("divergence_threshold", config.divergence_threshold, None),
-        ("no_divergence_guard", config.no_divergence_guard, False),
-    ):
-        if value != unset:
-            raise NotImplementedError(
-                f"ElCheConfig.{knob}={value!r}: the convergence guard is not built in this version; "
-                f"leave {knob} unset."
-            )
 
 
 class ElCheStrategy(DDPStrategy):
@@ -99,6 +91,10 @@ class ElCheStrategy(DDPStrategy):
         mode: one of ``nccl_sync``, ``nccl_cadence`` (default), ``cpu_sync``, ``cpu_cadence``,
             ``cpu_async``; selects that mode's preset when ``elche`` is not given.
         elche: the full :class:`~lightning_elche.ElCheConfig`; ``mode`` must then be omitted or equal.
+        outer_optimizer: applied to every realized parameter consensus, identically on every rank:
+            :class:`~lightning_elche.OuterAvg` (default, plain averaging),
+            :class:`~lightning_elche.SlowMo` or :class:`~lightning_elche.DiLoCo` (which also resets
+            each rank's optimizer state after every sync).
         chunk_batches: longest run of batches a rank claims at once from the shared data pool
             (cadence/async modes). Chunks shrink to single batches near the end of an epoch.
         log_every_n_syncs: log the ``elche/*`` metrics every this many syncs (rank 0).
@@ -109,10 +105,16 @@ class ElCheStrategy(DDPStrategy):
 
     strategy_name = "elche"
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_round_listeners"] = []  # listeners re-register in their callbacks' setup
+        return state
+
     def __init__(
         self,
         mode: Optional[Union[ElCheMode, str]] = None,
         elche: Optional[ElCheConfig] = None,
+        outer_optimizer: Optional[OuterOptimizer] = None,
         chunk_batches: int = 4,
         log_every_n_syncs: int = 1,
         summary: bool = True,
@@ -140,11 +142,18 @@ class ElCheStrategy(DDPStrategy):
         for name, value in (("chunk_batches", chunk_batches), ("log_every_n_syncs", log_every_n_syncs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ElCheStrategy({name}={value!r}) is invalid: expected an integer >= 1.")
+        if outer_optimizer is not None and not isinstance(outer_optimizer, OuterOptimizer):
+            raise TypeError(
+                f"ElCheStrategy(outer_optimizer={outer_optimizer!r}) is invalid: expected an OuterOptimizer "
+                "(OuterAvg, SlowMo or DiLoCo)."
+            )
+        self.outer_optimizer = outer_optimizer
         self.chunk_batches = chunk_batches
         self.log_every_n_syncs = log_every_n_syncs
         self.summary = summary
         # Everything below is built per fit, inside the rank processes (never pickled).
         self._engine: Optional[ElCheEngine] = None
+        self._restored_engine_state: Optional[dict[str, Any]] = None
         self._sampler: Optional[ElCheSampler] = None
         self._dispatch_prefix = ""
         self._step_budget: Optional[int] = None
@@ -153,11 +162,24 @@ class ElCheStrategy(DDPStrategy):
         self._should_stop_seen = False
         self._uneven_phase = False
         self._warned_rank_local_reduce = False
+        self._round_listeners: list[Callable[[RoundOutcome, dict[str, float]], None]] = []
 
     @property
     def engine(self) -> Optional[ElCheEngine]:
         """The round protocol of this rank (built in ``setup`` when fitting)."""
         return self._engine
+
+    def add_round_listener(self, listener: Callable[[RoundOutcome, dict[str, float]], None]) -> None:
+        """Call ``listener(outcome, metrics)`` on every rank after every sync round.
+
+        ``metrics`` are the round's ``elche/*`` scalars (identical on every rank). Listeners run in
+        the training loop at the window boundary: keep them cheap (no collectives).
+        """
+        self._round_listeners.append(listener)
+
+    def remove_round_listener(self, listener: Callable[[RoundOutcome, dict[str, float]], None]) -> None:
+        if listener in self._round_listeners:
+            self._round_listeners.remove(listener)
 
     # -- set-up, in the order Lightning calls it --------------------------------------------
 
@@ -189,8 +211,23 @@ class ElCheStrategy(DDPStrategy):
             signature=signature,
             epoch_batches=0,
             step_budget=self._step_budget,
+            outer=copy.deepcopy(self.outer_optimizer),
         )
+        if self._restored_engine_state is not None:
+            self._engine.load_state_dict(self._restored_engine_state)
+            self._restored_engine_state = None
+        self._check_step_schedulers(trainer)
         self._dispatch_prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
+
+    @staticmethod
+    def _check_step_schedulers(trainer: Trainer) -> None:
+        for config in trainer.lr_scheduler_configs:
+            if config.interval == "step" and config.frequency != 1:
+                raise MisconfigurationException(
+                    f"ElCheStrategy cannot run a step-interval LR scheduler with frequency={config.frequency}: "
+                    "schedulers follow the cohort step (all ranks' steps) and are advanced one step at a time. "
+                    "Use frequency=1 and fold the factor into the schedule."
+                )
 
     def _take_over_max_steps(self, trainer: Trainer) -> None:
         # Lightning would stop each rank at its own global_step; ElChe counts the cohort's steps
@@ -361,12 +398,20 @@ class ElCheStrategy(DDPStrategy):
         Returns whether every rank leaves the epoch after the current batch.
         """
         assert self._engine is not None
-        if self.is_global_zero and (outcome.index % self.log_every_n_syncs == 0 or outcome.epoch_over):
-            # One x-axis with Lightning's own metrics (rank 0's global_step); the cohort's step
-            # count is a logged value, elche/cohort_step.
+        log_now = self.is_global_zero and (outcome.index % self.log_every_n_syncs == 0 or outcome.epoch_over)
+        if log_now or self._round_listeners:
             metrics = self._engine.metrics(outcome)
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+            for listener in self._round_listeners:
+                listener(outcome, metrics)
+            if log_now:
+                # One x-axis with Lightning's own metrics (rank 0's global_step); the cohort's
+                # step count is a logged value, elche/cohort_step.
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=trainer.global_step)
+        if outcome.reset_inner:
+            for optimizer in self.optimizers:
+                optimizer.state.clear()
+        self._follow_cohort_step(trainer, outcome)
         if outcome.stop_level >= _STOP_SIGTERM:
             self._uneven_phase = False
             raise SIGTERMException()
@@ -383,6 +428,33 @@ class ElCheStrategy(DDPStrategy):
             self._uneven_phase = False
         self._should_stop_seen = trainer.should_stop
         return leaving
+
+    def _follow_cohort_step(self, trainer: Trainer, outcome: RoundOutcome) -> None:
+        # Lightning steps step-interval schedulers once per local optimizer step, so a fast rank
+        # would decay faster. After each round every rank also advances by the steps the others
+        # took, so all schedules sit at the cohort step (flodl: sched(global_step + local steps)).
+        others = sum(r.steps for r in outcome.reports) - outcome.reports[self.global_rank].steps
+        if others <= 0:
+            return
+        for config in trainer.lr_scheduler_configs:
+            if config.interval == "step":
+                for _ in range(others):
+                    config.scheduler.step()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        if self._engine is not None:
+            checkpoint["elche"] = self._engine.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Read before setup builds the engine; applied there so the cadence continues.
+        self._restored_engine_state = checkpoint.get("elche")
+        return checkpoint
 
     # -- collectives outside ElChe's rounds ---------------------------------------------------
 

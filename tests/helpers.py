@@ -13,6 +13,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 
+def inverse_decay(step: int) -> float:
+    """A step-interval LR factor that is easy to check: 1 / (1 + step / 100)."""
+    return 1.0 / (1.0 + step / 100.0)
+
+
 class IndexedRegression(Dataset):
     """``(index, x, y)`` samples of a fixed random linear map plus noise, identical on every rank."""
 
@@ -48,6 +53,7 @@ class RecordingModel(LightningModule):
         batchnorm: bool = False,
         val: bool = True,
         log_step_sync: bool = False,
+        step_schedule: bool = False,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Linear(dim, hidden)]
@@ -62,6 +68,7 @@ class RecordingModel(LightningModule):
         self.momentum = momentum
         self.val = val
         self.log_step_sync = log_step_sync
+        self.step_schedule = step_schedule
         self.seen: dict[int, list[int]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,8 +86,12 @@ class RecordingModel(LightningModule):
         _, x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self(x), y), on_epoch=True, sync_dist=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+        if not self.step_schedule:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_decay)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(IndexedRegression(self.n), batch_size=self.batch_size, shuffle=True)
@@ -98,6 +109,8 @@ class RecordingModel(LightningModule):
             "global_step": self.trainer.global_step,
             "current_epoch": self.trainer.current_epoch,
             "callback_metrics": {k: float(v) for k, v in self.trainer.callback_metrics.items()},
+            "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
+            "schedule_position": [c.scheduler.last_epoch for c in self.trainer.lr_scheduler_configs],
         }
         if engine is not None:
             record["rounds"] = engine.state.rounds

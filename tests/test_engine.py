@@ -18,6 +18,8 @@ class ScriptedPeer(AveragingPlane):
     def __init__(self) -> None:
         self.peer_rows: list[dict] = []
         self.averaged = []
+        self.own_divergence = [0.0, 1.0, 1.0]  # [||pre - consensus||, ||pre||, ||consensus||]
+        self.outer_calls = 0
 
     def exchange(self, local):
         peer = torch.zeros(META_SIZE, dtype=torch.float64)
@@ -27,15 +29,20 @@ class ScriptedPeer(AveragingPlane):
             peer[Meta[name]] = value
         return torch.stack([local.cpu(), peer])
 
-    def average(self, weights):
+    def average(self, weights, outer=None):
         self.averaged.append(weights)
+        if not weights.realized:
+            return None
+        if outer is not None:
+            self.outer_calls += 1
+        return torch.tensor(self.own_divergence, dtype=torch.float64)
 
 
-def make_engine(**config):
+def make_engine(outer=None, **config):
     plane = ScriptedPeer()
     param = torch.ones(4)
     engine = ElCheEngine(ElCheConfig(**config), plane, rank=0, world_size=2, device=torch.device("cpu"),
-                         params=[param], signature=42.0, epoch_batches=1000)
+                         params=[param], signature=42.0, epoch_batches=1000, outer=outer)
     return engine, plane, param
 
 
@@ -150,3 +157,78 @@ def test_per_step_path_makes_no_collective_no_item_no_device_sync():
             engine.record_step(8, torch.tensor(0.5), lr=0.1)
             engine.window_due()
     assert engine._steps == 100
+
+
+def sync(engine, plane, steps=10, lr=0.1, peer=None, own_divergence=None):
+    if own_divergence is not None:
+        plane.own_divergence = own_divergence
+    for _ in range(steps):
+        engine.record_step(8, torch.tensor(1.0), lr=lr)
+    plane.peer_rows.append({"STEPS": steps, **(peer or {})})
+    with mock.patch.object(engine.clock, "close_window", return_value=0.01 * steps):
+        return engine.run_round(0, False)
+
+
+def test_divergence_reaches_every_rank_one_round_later():
+    engine, plane, _ = make_engine()
+    first = sync(engine, plane, own_divergence=[0.2, 2.0, 4.0])
+    assert first.divergence is None  # nothing measured before the first reduce
+    second = sync(engine, plane, peer={"HAS_DIVERGENCE": 1.0, "DELTA_NORM": 0.4, "PRE_NORM": 2.1, "POST_NORM": 4.0})
+    assert second.divergence.deltas == [0.05, 0.1]
+    assert second.divergence.pre_norms == [2.0, 2.1] and second.divergence.post_norm == 4.0
+    m = engine.metrics(second)
+    assert m["elche/divergence"] == 0.1 and m["elche/divergence/rank0"] == 0.05
+
+
+def test_rising_divergence_makes_the_default_guard_suppress_growth():
+    engine, plane, _ = make_engine(meta_controller=False)
+    verdicts = []
+    for d in (0.06, 0.07, 0.08, 0.09):
+        peer = {"HAS_DIVERGENCE": 1.0, "DELTA_NORM": d, "PRE_NORM": 1.0, "POST_NORM": 1.0}
+        outcome = sync(engine, plane, peer=peer, own_divergence=[d, 1.0, 1.0])
+        verdicts.append(type(outcome.feedback.verdict).__name__)
+    # Measurements lag one round: 0.06, 0.07, 0.08 are judged at rounds 2-4.
+    assert verdicts == ["Stable", "Stable", "Stable", "SuppressGrowth"]
+    assert engine.controller.growth_enabled is False
+    assert engine.metrics(outcome)["elche/verdict"] == 1.0
+
+
+def test_lr_cliff_makes_the_meta_controller_shrink_the_window():
+    engine, plane, _ = make_engine()
+    sync(engine, plane, lr=0.1)
+    sync(engine, plane, lr=0.1)
+    assert engine.controller.anchor == 10
+    outcome = sync(engine, plane, lr=0.01)
+    assert outcome.feedback.meta_action == "lr_cliff"
+    assert outcome.feedback.anchor_before == 10 and outcome.feedback.anchor_after == 5
+    assert engine.controller.anchor == 5
+
+
+def test_meta_controller_off_leaves_the_anchor_alone():
+    engine, plane, _ = make_engine(meta_controller=False)
+    sync(engine, plane, lr=0.1), sync(engine, plane, lr=0.1)
+    assert sync(engine, plane, lr=0.01).feedback.meta_action == "noop"
+    assert engine.controller.anchor == 10
+
+
+def test_outer_optimizer_runs_only_on_realized_rounds_and_flags_inner_resets():
+    from lightning_elche.outer import DiLoCo
+
+    engine, plane, _ = make_engine(outer=DiLoCo(lr=0.7, momentum=0.9))
+    outcome = sync(engine, plane)
+    assert plane.outer_calls == 1 and outcome.reset_inner
+    plane.peer_rows.append({"STEPS": 0})
+    idle = engine.run_round(0, False)  # nobody moved: no reduce, no outer step, no reset
+    assert plane.outer_calls == 1 and not idle.reset_inner
+
+
+def test_engine_state_round_trips():
+    engine, plane, _ = make_engine()
+    for _ in range(6):
+        sync(engine, plane, peer={"COMPUTE_S": 0.3})
+    state = engine.state_dict()
+    fresh, _, _ = make_engine()
+    fresh.load_state_dict(state)
+    assert fresh.state.rounds == 6 and fresh.state.cohort_step == engine.state.cohort_step
+    assert fresh.controller.batch_counts == engine.controller.batch_counts
+    assert fresh.controller.phase == engine.controller.phase

@@ -14,12 +14,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import CountCollectives, RecordingModel, StopAtStep, load_records
+from helpers import CountCollectives, RecordingModel, StopAtStep, inverse_decay, load_records
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_elche import ElCheConfig, ElCheStrategy
+from lightning_elche import DiLoCo, ElCheConfig, ElCheStrategy
 from lightning_elche.testing import Throttle
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
@@ -171,3 +171,30 @@ def test_collectives_happen_only_in_rounds(tmp_path):
 def test_unsupported_trainer_setting_is_refused_before_training(tmp_path):
     with pytest.raises(Exception, match=r"val_check_interval\)=5.*check_val_every_n_epoch"):
         fit(tmp_path, elche(), val_check_interval=5, check_val_every_n_epoch=None)
+
+
+def test_diloco_step_schedules_on_the_cohort_step_and_elche_state_in_checkpoints(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    records = fit(
+        tmp_path,
+        elche(outer_optimizer=DiLoCo(lr=0.7, momentum=0.9)),
+        callbacks=[Throttle(1, 3.0), ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True)],
+        model_kwargs={"step_schedule": True, "val": False, "momentum": 0.9},
+        logger=CSVLogger(str(tmp_path), name="logs"),
+        enable_checkpointing=True,
+    )
+    r0, r1 = records
+    assert r0["params"] == r1["params"]
+    assert r0["steps"][0] > 1.5 * r0["steps"][1]
+    # Both ranks' schedules sit at the cohort step, not at their own (very different) step counts.
+    assert r0["schedule_position"] == r1["schedule_position"] == [r0["cohort_step"]]
+    assert r0["lr"] == r1["lr"] == pytest.approx(0.05 * inverse_decay(r0["cohort_step"]))
+    checkpoint = torch.load(ckpt_dir / "last.ckpt", weights_only=False)
+    state = checkpoint["elche"]
+    assert state["rounds"] == r0["rounds"] and state["cohort_step"] == r0["cohort_step"]
+    assert state["outer"]["kind"] == "DiLoCo" and len(state["outer"]["velocity"]) > 0
+    assert state["controller"]["batch_counts"] == r0["batch_counts"]
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
+    divergences = [float(row["elche/divergence"]) for row in rows if row.get("elche/divergence")]
+    assert divergences and all(d > 0 for d in divergences)
+    assert any(row.get("elche/outer_step_norm") for row in rows)

@@ -99,8 +99,9 @@ def test_mode_and_config_arguments():
         ElCheStrategy(mode="turbo")
     with pytest.raises(ValueError, match="chunk_batches=0"):
         ElCheStrategy(chunk_batches=0)
-    with pytest.raises(NotImplementedError, match="divergence_threshold"):
-        ElCheStrategy(elche=ElCheConfig(divergence_threshold=0.1))
+    assert ElCheStrategy(elche=ElCheConfig(divergence_threshold=0.1)).elche.divergence_threshold == 0.1
+    with pytest.raises(TypeError, match="outer_optimizer"):
+        ElCheStrategy(outer_optimizer="diloco")
 
 
 def test_strategy_is_picklable_before_fit():

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Optional
 
 from torch import Tensor
 
 from lightning_elche.averaging import RoundWeights
+from lightning_elche.outer import OuterOptimizer
 
 
 class AveragingPlane(ABC):
@@ -22,8 +24,14 @@ class AveragingPlane(ABC):
         """All-gather one float64 vector per rank; returns a ``[world_size, len(local)]`` CPU tensor."""
 
     @abstractmethod
-    def average(self, weights: RoundWeights) -> None:
-        """Replace every replica's parameters and float buffers by the weighted consensus, in place."""
+    def average(self, weights: RoundWeights, outer: Optional[OuterOptimizer] = None) -> Optional[Tensor]:
+        """Replace every replica's parameters and float buffers by the weighted consensus, in place.
+
+        ``outer`` (applied identically on every rank) turns the parameter consensus into the new
+        global parameters before they are adopted. Returns this rank's divergence measurement as a
+        float64 device tensor ``[||pre - consensus||, ||pre||, ||consensus||]`` (consensus before
+        the outer step), or ``None`` when the round is not realized (no rank moved).
+        """
 
     def close(self) -> None:  # noqa: B027 (optional hook, default: nothing to release)
         """Release threads, groups and buffers (idempotent)."""

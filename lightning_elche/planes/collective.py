@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_elche.averaging import FlatTensors, RoundWeights
+from lightning_elche.averaging import FlatTensors, RoundWeights, divergence_norms
+from lightning_elche.outer import OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane
 
 
@@ -50,6 +51,7 @@ class CollectivePlane(AveragingPlane):
         self.device = device
         self.group = group
         self._meta_out: Optional[Tensor] = None
+        self._pre: Optional[list[Tensor]] = None
 
     def exchange(self, local: Tensor) -> Tensor:
         local = local.to(self.device, dtype=torch.float64)
@@ -58,16 +60,31 @@ class CollectivePlane(AveragingPlane):
         _all_gather_flat(self._meta_out, local, group=self.group)
         return self._meta_out.view(self.world_size, -1).cpu()
 
-    def average(self, weights: RoundWeights) -> None:
+    def average(self, weights: RoundWeights, outer: Optional[OuterOptimizer] = None) -> Optional[Tensor]:
         if not weights.realized:
-            return
-        self._reduce(self.params, weights.param_factors[self.rank])
+            return None
+        params = self.params
+        params.pack()
+        if self._pre is None:
+            self._pre = [torch.empty_like(flat) for flat in params.flats]
+        # Keep this replica's parameters to measure how far it drifted from the consensus.
+        torch._foreach_copy_(self._pre, params.flats)
+        self._sum_scaled(params, weights.param_factors[self.rank])
+        divergence = divergence_norms(self._pre, params.flats)
+        if outer is not None:
+            outer.step(params.flats)
+        params.unpack()
         if self.buffers:
-            self._reduce(self.buffers, weights.buffer_factors[self.rank])
+            self.buffers.pack()
+            self._sum_scaled(self.buffers, weights.buffer_factors[self.rank])
+            self.buffers.unpack()
+        return divergence
 
-    def _reduce(self, flat: FlatTensors, factor: float) -> None:
-        flat.pack()
+    def _sum_scaled(self, flat: FlatTensors, factor: float) -> None:
         for buffer in flat.flats:
             buffer.mul_(factor)
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
-        flat.unpack()
+
+    def close(self) -> None:
+        self._pre = None
+        self._meta_out = None

@@ -1,0 +1,244 @@
+"""Rigs, budgets and the command line of the benchmark (no torch import: the parent stays light)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+WORLD_SIZE = 2
+PG_TIMEOUT_S = 60
+MIN_MEASURED_SLOWDOWN = 1.3
+"""The throttled solo must be at least this many times slower per step, or the run stops."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One heterogeneity setting of a rig: how rank 1 is slowed down.
+
+    Args:
+        label: short name used in job ids and tables (``k3``, ``sm32``, ``homo``).
+        slowdown: ``Throttle`` factor for the ``sleep`` method (CPU); 1 = no throttle.
+        sms: SMs left to rank 1 by a CUDA green context (GPU); ``None`` = no SM limit.
+    """
+
+    label: str
+    slowdown: float = 1.0
+    sms: Optional[int] = None
+
+    @property
+    def throttled(self) -> bool:
+        return self.slowdown > 1.0 or self.sms is not None
+
+    def describe(self) -> str:
+        if self.sms is not None:
+            return f"rank 1 on a CUDA green context of {self.sms} SMs"
+        if self.slowdown > 1.0:
+            return f"rank 1 sleeps {self.slowdown - 1:g}x its step time after each step (k = {self.slowdown:g})"
+        return "no throttle"
+
+
+@dataclass(frozen=True)
+class Rig:
+    """A machine layout of the protocol: accelerator, backend, heterogeneity, workloads."""
+
+    name: str
+    accelerator: str
+    backend: str
+    settings: tuple[Setting, ...]
+    conv_workload: str
+    description: str
+
+
+RIGS: dict[str, Rig] = {
+    "cpu2": Rig(
+        name="cpu2",
+        accelerator="cpu",
+        backend="gloo",
+        settings=(Setting("k3", slowdown=3.0), Setting("k1", slowdown=1.0)),
+        conv_workload="digits",
+        description="2 CPU ranks (gloo), one torch thread each",
+    ),
+    "gpu2-hetero": Rig(
+        name="gpu2-hetero",
+        accelerator="cuda",
+        backend="nccl",
+        settings=(Setting("sm32", sms=32),),
+        conv_workload="char",
+        description="2 GPUs (NCCL), rank 1 limited to 32 SMs by a CUDA green context",
+    ),
+    "gpu2-homo": Rig(
+        name="gpu2-homo",
+        accelerator="cuda",
+        backend="nccl",
+        settings=(Setting("homo"),),
+        conv_workload="char",
+        description="2 identical GPUs (NCCL), no throttle",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long each part of the benchmark runs.
+
+    Args:
+        name: ``tiny`` (tests), ``quick`` (a look in a few minutes) or ``full`` (committed results).
+        model: throughput model, ``resnet20`` or ``mlp``.
+        tp_samples: training samples per epoch over both ranks (throughput section).
+        tp_batch: per-device batch size (throughput section).
+        tp_seconds: a throughput fit stops at the first epoch end after this many seconds
+            (and after at least two epochs: epoch 0 is excluded from the measurement).
+        tp_max_epochs: hard epoch limit of a throughput fit.
+        conv_epochs: epochs of each convergence fit (the same for every arm).
+        conv_seeds: convergence seeds (median and spread are reported).
+        conv_batch: per-device batch size (convergence section).
+        conv_max_seconds: safety cap of one convergence fit (a capped fit is flagged).
+        char_bytes: training text of the byte-level transformer.
+        deadline_s: groups of fits that would end after this many seconds are skipped (and listed).
+        other_settings: also run the rig's non-headline heterogeneity settings (throughput only).
+        micro_iters: timed iterations of the all-reduce microbenchmark.
+    """
+
+    name: str
+    model: str
+    tp_samples: int
+    tp_batch: int
+    tp_seconds: float
+    tp_max_epochs: int
+    conv_epochs: int
+    conv_seeds: int
+    conv_batch: int
+    conv_max_seconds: float
+    char_bytes: int
+    deadline_s: float
+    other_settings: bool = True
+    micro_iters: int = 20
+
+
+_CPU_BUDGETS = {
+    "tiny": Budget("tiny", "mlp", 1024, 32, 1.0, 4, 3, 1, 32, 60.0, 1 << 16, 150.0, micro_iters=5),
+    "quick": Budget("quick", "resnet20", 1024, 32, 6.0, 20, 10, 1, 32, 120.0, 1 << 18, 420.0),
+    "full": Budget("full", "resnet20", 3072, 32, 30.0, 40, 30, 3, 32, 240.0, 1 << 19, 840.0),
+}
+_GPU_BUDGETS = {
+    "tiny": Budget("tiny", "mlp", 8192, 256, 1.0, 4, 2, 1, 64, 60.0, 1 << 18, 150.0, micro_iters=5),
+    "quick": Budget("quick", "resnet20", 32768, 256, 4.0, 20, 2, 1, 64, 60.0, 1 << 20, 240.0),
+    "full": Budget("full", "resnet20", 32768, 256, 10.0, 40, 6, 3, 64, 60.0, 1 << 21, 380.0, micro_iters=50),
+}
+
+
+def budget_for(rig: Rig, name: str) -> Budget:
+    """The preset of ``name`` for the rig's accelerator."""
+    table = _GPU_BUDGETS if rig.accelerator == "cuda" else _CPU_BUDGETS
+    return table[name]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything the rank processes need (plain values: it is pickled into them)."""
+
+    rig: Rig
+    budget: Budget
+    settings: tuple[Setting, ...]
+    conv_workload: str
+    throughput_seeds: int
+    local_sgd_period: int
+    local_sgd_warmup: int
+    elche_modes: tuple[str, ...]
+    target: Optional[float]
+    min_slowdown: float
+    out_dir: str
+    plots: bool = True
+    skipped_modes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def headline(self) -> Setting:
+        return self.settings[0]
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_elche.bench",
+        description="Run every arm of the lightning-elche benchmark protocol on one rig, in one invocation.",
+    )
+    parser.add_argument("--rig", required=True, choices=sorted(RIGS), help="machine layout (docs/benchmarks.md)")
+    parser.add_argument("--budget", default="full", choices=("tiny", "quick", "full"), help="how long to run")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="where the results go")
+    parser.add_argument("--seeds", type=int, default=None, help="convergence seeds (default: 3 for full)")
+    parser.add_argument("--throughput-seeds", type=int, default=1, help="interleaved throughput passes")
+    parser.add_argument("--model", choices=("resnet20", "mlp"), default=None, help="throughput model")
+    parser.add_argument("--conv-workload", choices=("digits", "char"), default=None,
+                        help="convergence workload (default: digits on CPU, char on GPU)")
+    parser.add_argument("--slowdowns", default=None,
+                        help="CPU rigs: comma-separated k values, the first is the headline (default 3,1)")
+    parser.add_argument("--tp-seconds", type=float, default=None, help="length of a throughput fit")
+    parser.add_argument("--conv-epochs", type=int, default=None, help="epochs of a convergence fit")
+    parser.add_argument("--local-sgd-period", type=int, default=8, help="K of the post-local-SGD arm")
+    parser.add_argument("--local-sgd-warmup", type=int, default=16,
+                        help="start_localSGD_iter of the post-local-SGD arm (steps of plain DDP first)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="target held-out quality (default: Lightning DDP's median final quality, relaxed)")
+    parser.add_argument("--min-slowdown", type=float, default=MIN_MEASURED_SLOWDOWN,
+                        help="smallest solo slowdown that proves the throttle works")
+    parser.add_argument("--only-headline", action="store_true", help="skip the rig's other heterogeneity settings")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
+    args = parser.parse_args(argv)
+    for name in ("seeds", "throughput_seeds", "conv_epochs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.local_sgd_period < 1 or args.local_sgd_warmup < 0:
+        parser.error("--local-sgd-period must be >= 1 and --local-sgd-warmup >= 0")
+    if args.tp_seconds is not None and not (math.isfinite(args.tp_seconds) and args.tp_seconds > 0):
+        parser.error("--tp-seconds must be a positive number")
+    return args
+
+
+def settings_for(rig: Rig, slowdowns: Optional[str]) -> tuple[Setting, ...]:
+    """The rig's settings, or CPU ``--slowdowns`` (``"3,1"``) turned into settings."""
+    if slowdowns is None:
+        return rig.settings
+    if rig.accelerator != "cpu":
+        raise ValueError("--slowdowns applies to the cpu2 rig; GPU rigs throttle by SM count")
+    values = [float(v) for v in slowdowns.split(",") if v.strip()]
+    if not values or any(not math.isfinite(v) or v < 1 for v in values):
+        raise ValueError(f"--slowdowns={slowdowns!r}: expected numbers >= 1")
+    return tuple(Setting(f"k{v:g}", slowdown=v) for v in values)
+
+
+def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped: dict[str, str]) -> BenchConfig:
+    rig = RIGS[args.rig]
+    budget = budget_for(rig, args.budget)
+    overrides: dict[str, object] = {}
+    if args.model is not None:
+        overrides["model"] = args.model
+    if args.seeds is not None:
+        overrides["conv_seeds"] = args.seeds
+    if args.tp_seconds is not None:
+        overrides["tp_seconds"] = args.tp_seconds
+    if args.conv_epochs is not None:
+        overrides["conv_epochs"] = args.conv_epochs
+    if args.only_headline:
+        overrides["other_settings"] = False
+    budget = replace(budget, **overrides)  # type: ignore[arg-type]
+    settings = settings_for(rig, args.slowdowns)
+    if not budget.other_settings:
+        settings = settings[:1]
+    return BenchConfig(
+        rig=rig,
+        budget=budget,
+        settings=settings,
+        conv_workload=args.conv_workload or rig.conv_workload,
+        throughput_seeds=args.throughput_seeds,
+        local_sgd_period=args.local_sgd_period,
+        local_sgd_warmup=args.local_sgd_warmup,
+        elche_modes=elche_modes,
+        target=args.target,
+        min_slowdown=args.min_slowdown,
+        out_dir=str(args.out),
+        plots=not args.no_plots,
+        skipped_modes=skipped,
+    )

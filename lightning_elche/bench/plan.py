@@ -1,0 +1,84 @@
+"""The ordered list of fits one invocation runs, identical in both rank processes.
+
+Fits are grouped: a throughput *pass* (the two solo fits, then every 2-rank arm) or a convergence
+*seed* (rank 0's device alone, then every 2-rank arm). Arms are interleaved: each group runs every
+arm once, and the order of the 2-rank arms rotates from group to group so that a slow drift of the
+machine does not favour one arm. Every group but the first of each section may be skipped when the
+budget's deadline is near (the report lists skipped groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_elche.bench.config import BenchConfig, Setting
+
+SOLO_PAIR = "solo"
+"""Throughput job in which rank 0's device and rank 1's (throttled) device each train alone, concurrently."""
+SOLO_RANK0 = "solo_rank0"
+SOLO_RANK1 = "solo_rank1"
+DDP = "ddp"
+LOCAL_SGD = "ddp_post_local_sgd"
+THROUGHPUT = "throughput"
+CONVERGENCE = "convergence"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One fit (or, for ``solo``, two concurrent single-device fits)."""
+
+    job_id: str
+    section: str
+    arm: str
+    setting: Setting
+    seed: int
+
+
+@dataclass(frozen=True)
+class Group:
+    """Fits that run back to back; ``check_throttle``: verify the throttle after its solo job."""
+
+    name: str
+    section: str
+    jobs: tuple[Job, ...]
+    skippable: bool
+    check_throttle: bool = False
+
+
+def multi_rank_arms(config: BenchConfig) -> list[str]:
+    """The 2-rank arms in their base order: Lightning DDP, post-local SGD, then each ElChe mode."""
+    return [DDP, LOCAL_SGD, *config.elche_modes]
+
+
+def _rotated(arms: list[str], shift: int) -> list[str]:
+    if not arms:
+        return arms
+    shift %= len(arms)
+    return arms[shift:] + arms[:shift]
+
+
+def _throughput_groups(config: BenchConfig, setting: Setting, first_skippable: bool) -> list[Group]:
+    groups = []
+    for p in range(config.throughput_seeds):
+        name = f"tp-{setting.label}-p{p}"
+        jobs = [Job(f"{name}-{SOLO_PAIR}", THROUGHPUT, SOLO_PAIR, setting, p)]
+        jobs += [Job(f"{name}-{arm}", THROUGHPUT, arm, setting, p) for arm in _rotated(multi_rank_arms(config), p)]
+        groups.append(
+            Group(name, THROUGHPUT, tuple(jobs), skippable=first_skippable or p > 0,
+                  check_throttle=p == 0 and setting.throttled)
+        )
+    return groups
+
+
+def build_plan(config: BenchConfig) -> list[Group]:
+    """Headline throughput passes, then convergence seeds, then the rig's other settings."""
+    headline = config.headline
+    groups = _throughput_groups(config, headline, first_skippable=False)
+    for s in range(config.budget.conv_seeds):
+        name = f"cv-s{s}"
+        jobs = [Job(f"{name}-{SOLO_RANK0}", CONVERGENCE, SOLO_RANK0, headline, s)]
+        jobs += [Job(f"{name}-{arm}", CONVERGENCE, arm, headline, s) for arm in _rotated(multi_rank_arms(config), s)]
+        groups.append(Group(name, CONVERGENCE, tuple(jobs), skippable=s > 0))
+    for setting in config.settings[1:]:
+        groups += _throughput_groups(config, setting, first_skippable=True)
+    return groups

@@ -1,0 +1,453 @@
+"""What each of the two rank processes runs: set up once, then every fit of the plan in order.
+
+The harness starts the two rank processes itself (``spawn``) and initializes the process group
+once; Lightning then finds ``LOCAL_RANK`` in the environment and an initialized group, so it
+launches nothing and runs each ``Trainer.fit`` in place, exactly as under ``torchrun``. One world
+serves every fit of the run: this keeps process start-up (seconds per fit, most of a short fit)
+out of the budget and lets arms interleave cheaply. A separate gloo group carries the harness's
+own small decisions (stop a fit, skip a group) so they never touch the training backend.
+
+Each fit writes one JSON record per rank to the run directory (``<job id>.rank<r>.json``): spawn
+returns nothing to the parent, which reads the records when both ranks are done.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import platform
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer, seed_everything
+
+from lightning_elche.averaging import FlatTensors, round_weights
+from lightning_elche.bench.arms import PostLocalSGDStrategy, make_strategy
+from lightning_elche.bench.config import PG_TIMEOUT_S, WORLD_SIZE, BenchConfig, Setting
+from lightning_elche.bench.meter import BenchMeter
+from lightning_elche.bench.plan import CONVERGENCE, SOLO_PAIR, SOLO_RANK0, THROUGHPUT, Group, Job
+from lightning_elche.bench.workloads import (
+    CHAR_SPEC_CPU,
+    CHAR_SPEC_GPU,
+    CharWorkload,
+    DigitsWorkload,
+    ImagesWorkload,
+    Workload,
+    model_stats,
+    train_loader,
+)
+from lightning_elche.engine import META_SIZE
+from lightning_elche.planes import CollectivePlane
+from lightning_elche.testing import Throttle
+
+CONTROL_TIMEOUT_S = 1800
+EXIT_THROTTLE = 3
+"""Exit status of a rank that found the throttled solo not measurably slower."""
+
+log = logging.getLogger(__name__)
+
+
+def record_path(run_dir: str, name: str, rank: int) -> Path:
+    return Path(run_dir, f"{name}.rank{rank}.json")
+
+
+def write_record(run_dir: str, name: str, rank: int, record: dict[str, Any]) -> None:
+    path = record_path(run_dir, name, rank)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+
+
+def read_record(run_dir: str, name: str, rank: int) -> dict[str, Any]:
+    return json.loads(record_path(run_dir, name, rank).read_text())
+
+
+def solo_rate(record: dict[str, Any]) -> float:
+    """Steady-state samples/s of a single-process fit."""
+    span = (record["t_end"] or 0.0) - (record["t_start"] or 0.0)
+    return record["samples"] / span if span > 0 else 0.0
+
+
+def _quiet() -> None:
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_elche"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for pattern in (".*does not have many workers.*", ".*The number of training batches.*",
+                    ".*is smaller than the logging interval.*", ".*sync_dist.*", ".*LeafSpec.*",
+                    ".*barrier\\(\\).*device.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+@dataclass
+class RankContext:
+    """The per-process state shared by every fit."""
+
+    rank: int
+    config: BenchConfig
+    run_dir: str
+    device: torch.device
+    control: Any
+    t0: float
+    workloads: dict[str, Workload] = field(default_factory=dict)
+    durations: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def accelerator(self) -> str:
+        return self.config.rig.accelerator
+
+    def workload(self, section: str) -> Workload:
+        if section not in self.workloads:
+            budget = self.config.budget
+            if section == THROUGHPUT:
+                self.workloads[section] = ImagesWorkload(budget.model, budget.tp_samples, self.device)
+            elif self.config.conv_workload == "digits":
+                self.workloads[section] = DigitsWorkload(self.device)
+            else:
+                spec = CHAR_SPEC_GPU if self.device.type == "cuda" else CHAR_SPEC_CPU
+                self.workloads[section] = CharWorkload(spec, budget.char_bytes, self.device)
+        return self.workloads[section]
+
+    def agree(self, local: Any) -> Any:
+        """Rank 0's value of ``local``, on every rank."""
+        box = [local]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.control)
+
+
+# -- set-up --------------------------------------------------------------------------------
+
+
+def _set_rank_environment(rank: int, port: int) -> None:
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(WORLD_SIZE),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "NODE_RANK": "0",
+    })
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    rank_zero_only.rank = fabric_rank_zero_only.rank = rank  # type: ignore[attr-defined]
+
+
+def _init_process_group(rank: int, port: int, config: BenchConfig) -> tuple[torch.device, Any]:
+    timeout = timedelta(seconds=PG_TIMEOUT_S)
+    if config.rig.accelerator == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
+        torch.set_float32_matmul_precision("high")
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
+                                timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
+                                timeout=timeout)
+    # The harness's own group waits while the peer trains alone (a solo fit): a long timeout. A
+    # dead peer is caught by the parent, which stops both processes.
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+    return device, control
+
+
+def describe_device(device: torch.device) -> dict[str, Any]:
+    import lightning
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update({
+            "gpu": props.name,
+            "gpu_sms": props.multi_processor_count,
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "cuda": torch.version.cuda,
+            "nccl": ".".join(str(v) for v in torch.cuda.nccl.version()),
+        })
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# -- the all-reduce microbenchmark ---------------------------------------------------------
+
+
+def _time_collective(ctx: RankContext, op: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        op()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    ctx.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        op()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    return (time.perf_counter() - start) / iters
+
+
+def microbenchmark(ctx: RankContext) -> dict[str, Any]:
+    """Seconds per raw ``dist.all_reduce`` of a flat float32 tensor of each model's parameter count,
+    per ``CollectivePlane.average`` of the same model's parameters (pack, pre-scale, SUM all-reduce,
+    unpack), and per metadata exchange (one round's all-gather)."""
+    iters = ctx.config.budget.micro_iters
+    out: dict[str, Any] = {}
+    for section in (THROUGHPUT, CONVERGENCE):
+        module = ctx.workload(section).make_module().to(ctx.device)
+        params = [p.detach().clone() for p in module.parameters()]
+        numel = sum(p.numel() for p in params)
+        flat = torch.ones(numel, dtype=torch.float32, device=ctx.device)
+        raw_s = _time_collective(ctx, lambda: dist.all_reduce(flat), iters)
+        meta_device = ctx.device if ctx.config.rig.backend == "nccl" else torch.device("cpu")
+        plane = CollectivePlane(FlatTensors(params), FlatTensors([]), ctx.rank, WORLD_SIZE, meta_device)
+        weights = round_weights([1] * WORLD_SIZE, 1.0)
+        plane_s = _time_collective(ctx, lambda: plane.average(weights), iters)
+        local = torch.zeros(META_SIZE, dtype=torch.float64)
+        exchange_s = _time_collective(ctx, lambda: plane.exchange(local), iters)
+        plane.close()
+        out[section] = {
+            "model": ctx.workload(section).name,
+            "numel": numel,
+            "bytes": numel * 4,
+            "iters": iters,
+            "raw_all_reduce_s": raw_s,
+            "plane_average_s": plane_s,
+            "metadata_exchange_s": exchange_s,
+        }
+        del module, params, flat, plane
+    return out
+
+
+# -- fits ----------------------------------------------------------------------------------
+
+
+def _throttle(ctx: RankContext, setting: Setting, rank: int) -> Optional[Throttle]:
+    """The throttle that slows ``rank`` (a global rank of the fit) under ``setting``."""
+    if not setting.throttled:
+        return None
+    if setting.sms is not None:
+        if ctx.device.type != "cuda":
+            raise ValueError(f"setting {setting.label} limits SMs and needs CUDA")
+        total = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        # Half an SM of slack so that float rounding never drops a granule in green_context_sms.
+        return Throttle(rank, max(1.0, total / (setting.sms + 0.5)), method="sm_limit")
+    return Throttle(rank, setting.slowdown, method="sleep")
+
+
+def _trainer(ctx: RankContext, strategy: Any, devices: Any, max_epochs: int, callbacks: list[Any]) -> Trainer:
+    return Trainer(
+        accelerator=ctx.accelerator,
+        devices=devices,
+        strategy=strategy,
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=ctx.run_dir,
+    )
+
+
+def _fit_limits(ctx: RankContext, job: Job) -> tuple[int, float, bool]:
+    """(max_epochs, stop-after seconds, evaluate) of a job."""
+    budget = ctx.config.budget
+    if job.section == THROUGHPUT:
+        return budget.tp_max_epochs, budget.tp_seconds, False
+    return budget.conv_epochs, budget.conv_max_seconds, True
+
+
+def _seed(job: Job) -> int:
+    return (1000 if job.section == THROUGHPUT else 0) + job.seed
+
+
+def _common_record(job: Job, trainer: Trainer, meter: BenchMeter, throttle: Optional[Throttle],
+                   stats: dict[str, int], wall_s: float) -> dict[str, Any]:
+    record = meter.record()
+    record.update({
+        "job": job.job_id,
+        "arm": job.arm,
+        "section": job.section,
+        "seed": job.seed,
+        "setting": job.setting.label,
+        "epochs": trainer.current_epoch,
+        "model": stats,
+        "wall_s": wall_s,
+    })
+    if throttle is not None:
+        record["throttle"] = {"method": throttle.active_method, "slowdown": throttle.slowdown,
+                              "sleep_s": throttle.sleep_s, "sms": throttle.sms}
+    return record
+
+
+def run_solo(ctx: RankContext, job: Job, as_rank: int) -> dict[str, Any]:
+    """One single-process fit of the device of rank ``as_rank`` (throttled if it is rank 1)."""
+    workload = ctx.workload(job.section)
+    budget = ctx.config.budget
+    if job.section == THROUGHPUT:
+        # The throttled solo trains a 1/k share so that both solos run about as long (CPU contention).
+        nominal = job.setting.slowdown if job.setting.sms is None else 1.0
+        share = 0.5 / (nominal if as_rank == 1 else 1.0)
+        batch, drop_last = budget.tp_batch, True
+    else:
+        share, batch, drop_last = 1.0, budget.conv_batch, False
+    seed_everything(_seed(job), verbose=False)
+    module = workload.make_module()
+    stats = model_stats(module)
+    max_epochs, stop_after, evaluate = _fit_limits(ctx, job)
+    meter = BenchMeter(workload, evaluate=evaluate, stop_after_s=stop_after)
+    throttle = _throttle(ctx, job.setting, 0) if as_rank == 1 else None
+    callbacks: list[Any] = [c for c in (throttle, meter) if c is not None]
+    devices: Any = [ctx.device.index] if ctx.device.type == "cuda" else 1
+    trainer = _trainer(ctx, "auto", devices, max_epochs, callbacks)
+    started = time.time()
+    trainer.fit(module, train_dataloaders=train_loader(workload.train_set(share), batch, drop_last))
+    record = _common_record(job, trainer, meter, throttle, stats, time.time() - started)
+    record.update({"arm": f"solo_rank{as_rank}", "batch_size": batch, "train_samples": len(workload.train_set(share))})
+    return record
+
+
+def run_multi(ctx: RankContext, job: Job) -> dict[str, Any]:
+    """One 2-rank fit of ``job.arm``, rank 1 throttled as the setting says."""
+    workload = ctx.workload(job.section)
+    budget = ctx.config.budget
+    batch, drop_last = (budget.tp_batch, True) if job.section == THROUGHPUT else (budget.conv_batch, False)
+    seed_everything(_seed(job), verbose=False)
+    module = workload.make_module()
+    stats = model_stats(module)
+    max_epochs, stop_after, evaluate = _fit_limits(ctx, job)
+    meter = BenchMeter(workload, evaluate=evaluate, stop_after_s=stop_after, control_group=ctx.control,
+                       trace_elche=job.arm in ctx.config.elche_modes)
+    throttle = _throttle(ctx, job.setting, 1)
+    callbacks: list[Any] = [c for c in (throttle, meter) if c is not None]
+    strategy = make_strategy(job.arm, ctx.config)
+    trainer = _trainer(ctx, strategy, WORLD_SIZE, max_epochs, callbacks)
+    started = time.time()
+    trainer.fit(module, train_dataloaders=train_loader(workload.train_set(), batch, drop_last))
+    record = _common_record(job, trainer, meter, throttle if ctx.rank == 1 else None, stats, time.time() - started)
+    record.update({"batch_size": batch, "train_samples": len(workload.train_set())})
+    engine = getattr(strategy, "engine", None)
+    if engine is not None:
+        record["elche"] = {
+            "rounds": engine.state.rounds,
+            "cohort_step": engine.state.cohort_step,
+            "final_anchor": engine.controller.anchor,
+            "window_plan": list(engine.controller.batch_counts),
+            "totals": [{"steps": t.steps, "samples": t.samples, "compute_s": t.compute_s, "sync_s": t.sync_s}
+                       for t in engine.state.totals],
+            "meta_bytes": META_SIZE * 8,
+        }
+    if isinstance(strategy, PostLocalSGDStrategy):
+        averager = strategy._model_averager
+        record["local_sgd"] = {
+            "period": strategy.period,
+            "warmup": strategy.warmup,
+            "averager_steps": averager.step if averager is not None else None,
+            "averagings": strategy.averagings(meter.total_steps),
+        }
+    return record
+
+
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_job(ctx: RankContext, job: Job) -> None:
+    if job.arm == SOLO_PAIR:
+        write_record(ctx.run_dir, job.job_id, ctx.rank, run_solo(ctx, job, as_rank=ctx.rank))
+    elif job.arm == SOLO_RANK0:
+        if ctx.rank == 0:
+            write_record(ctx.run_dir, job.job_id, 0, run_solo(ctx, job, as_rank=0))
+    else:
+        write_record(ctx.run_dir, job.job_id, ctx.rank, run_multi(ctx, job))
+    _release()
+    ctx.barrier()
+
+
+def throttle_ok(ctx: RankContext, job: Job) -> tuple[bool, dict[str, Any]]:
+    """Both ranks read both solo records of ``job`` and reach the same verdict."""
+    rates = [solo_rate(read_record(ctx.run_dir, job.job_id, r)) for r in range(WORLD_SIZE)]
+    measured = rates[0] / rates[1] if rates[1] > 0 else float("inf")
+    verdict = {"job": job.job_id, "solo_rates": rates, "measured_slowdown": measured,
+               "min_slowdown": ctx.config.min_slowdown}
+    return measured >= ctx.config.min_slowdown, verdict
+
+
+def run_plan(ctx: RankContext, plan: list[Group]) -> int:
+    """Every group in order; returns the process exit status."""
+    skipped: list[str] = []
+    for i, group in enumerate(plan):
+        if group.skippable:
+            projected = time.time() - ctx.t0 + ctx.durations.get(group.section, 0.0)
+            if ctx.agree(projected > ctx.config.budget.deadline_s):
+                skipped.append(group.name)
+                continue
+        started = time.time()
+        for job in group.jobs:
+            job_started = time.time()
+            run_job(ctx, job)
+            if ctx.rank == 0:
+                print(f"[bench {time.time() - ctx.t0:6.0f} s] group {i + 1}/{len(plan)} {job.job_id}: "
+                      f"{time.time() - job_started:.1f} s", flush=True)
+            if group.check_throttle and job.arm == SOLO_PAIR:
+                ok, verdict = throttle_ok(ctx, job)
+                if ctx.rank == 0:
+                    write_record(ctx.run_dir, "throttle_check", 0, verdict)
+                if not ok:
+                    return EXIT_THROTTLE
+        ctx.durations[group.section] = max(ctx.durations.get(group.section, 0.0), time.time() - started)
+    if ctx.rank == 0:
+        write_record(ctx.run_dir, "skipped", 0, {"groups": skipped})
+    return 0
+
+
+def worker_main(rank: int, config: BenchConfig, plan: list[Group], run_dir: str, port: int, t0: float) -> None:
+    """Entry point of a rank process (the target of a ``spawn`` process)."""
+    status = 1
+    try:
+        _set_rank_environment(rank, port)
+        _quiet()
+        device, control = _init_process_group(rank, port, config)
+        ctx = RankContext(rank, config, run_dir, device, control, t0)
+        write_record(run_dir, "device", rank, describe_device(device))
+        write_record(run_dir, "micro", rank, microbenchmark(ctx))
+        if rank == 0:
+            print(f"[bench {time.time() - t0:6.0f} s] set-up and all-reduce microbenchmark done", flush=True)
+        status = run_plan(ctx, plan)
+        ctx.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        Path(run_dir, f"error.rank{rank}.txt").write_text(traceback.format_exc())
+        raise SystemExit(1) from None
+    raise SystemExit(status)
