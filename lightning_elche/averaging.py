@@ -114,6 +114,11 @@ class FlatTensors:
         for members, _, views in self._groups:
             torch._foreach_copy_(members, views)
 
+    def blend(self, alpha: float) -> None:
+        """``live ← (1 − alpha)·live + alpha·flat``, in place (elastic averaging toward the buffers)."""
+        for members, _, views in self._groups:
+            torch._foreach_lerp_(members, views, alpha)
+
     def signature(self) -> list[tuple[str, int]]:
         """(dtype, numel) per flat buffer: ranks whose signatures differ cannot average."""
         return [(str(flat.dtype), flat.numel()) for flat in self.flats]
@@ -147,3 +152,15 @@ def divergence_norms(pre: Sequence[Tensor], consensus: Sequence[Tensor]) -> Tens
 def relative_divergence(delta_norm: float, post_norm: float) -> float:
     """``||pre - consensus|| / ||consensus||``, 0 for a vanishing consensus."""
     return delta_norm / post_norm if post_norm > 1e-10 else 0.0
+
+
+def weighted_sum_into(out: Tensor, contributions: Sequence[Tensor], factors: Sequence[float]) -> Tensor:
+    """``out = Σ factors[k] · contributions[k]`` accumulated in ``out``'s dtype (f32 for bf16 wires).
+
+    Contributions are added in rank order, so every rank computing it gets the same bits.
+    """
+    out.zero_()
+    for factor, contribution in zip(factors, contributions, strict=True):
+        if factor:
+            out.add_(contribution.to(out.dtype), alpha=factor)
+    return out

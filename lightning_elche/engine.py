@@ -15,80 +15,22 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_elche.averaging import RoundWeights, relative_divergence, round_weights
+from lightning_elche.averaging import RoundWeights, relative_divergence
 from lightning_elche.config import ElCheConfig
 from lightning_elche.controller import ElCheController
 from lightning_elche.convergence import ConvergenceControl, Feedback
-from lightning_elche.guard import DivergenceReport
+from lightning_elche.guard import DivergenceReport, NudgeDown, Stable
 from lightning_elche.outer import OuterAvg, OuterOptimizer
-from lightning_elche.planes.base import AveragingPlane
+from lightning_elche.planes.base import AveragingPlane, RoundResult
+from lightning_elche.rounds import META_SIZE, Meta, RankReport, RanksOutOfStep  # noqa: F401 (re-exported)
 
-
-class Meta(IntEnum):
-    """Slots of the per-rank metadata vector exchanged at every round."""
-
-    STEPS = 0
-    SAMPLES = 1
-    COMPUTE_S = 2
-    LAST_SYNC_S = 3
-    LOSS_SUM = 4
-    LR = 5
-    OUT_OF_DATA = 6
-    STOP_REQUESTED = 7
-    FINITE = 8
-    EPOCH = 9
-    ROUND = 10
-    SIGNATURE = 11
-    HAS_DIVERGENCE = 12  # the three norms below come from the previous realized round
-    DELTA_NORM = 13
-    PRE_NORM = 14
-    POST_NORM = 15
-
-
-META_SIZE = len(Meta)
-
-
-class RanksOutOfStep(RuntimeError):
-    """Ranks disagree on what round or epoch they are in, or on the model they average."""
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """One rank's row of a round's metadata."""
-
-    steps: int
-    samples: int
-    compute_s: float
-    last_sync_s: float
-    loss_sum: float
-    lr: float
-    out_of_data: bool
-    stop_level: int
-    finite: bool
-    divergence: Optional[tuple[float, float, float]]
-
-    @classmethod
-    def from_row(cls, row: list[float]) -> RankReport:
-        return cls(
-            steps=int(row[Meta.STEPS]),
-            samples=int(row[Meta.SAMPLES]),
-            compute_s=row[Meta.COMPUTE_S],
-            last_sync_s=row[Meta.LAST_SYNC_S],
-            loss_sum=row[Meta.LOSS_SUM],
-            lr=row[Meta.LR],
-            out_of_data=row[Meta.OUT_OF_DATA] > 0.5,
-            stop_level=int(row[Meta.STOP_REQUESTED]),
-            finite=row[Meta.FINITE] > 0.5,
-            divergence=(row[Meta.DELTA_NORM], row[Meta.PRE_NORM], row[Meta.POST_NORM])
-            if row[Meta.HAS_DIVERGENCE] > 0.5
-            else None,
-        )
+OVERSHOOT_INITIAL = 3
+OVERSHOOT_CEILING = 15
 
 
 @dataclass(frozen=True)
@@ -144,15 +86,21 @@ class WindowClock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._window_start = time.perf_counter()
+        self._excluded = 0.0
 
     def restart_window(self) -> None:
         self._window_start = time.perf_counter()
+        self._excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` spent waiting inside the window out of its compute time."""
+        self._excluded += seconds
 
     def close_window(self) -> float:
         """Seconds of compute since the window started (device work included)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        return time.perf_counter() - self._window_start
+        return max(0.0, time.perf_counter() - self._window_start - self._excluded)
 
 
 class ElCheEngine:
@@ -196,6 +144,9 @@ class ElCheEngine:
         self.convergence = ConvergenceControl(config, self.controller)
         self.outer: OuterOptimizer = outer if outer is not None else OuterAvg()
         self._divergence: Optional[Tensor] = None
+        self._in_flight = False
+        self.alpha = float(config.easgd_alpha) if config.mode.is_async and config.easgd_alpha else 1.0
+        self.max_overshoot = config.max_overshoot if config.max_overshoot is not None else OVERSHOOT_INITIAL
         self.state = EngineState(totals=[RankTotals() for _ in range(world_size)])
         self.clock = WindowClock(device)
         self.last_outcome: Optional[RoundOutcome] = None
@@ -229,32 +180,78 @@ class ElCheEngine:
 
     # -- per round -------------------------------------------------------------------------
 
-    def run_round(self, epoch: int, out_of_data: bool, stop_level: int = 0) -> RoundOutcome:
-        """Join one round: exchange metadata, average, update the controller, plan the next window.
+    @property
+    def in_flight(self) -> bool:
+        """A non-blocking round was started and not yet collected."""
+        return self._in_flight
+
+    def run_round(
+        self, epoch: int, out_of_data: bool, stop_level: int = 0, blocking: bool = True
+    ) -> list[RoundOutcome]:
+        """Join one round at this rank's window boundary; returns the rounds completed by this call.
+
+        Blocking (every mode but ``cpu_async``, and any rank that is out of data): the round is
+        started, completed and adopted here, and its outcome returned. Non-blocking: a round
+        still in flight is completed first (its outcome is returned), then the new round starts
+        and the rank goes back to training; :meth:`poll` completes it later.
 
         ``stop_level`` is this rank's stop request (0 none; larger values are more urgent, the
-        strategy defines them); the round's outcome carries the largest over all ranks.
+        strategy defines them); an outcome carries the largest over all ranks.
         """
         compute_s = self.clock.close_window()
         round_start = time.perf_counter()
-        local = self._local_metadata(epoch, out_of_data, stop_level, compute_s)
-        table = self.plane.exchange(local).tolist()
-        self._check_in_step(table)
-        reports = tuple(RankReport.from_row(row) for row in table)
-        if not all(r.finite for r in reports):
-            bad = [k for k, r in enumerate(reports) if not r.finite]
-            raise FloatingPointError(
-                f"ElChe round {self.state.rounds}: parameters of rank(s) {bad} are NaN or infinite; "
-                "averaging would spread them to every replica. Lower the learning rate or clip gradients."
-            )
-        weights = round_weights([r.steps for r in reports], self.config.gamma)
-        divergence = self.plane.average(weights, None if isinstance(self.outer, OuterAvg) else self.outer)
-        if divergence is not None:
-            self._divergence = divergence
-        outcome = self._advance(reports, weights)
-        self._last_sync_s = time.perf_counter() - round_start
+        completed = [self._finish()] if self._in_flight else []
+        if completed and completed[0].ends_window_sequence:
+            # The round that was in flight already decided that nobody trains on.
+            return completed
+        self.plane.start(self._local_metadata(epoch, out_of_data, stop_level, compute_s))
         self._reset_window()
+        if blocking or not self.plane.non_blocking:
+            completed.append(self._finish())
+            self.clock.restart_window()
+        else:
+            self._in_flight = True
+        self._last_sync_s = time.perf_counter() - round_start
+        return completed
+
+    def poll(self) -> list[RoundOutcome]:
+        """Per step in ``cpu_async``: adopt the round in flight once it is done, or once this rank
+        has run ``max_overshoot`` steps past it (then wait for it). Host-side check only."""
+        if not self._in_flight:
+            return []
+        if self.plane.ready():
+            return [self._finish()]
+        if self._steps < self.max_overshoot:
+            return []
+        waited = time.perf_counter()
+        outcome = self._finish()
+        waited = time.perf_counter() - waited
+        # Waiting is sync time, not compute: it must not make this rank look slower.
+        self.clock.exclude(waited)
+        self._last_sync_s += waited
+        return [outcome]
+
+    def _finish(self) -> RoundOutcome:
+        result = self.plane.collect()
+        self._in_flight = False
+        if result.divergence is not None:
+            self._divergence = result.divergence
+        outcome = self._advance(result)
+        # Elastic blending keeps ahead-of-sync progress; when the rounds stop (epoch end, stop,
+        # budget) every replica must hold the same consensus, so those rounds overwrite.
+        self.plane.adopt(result, 1.0 if outcome.ends_window_sequence else self.alpha)
+        self._tune_overshoot(outcome)
         return outcome
+
+    def _tune_overshoot(self, outcome: RoundOutcome) -> None:
+        # flodl's auto-tune: one more step of lookahead per stable verdict, back to the start on a nudge.
+        if self.config.max_overshoot is not None or not self.plane.non_blocking:
+            return
+        verdict = outcome.feedback.verdict
+        if isinstance(verdict, NudgeDown) or outcome.feedback.meta_factor is not None:
+            self.max_overshoot = OVERSHOOT_INITIAL
+        elif isinstance(verdict, Stable):
+            self.max_overshoot = min(self.max_overshoot + 1, OVERSHOOT_CEILING)
 
     def _local_metadata(self, epoch: int, out_of_data: bool, stop_level: int, compute_s: float) -> Tensor:
         host = torch.zeros(META_SIZE, dtype=torch.float64)
@@ -269,6 +266,7 @@ class ElCheEngine:
         host[Meta.ROUND] = self.state.rounds
         host[Meta.SIGNATURE] = self.signature
         host[Meta.HAS_DIVERGENCE] = float(self._divergence is not None)
+        host[Meta.WIRE] = float(self.config.bf16_wire and self.config.mode.uses_cpu_plane)
         local = host.to(self.device)
         local[Meta.LOSS_SUM] = self._loss_sum
         if self._divergence is not None:
@@ -281,17 +279,9 @@ class ElCheEngine:
             local[Meta.FINITE] = 1.0
         return local
 
-    def _check_in_step(self, table: list[list[float]]) -> None:
-        for slot in (Meta.ROUND, Meta.EPOCH, Meta.SIGNATURE):
-            column = [row[slot] for row in table]
-            if any(v != column[0] for v in column):
-                raise RanksOutOfStep(
-                    f"ElChe ranks disagree on {slot.name.lower()} at round {self.state.rounds}: {column}. "
-                    "Every rank must run the same model, data and trainer settings; a rank that "
-                    "stepped outside ElChe's rounds (manual collectives, rank-local stops) breaks this."
-                )
-
-    def _advance(self, reports: tuple[RankReport, ...], weights: RoundWeights) -> RoundOutcome:
+    def _advance(self, result: RoundResult) -> RoundOutcome:
+        reports = tuple(RankReport.from_row(row) for row in result.table)
+        weights = result.weights
         state = self.state
         for totals, report in zip(state.totals, reports, strict=True):
             totals.steps += report.steps

@@ -45,8 +45,8 @@ from lightning_elche.averaging import averaged_state
 from lightning_elche.config import ElCheConfig, ElCheMode
 from lightning_elche.data import ElCheSampler
 from lightning_elche.engine import ElCheEngine, RoundOutcome
-from lightning_elche.outer import OuterOptimizer
-from lightning_elche.planes import CollectivePlane
+from lightning_elche.outer import OuterAvg, OuterOptimizer
+from lightning_elche.planes import AveragingPlane, CollectivePlane, CpuPlane
 from lightning_elche.summary import format_summary
 from lightning_elche.trainer_checks import check_trainer
 
@@ -75,15 +75,6 @@ def resolve_config(mode: Optional[Union[ElCheMode, str]], elche: Optional[ElCheC
     return elche
 
 
-def _refuse_unbuilt(config: ElCheConfig) -> None:
-    """Knobs that are validated but whose behaviour is not in this version raise, never no-op."""
-    if config.mode.uses_cpu_plane:
-        raise NotImplementedError(
-            f"ElCheConfig.mode={config.mode.value!r}: the CPU averaging plane is not built in this version; "
-            "use mode 'nccl_sync' or 'nccl_cadence' (they run on gloo on CPU and NCCL on GPUs)."
-        )
-
-
 class ElCheStrategy(DDPStrategy):
     """Heterogeneity-aware local SGD with a self-tuning averaging window (flodl's ElChe).
 
@@ -97,6 +88,8 @@ class ElCheStrategy(DDPStrategy):
             each rank's optimizer state after every sync).
         chunk_batches: longest run of batches a rank claims at once from the shared data pool
             (cadence/async modes). Chunks shrink to single batches near the end of an epoch.
+        snapshot_timeout: ``cpu_*`` modes: how long an averaging round may wait for a silent peer
+            before it fails with a clear error (instead of hanging).
         log_every_n_syncs: log the ``elche/*`` metrics every this many syncs (rank 0).
         summary: print a per-rank summary table at the end of ``fit``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -116,6 +109,7 @@ class ElCheStrategy(DDPStrategy):
         elche: Optional[ElCheConfig] = None,
         outer_optimizer: Optional[OuterOptimizer] = None,
         chunk_batches: int = 4,
+        snapshot_timeout: timedelta = timedelta(minutes=5),
         log_every_n_syncs: int = 1,
         summary: bool = True,
         accelerator: Optional[Any] = None,
@@ -138,7 +132,6 @@ class ElCheStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.elche = resolve_config(mode, elche)
-        _refuse_unbuilt(self.elche)
         for name, value in (("chunk_batches", chunk_batches), ("log_every_n_syncs", log_every_n_syncs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ElCheStrategy({name}={value!r}) is invalid: expected an integer >= 1.")
@@ -148,12 +141,19 @@ class ElCheStrategy(DDPStrategy):
                 "(OuterAvg, SlowMo or DiLoCo)."
             )
         self.outer_optimizer = outer_optimizer
+        if not isinstance(snapshot_timeout, timedelta) or snapshot_timeout.total_seconds() <= 0:
+            raise ValueError(
+                f"ElCheStrategy(snapshot_timeout={snapshot_timeout!r}) is invalid: expected a positive timedelta."
+            )
+        self.snapshot_timeout = snapshot_timeout
         self.chunk_batches = chunk_batches
         self.log_every_n_syncs = log_every_n_syncs
         self.summary = summary
         # Everything below is built per fit, inside the rank processes (never pickled).
         self._engine: Optional[ElCheEngine] = None
         self._restored_engine_state: Optional[dict[str, Any]] = None
+        self._side_group: Optional[Any] = None
+        self._leaving = False
         self._sampler: Optional[ElCheSampler] = None
         self._dispatch_prefix = ""
         self._step_budget: Optional[int] = None
@@ -192,32 +192,49 @@ class ElCheStrategy(DDPStrategy):
         if not fitting:
             return
         check_trainer(trainer)
-        if self.elche.bf16_wire:
+        if self.elche.bf16_wire and not self.elche.mode.uses_cpu_plane:
             rank_zero_warn(
                 f"ElCheConfig.bf16_wire=True is ignored by mode {self.elche.mode.value!r}: its reduce "
                 "never leaves the devices. bf16_wire applies to the cpu_* modes."
             )
+        self._engine = self._build_engine()
+        if self._restored_engine_state is not None:
+            self._engine.load_state_dict(self._restored_engine_state)
+            self._restored_engine_state = None
+        self._check_step_schedulers(trainer)
+        self._dispatch_prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
+
+    def _build_engine(self) -> ElCheEngine:
         assert self.lightning_module is not None
         params, buffers = averaged_state(self.lightning_module)
-        plane = CollectivePlane(params, buffers, self.global_rank, self.world_size, self._metadata_device())
-        signature = float(params.numel + 1_000_003 * buffers.numel) % 2**52
-        self._engine = ElCheEngine(
+        outer = copy.deepcopy(self.outer_optimizer) if self.outer_optimizer is not None else OuterAvg()
+        plane_outer = None if isinstance(outer, OuterAvg) else outer
+        plane: AveragingPlane
+        if self.elche.mode.uses_cpu_plane:
+            # Every rank creates the side group here, in the same order; only the plane's thread uses it.
+            self._side_group = dist.new_group(backend="gloo", timeout=self.snapshot_timeout)
+            plane = CpuPlane(
+                params, buffers, self.global_rank, self.world_size, gamma=self.elche.gamma, outer=plane_outer,
+                bf16_wire=self.elche.bf16_wire, non_blocking=self.elche.mode.is_async,
+                snapshot_timeout=self.snapshot_timeout, group=self._side_group,
+            )
+        else:
+            plane = CollectivePlane(
+                params, buffers, self.global_rank, self.world_size, self._metadata_device(),
+                gamma=self.elche.gamma, outer=plane_outer,
+            )
+        return ElCheEngine(
             config=self.elche,
             plane=plane,
             rank=self.global_rank,
             world_size=self.world_size,
             device=self.root_device,
             params=params.tensors,
-            signature=signature,
+            signature=float(params.numel + 1_000_003 * buffers.numel) % 2**52,
             epoch_batches=0,
             step_budget=self._step_budget,
-            outer=copy.deepcopy(self.outer_optimizer),
+            outer=outer,
         )
-        if self._restored_engine_state is not None:
-            self._engine.load_state_dict(self._restored_engine_state)
-            self._restored_engine_state = None
-        self._check_step_schedulers(trainer)
-        self._dispatch_prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
 
     @staticmethod
     def _check_step_schedulers(trainer: Trainer) -> None:
@@ -346,6 +363,7 @@ class ElCheStrategy(DDPStrategy):
         assert self._engine is not None
         if batch_idx == 0:
             self._engine.start_epoch()
+            self._leaving = False
         self._uneven_phase = True
         try:
             self._pending_samples += extract_batch_size(batch)
@@ -368,6 +386,10 @@ class ElCheStrategy(DDPStrategy):
         raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         engine.record_step(self._pending_samples, output, float(raw.param_groups[0]["lr"]))
         self._pending_samples = 0
+        for outcome in engine.poll():  # cpu_async: adopt a finished round; nothing to do otherwise
+            self._after_round(trainer, outcome)
+        if self._leaving:  # a round already decided that every rank stops after this batch
+            return output
         out_of_data = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
         if out_of_data or engine.window_due():
             self._sync(trainer, out_of_data)
@@ -383,13 +405,17 @@ class ElCheStrategy(DDPStrategy):
     def _sync(self, trainer: Trainer, out_of_data: bool) -> None:
         """Join rounds until this rank may continue: one round, or until the epoch drains."""
         assert self._engine is not None
-        while True:
-            outcome = self._engine.run_round(trainer.current_epoch, out_of_data, self._stop_request)
+        # cpu_async trains on while a round is in flight, except when out of data: a draining
+        # rank waits for every round, so that it sees the one that ends the epoch.
+        blocking = out_of_data or not self.elche.mode.is_async
+        while not self._leaving:
+            outcomes = self._engine.run_round(trainer.current_epoch, out_of_data, self._stop_request, blocking)
             self._stop_request = _STOP_NONE
-            leaving = self._after_round(trainer, outcome)
+            for outcome in outcomes:
+                self._after_round(trainer, outcome)
             # A rank out of data keeps joining rounds (with zero mass) until every rank is, so
             # that all ranks leave the epoch after the same round.
-            if not out_of_data or leaving:
+            if not out_of_data:
                 break
 
     def _after_round(self, trainer: Trainer, outcome: RoundOutcome) -> bool:
@@ -426,6 +452,7 @@ class ElCheStrategy(DDPStrategy):
                 self._stop_request = _STOP_GRACEFUL
         if leaving:
             self._uneven_phase = False
+            self._leaving = True
         self._should_stop_seen = trainer.should_stop
         return leaving
 
@@ -502,6 +529,10 @@ class ElCheStrategy(DDPStrategy):
         # record); only its transport is released.
         if self._engine is not None:
             self._engine.plane.close()
+        if self._side_group is not None:
+            if _distributed_is_initialized():
+                dist.destroy_process_group(self._side_group)
+            self._side_group = None
         self._sampler = None
         self._uneven_phase = False
         super().teardown()

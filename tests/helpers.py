@@ -207,3 +207,78 @@ class WideRegression(RecordingModel):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(IndexedRegression(1024, dim=self.dim, seed=1), batch_size=self.batch_size)
+
+
+class FlipBf16Wire(Callback):
+    """Sets ``bf16_wire`` on one rank only (before the strategy builds its plane): a mismatched cohort."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.global_rank == self.rank:
+            trainer.strategy.elche.bf16_wire = True
+
+
+class GoSilent(Callback):
+    """One rank stops answering (sleeps) at a given step, as a hung or preempted peer would."""
+
+    def __init__(self, rank: int, step: int, seconds: float) -> None:
+        self.rank, self.step, self.seconds = rank, step, seconds
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            import time
+
+            time.sleep(self.seconds)
+
+
+class RaiseAtStep(Callback):
+    """Raises ``exception`` on one rank at a given step (a crash, or Ctrl-C)."""
+
+    def __init__(self, rank: int, step: int, exception: BaseException) -> None:
+        self.rank, self.step, self.exception = rank, step, exception
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise self.exception
+
+
+def fit_and_report_leftovers(rank: int, out_dir: str, port: int, scenario: str) -> None:
+    """A rank of a 2-process cpu_async fit started by ``torch.multiprocessing.spawn`` (not by Lightning),
+    so that code runs after ``fit`` returns or fails: it records what the CPU plane left behind."""
+    import threading
+    from datetime import timedelta
+
+    from lightning_elche import ElCheStrategy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    callbacks: list[Callback] = []
+    if scenario == "exception":
+        callbacks.append(RaiseAtStep(1, 12, RuntimeError("rank 1 crashed")))
+    elif scenario == "interrupt":
+        callbacks.append(RaiseAtStep(1, 12, KeyboardInterrupt()))
+    elif scenario == "bf16_mismatch":
+        callbacks.append(FlipBf16Wire(1))
+    trainer = Trainer(
+        accelerator="cpu", devices=2, max_epochs=2, limit_val_batches=0, callbacks=callbacks,
+        strategy=ElCheStrategy(mode="cpu_async", timeout=timedelta(seconds=20),
+                               snapshot_timeout=timedelta(seconds=4)),
+        enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
+    )
+    error, message = None, ""
+    try:
+        trainer.fit(RecordingModel(out_dir, val=False))
+    except BaseException as exc:  # noqa: BLE001 (the point is to look at what is left afterwards)
+        error, message = type(exc).__name__, str(exc)
+    strategy = trainer.strategy
+    plane = strategy.engine.plane if strategy.engine is not None else None
+    Path(out_dir, f"leftovers{rank}.json").write_text(json.dumps({
+        "error": error,
+        "message": message,
+        "rounds": strategy.engine.state.rounds if strategy.engine is not None else -1,
+        "threads": [t.name for t in threading.enumerate() if t.name.startswith("elche-cpu-plane")],
+        "side_group_released": strategy._side_group is None,
+        "plane_closed": bool(plane is not None and plane.closed),
+    }))

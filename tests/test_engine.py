@@ -8,38 +8,50 @@ import torch
 import torch.distributed as dist
 
 from lightning_elche import ElCheConfig
-from lightning_elche.engine import META_SIZE, ElCheEngine, Meta, RanksOutOfStep
-from lightning_elche.planes.base import AveragingPlane
+from lightning_elche.averaging import round_weights
+from lightning_elche.engine import ElCheEngine
+from lightning_elche.planes.base import AveragingPlane, RoundResult
+from lightning_elche.rounds import META_SIZE, Meta, RanksOutOfStep, validate_table
 
 
 class ScriptedPeer(AveragingPlane):
     """Rank 1's rows come from a script; rank 0 is the engine under test."""
 
-    def __init__(self) -> None:
+    def __init__(self, non_blocking: bool = False) -> None:
+        self.non_blocking = non_blocking
         self.peer_rows: list[dict] = []
         self.averaged = []
+        self.adopted: list[float] = []
         self.own_divergence = [0.0, 1.0, 1.0]  # [||pre - consensus||, ||pre||, ||consensus||]
-        self.outer_calls = 0
+        self.finished = True
+        self._local = None
 
-    def exchange(self, local):
+    def start(self, local):
+        self._local = local
+
+    def ready(self):
+        return self.finished
+
+    def collect(self):
+        local = self._local
         peer = torch.zeros(META_SIZE, dtype=torch.float64)
         row = {"ROUND": local[Meta.ROUND].item(), "EPOCH": local[Meta.EPOCH].item(),
                "SIGNATURE": local[Meta.SIGNATURE].item(), "FINITE": 1.0, **self.peer_rows.pop(0)}
         for name, value in row.items():
             peer[Meta[name]] = value
-        return torch.stack([local.cpu(), peer])
-
-    def average(self, weights, outer=None):
+        table = torch.stack([local.cpu(), peer]).tolist()
+        validate_table(table)
+        weights = round_weights([int(r[Meta.STEPS]) for r in table], 1.0)
         self.averaged.append(weights)
-        if not weights.realized:
-            return None
-        if outer is not None:
-            self.outer_calls += 1
-        return torch.tensor(self.own_divergence, dtype=torch.float64)
+        divergence = torch.tensor(self.own_divergence, dtype=torch.float64) if weights.realized else None
+        return RoundResult(table, weights, divergence)
+
+    def adopt(self, result, alpha):
+        self.adopted.append(alpha)
 
 
-def make_engine(outer=None, **config):
-    plane = ScriptedPeer()
+def make_engine(outer=None, non_blocking=False, **config):
+    plane = ScriptedPeer(non_blocking)
     param = torch.ones(4)
     engine = ElCheEngine(ElCheConfig(**config), plane, rank=0, world_size=2, device=torch.device("cpu"),
                          params=[param], signature=42.0, epoch_batches=1000, outer=outer)
@@ -66,7 +78,7 @@ def test_round_weights_by_work_and_plans_the_fast_rank_more():
         run_window(engine, engine.planned_steps)
         with mock.patch.object(engine.clock, "close_window", return_value=0.1 * engine.planned_steps / 10):
             plane.peer_rows.append({"STEPS": 10, "SAMPLES": 80, "COMPUTE_S": 0.3, "LAST_SYNC_S": 0.001})
-            outcome = engine.run_round(epoch=0, out_of_data=False)
+            (outcome,) = engine.run_round(epoch=0, out_of_data=False)
     # Rank 0 is 3x faster per step (10 ms vs 30 ms): it gets ~3x the batches per window.
     assert outcome.planned == (30, 10)
     assert plane.averaged[0].param_factors == (0.5, 0.5)
@@ -79,9 +91,9 @@ def test_epoch_is_over_only_when_every_rank_is_out_of_data():
     engine, plane, _ = make_engine()
     run_window(engine, 3)
     plane.peer_rows.append({"STEPS": 10, "OUT_OF_DATA": 0.0})
-    assert not engine.run_round(0, out_of_data=True).epoch_over
+    assert not engine.run_round(0, out_of_data=True)[0].epoch_over
     plane.peer_rows.append({"STEPS": 2, "OUT_OF_DATA": 1.0})
-    outcome = engine.run_round(0, out_of_data=True)
+    (outcome,) = engine.run_round(0, out_of_data=True)
     assert outcome.epoch_over
     # The draining rank joined with zero steps: zero mass.
     assert plane.averaged[-1].param_factors == (0.0, 1.0)
@@ -91,7 +103,7 @@ def test_stop_requests_travel_to_every_rank():
     engine, plane, _ = make_engine()
     run_window(engine, 10)
     plane.peer_rows.append({"STEPS": 10, "STOP_REQUESTED": 2.0})
-    outcome = engine.run_round(0, out_of_data=False, stop_level=1)
+    (outcome,) = engine.run_round(0, out_of_data=False, stop_level=1)
     assert outcome.stop_level == 2 and outcome.ends_window_sequence
 
 
@@ -100,10 +112,10 @@ def test_step_budget_counts_cohort_steps():
     engine.step_budget = 35
     run_window(engine, 10)
     plane.peer_rows.append({"STEPS": 10})
-    assert not engine.run_round(0, False).budget_reached
+    assert not engine.run_round(0, False)[0].budget_reached
     run_window(engine, 10)
     plane.peer_rows.append({"STEPS": 10})
-    assert engine.run_round(0, False).budget_reached
+    assert engine.run_round(0, False)[0].budget_reached
 
 
 def test_ranks_in_different_rounds_fail_loudly_instead_of_hanging():
@@ -134,7 +146,7 @@ def test_metrics_of_a_round():
     run_window(engine, 10, loss=2.0)
     plane.peer_rows.append({"STEPS": 10, "SAMPLES": 40, "COMPUTE_S": 0.5, "LOSS_SUM": 40.0})
     with mock.patch.object(engine.clock, "close_window", return_value=0.2):
-        outcome = engine.run_round(0, False)
+        (outcome,) = engine.run_round(0, False)
     m = engine.metrics(outcome)
     assert m["elche/anchor"] == 10 and m["elche/syncs"] == 1 and m["elche/cohort_step"] == 20
     assert m["elche/batch_share/rank0"] == 0.5 and m["elche/batch_share/rank1"] == 0.5
@@ -166,7 +178,8 @@ def sync(engine, plane, steps=10, lr=0.1, peer=None, own_divergence=None):
         engine.record_step(8, torch.tensor(1.0), lr=lr)
     plane.peer_rows.append({"STEPS": steps, **(peer or {})})
     with mock.patch.object(engine.clock, "close_window", return_value=0.01 * steps):
-        return engine.run_round(0, False)
+        (outcome,) = engine.run_round(0, False)
+    return outcome
 
 
 def test_divergence_reaches_every_rank_one_round_later():
@@ -211,15 +224,15 @@ def test_meta_controller_off_leaves_the_anchor_alone():
     assert engine.controller.anchor == 10
 
 
-def test_outer_optimizer_runs_only_on_realized_rounds_and_flags_inner_resets():
+def test_inner_reset_is_flagged_only_on_realized_rounds():
     from lightning_elche.outer import DiLoCo
 
     engine, plane, _ = make_engine(outer=DiLoCo(lr=0.7, momentum=0.9))
     outcome = sync(engine, plane)
-    assert plane.outer_calls == 1 and outcome.reset_inner
+    assert outcome.reset_inner
     plane.peer_rows.append({"STEPS": 0})
-    idle = engine.run_round(0, False)  # nobody moved: no reduce, no outer step, no reset
-    assert plane.outer_calls == 1 and not idle.reset_inner
+    (idle,) = engine.run_round(0, False)  # nobody moved: nothing averaged, no inner reset
+    assert not idle.reset_inner and not idle.weights.realized
 
 
 def test_engine_state_round_trips():
@@ -232,3 +245,46 @@ def test_engine_state_round_trips():
     assert fresh.state.rounds == 6 and fresh.state.cohort_step == engine.state.cohort_step
     assert fresh.controller.batch_counts == engine.controller.batch_counts
     assert fresh.controller.phase == engine.controller.phase
+
+
+def test_async_rounds_stay_in_flight_and_blend_with_easgd_alpha():
+    engine, plane, _ = make_engine(non_blocking=True, mode="cpu_async")
+    assert engine.alpha == 0.5 and engine.max_overshoot == 3
+    run_window(engine, 10)
+    plane.finished = False
+    plane.peer_rows.append({"STEPS": 10})
+    assert engine.run_round(0, False, blocking=False) == []  # in flight, training goes on
+    assert engine.in_flight
+    run_window(engine, 1)
+    assert engine.poll() == []  # not done, under the overshoot bound
+    plane.finished = True
+    (outcome,) = engine.poll()  # done: adopted mid-window with the elastic blend
+    assert plane.adopted == [0.5] and not engine.in_flight
+    assert outcome.cohort_step == 20
+    # Stable verdicts grow the lookahead by one.
+    assert engine.max_overshoot == 4
+
+
+def test_async_overshoot_bound_forces_the_wait():
+    engine, plane, _ = make_engine(non_blocking=True, mode="cpu_async", max_overshoot=2)
+    run_window(engine, 10)
+    plane.finished = False
+    plane.peer_rows.append({"STEPS": 10})
+    engine.run_round(0, False, blocking=False)
+    run_window(engine, 1)
+    assert engine.poll() == []
+    run_window(engine, 1)
+    assert len(engine.poll()) == 1  # two steps past the sync point: collect, even if not ready
+    assert engine.max_overshoot == 2  # pinned by the user
+
+
+def test_async_round_that_ends_the_epoch_overwrites_instead_of_blending():
+    engine, plane, _ = make_engine(non_blocking=True, mode="cpu_async")
+    run_window(engine, 10)
+    plane.peer_rows.append({"STEPS": 10})
+    engine.run_round(0, False, blocking=False)
+    run_window(engine, 3)
+    plane.peer_rows.append({"STEPS": 4, "OUT_OF_DATA": 1.0})
+    earlier, last = engine.run_round(0, out_of_data=True, blocking=True)
+    assert not earlier.epoch_over and last.epoch_over
+    assert plane.adopted == [0.5, 1.0]

@@ -13,15 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_elche.averaging import FlatTensors, RoundWeights, divergence_norms
+from lightning_elche.averaging import FlatTensors, RoundWeights, divergence_norms, round_weights
 from lightning_elche.outer import OuterOptimizer
-from lightning_elche.planes.base import AveragingPlane
-
-
-def _all_gather_flat(output: Tensor, local: Tensor, group: Optional[Any]) -> None:
-    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, local, group=group)
+from lightning_elche.planes.base import AveragingPlane, RoundResult, all_gather_flat
+from lightning_elche.rounds import Meta, validate_table
 
 
 class CollectivePlane(AveragingPlane):
@@ -32,6 +27,8 @@ class CollectivePlane(AveragingPlane):
         buffers: the model's floating-point buffers in flat persistent buffers.
         rank, world_size: this rank's index and the number of ranks in ``group``.
         device: where metadata travels (CUDA for NCCL, CPU for gloo).
+        gamma: exponent of the realized-work weights.
+        outer: outer optimizer applied to the parameter consensus (``None``: plain averaging).
         group: the process group; ``None`` is the default group.
     """
 
@@ -42,6 +39,8 @@ class CollectivePlane(AveragingPlane):
         rank: int,
         world_size: int,
         device: torch.device,
+        gamma: float = 1.0,
+        outer: Optional[OuterOptimizer] = None,
         group: Optional[Any] = None,
     ) -> None:
         self.params = params
@@ -49,18 +48,34 @@ class CollectivePlane(AveragingPlane):
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        self.gamma = gamma
+        self.outer = outer
         self.group = group
         self._meta_out: Optional[Tensor] = None
         self._pre: Optional[list[Tensor]] = None
+        self._local: Optional[Tensor] = None
+
+    def start(self, local: Tensor) -> None:
+        self._local = local
+
+    def collect(self) -> RoundResult:
+        assert self._local is not None, "collect() without start()"
+        table = self.exchange(self._local).tolist()
+        self._local = None
+        validate_table(table)
+        weights = round_weights([int(row[Meta.STEPS]) for row in table], self.gamma)
+        return RoundResult(table, weights, self.average(weights, self.outer))
 
     def exchange(self, local: Tensor) -> Tensor:
+        """All-gather one float64 vector per rank; a ``[world_size, len(local)]`` CPU tensor."""
         local = local.to(self.device, dtype=torch.float64)
         if self._meta_out is None or self._meta_out.numel() != self.world_size * local.numel():
             self._meta_out = torch.empty(self.world_size * local.numel(), dtype=torch.float64, device=self.device)
-        _all_gather_flat(self._meta_out, local, group=self.group)
+        all_gather_flat(self._meta_out, local, group=self.group)
         return self._meta_out.view(self.world_size, -1).cpu()
 
     def average(self, weights: RoundWeights, outer: Optional[OuterOptimizer] = None) -> Optional[Tensor]:
+        """Average in place; returns this rank's divergence measurement (``None`` if nobody moved)."""
         if not weights.realized:
             return None
         params = self.params

@@ -1,0 +1,247 @@
+"""The ``cpu_*`` modes: averaging through host memory on a dedicated gloo group.
+
+At a window boundary the rank copies its parameters (and float buffers) into pinned host
+snapshots (on a side stream on CUDA) and hands the round to one background thread, which alone
+drives a gloo group of its own (never the default group, never two threads on one group): it
+gathers the round's metadata, checks it, reduces the pre-scaled snapshots in f32 (or gathers
+bf16 snapshots and sums them in f32 with ``bf16_wire``), measures this rank's drift, applies the
+outer optimizer, and leaves the consensus in pinned memory. The training thread adopts it later,
+with a blend for ``cpu_async``.
+
+Blocking modes (``cpu_sync``, ``cpu_cadence``) wait for the thread right away; ``cpu_async``
+keeps training and adopts at a later step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_elche.averaging import FlatTensors, divergence_norms, round_weights, weighted_sum_into
+from lightning_elche.outer import OuterOptimizer
+from lightning_elche.planes.base import AveragingPlane, RoundResult, all_gather_flat
+from lightning_elche.rounds import Meta, validate_table
+
+_STOP = object()
+
+
+class SnapshotTimeout(TimeoutError):
+    """A peer did not join an averaging round within ``snapshot_timeout``."""
+
+
+class HostMirror:
+    """Pinned host copies of a :class:`FlatTensors`, filled from the device without blocking it."""
+
+    def __init__(self, source: FlatTensors, dtype: Optional[torch.dtype] = None) -> None:
+        self.source = source
+        pin = torch.cuda.is_available() and any(f.is_cuda for f in source.flats)
+        self.buffers = [torch.empty(f.numel(), dtype=dtype or torch.float32, pin_memory=pin) for f in source.flats]
+        self.cuda = pin
+        self._stream = torch.cuda.Stream() if pin else None
+        self._ready: Optional[torch.cuda.Event] = None
+        self._restored: Optional[torch.cuda.Event] = None
+
+    def capture(self) -> None:
+        """Snapshot the live tensors (device work is queued; :meth:`wait` before reading)."""
+        if self._restored is not None:  # the last adopt's copies out of these buffers must be done
+            self._restored.synchronize()
+            self._restored = None
+        self.source.pack()
+        if not self.cuda:
+            torch._foreach_copy_(self.buffers, self.source.flats)
+            return
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for host, flat in zip(self.buffers, self.source.flats, strict=True):
+                host.copy_(flat, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(self._stream)
+
+    def wait(self) -> None:
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+
+    def restore(self, values: list[Tensor], alpha: float) -> None:
+        """``live ← (1 − alpha)·live + alpha·values`` (a plain copy when alpha is 1), in place."""
+        # The flat buffers are scratch between rounds: stage the consensus there, then copy or blend.
+        torch._foreach_copy_(self.source.flats, values, non_blocking=True)
+        if alpha >= 1.0:
+            self.source.unpack()
+        else:
+            self.source.blend(alpha)
+        if self.cuda:
+            self._restored = torch.cuda.Event()
+            self._restored.record()
+
+
+class CpuPlane(AveragingPlane):
+    """Averaging of host snapshots on a dedicated gloo group driven by one background thread.
+
+    Args:
+        params, buffers: the model's parameters and float buffers in flat persistent buffers.
+        rank, world_size: this rank and the number of ranks.
+        gamma: exponent of the realized-work weights.
+        outer: outer optimizer applied to the parameter consensus (host, f32).
+        bf16_wire: ship parameter snapshots as bfloat16 (all accumulation in f32).
+        non_blocking: let training continue while a round is in flight (``cpu_async``).
+        snapshot_timeout: how long a round may wait for a silent peer before failing.
+        group: the gloo group (created by the caller on every rank, in the same order).
+    """
+
+    def __init__(
+        self,
+        params: FlatTensors,
+        buffers: FlatTensors,
+        rank: int,
+        world_size: int,
+        gamma: float,
+        outer: Optional[OuterOptimizer],
+        bf16_wire: bool,
+        non_blocking: bool,
+        snapshot_timeout: timedelta,
+        group: Any,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.gamma = gamma
+        self.outer = outer
+        self.bf16_wire = bf16_wire
+        self.non_blocking = non_blocking
+        self.snapshot_timeout = snapshot_timeout
+        self.group = group
+        self.params = HostMirror(params, torch.bfloat16 if bf16_wire else torch.float32)
+        self.buffers = HostMirror(buffers) if buffers else None
+        # The consensus lands here; f32 whatever the wire, so that blending and the outer step are exact.
+        self._consensus = [
+            torch.empty(b.numel(), dtype=torch.float32, pin_memory=self.params.cuda) for b in self.params.buffers
+        ]
+        self._scratch = [torch.empty(b.numel(), dtype=torch.float32) for b in self.params.buffers]
+        self._gathered: Optional[list[list[Tensor]]] = None
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._results: queue.Queue[Any] = queue.Queue()
+        self._done = threading.Event()
+        self._busy = False
+        self._thread = threading.Thread(target=self._serve, name=f"elche-cpu-plane-rank{rank}", daemon=True)
+        self._thread.start()
+
+    # -- training thread -------------------------------------------------------------------
+
+    def start(self, local: Tensor) -> None:
+        if self._busy:
+            raise RuntimeError("CpuPlane.start() while a round is in flight: collect() it first.")
+        self.params.capture()
+        if self.buffers is not None:
+            self.buffers.capture()
+        self._busy = True
+        self._done.clear()
+        self._jobs.put(local.to("cpu", torch.float64))
+
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    def collect(self) -> RoundResult:
+        if not self._busy:
+            raise RuntimeError("CpuPlane.collect() without start().")
+        timeout = self.snapshot_timeout.total_seconds() + 30.0
+        try:
+            outcome = self._results.get(timeout=timeout)
+        except queue.Empty:
+            raise SnapshotTimeout(
+                f"ElChe CPU plane: no averaging result after {timeout:.0f} s; the background round is stuck "
+                "(a peer went silent). Raise ElCheStrategy(snapshot_timeout=...) if windows are that long."
+            ) from None
+        self._busy = False
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def adopt(self, result: RoundResult, alpha: float) -> None:
+        if not result.weights.realized:
+            return
+        self.params.restore(self._consensus, alpha)
+        if self.buffers is not None:
+            self.buffers.restore(self.buffers.buffers, 1.0)  # running statistics are overwritten
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(_STOP)
+            # A thread stuck in a collective with a dead peer ends at the group's timeout; it is a
+            # daemon, so it never keeps the process alive.
+            self._thread.join(timeout=self.snapshot_timeout.total_seconds() + 5.0)
+        if not self._thread.is_alive():
+            # Release the pinned host memory (the engine outlives fit for inspection).
+            self.params.buffers, self._consensus, self._scratch, self._gathered = [], [], [], None
+            if self.buffers is not None:
+                self.buffers.buffers = []
+
+    @property
+    def closed(self) -> bool:
+        return not self._thread.is_alive() and not self._consensus
+
+    # -- background thread -----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            try:
+                self._results.put(self._round(job))
+            except BaseException as error:  # handed to the training thread, raised there
+                self._results.put(self._explain(error))
+            finally:
+                self._done.set()
+
+    def _explain(self, error: BaseException) -> BaseException:
+        text = str(error)
+        if isinstance(error, RuntimeError) and ("timed out" in text.lower() or "timeout" in text.lower()):
+            return SnapshotTimeout(
+                f"ElChe CPU plane: a peer did not join the averaging round within snapshot_timeout="
+                f"{self.snapshot_timeout} ({text.splitlines()[0]})."
+            )
+        return error
+
+    def _round(self, local: Tensor) -> RoundResult:
+        table_flat = torch.empty(self.world_size * local.numel(), dtype=torch.float64)
+        all_gather_flat(table_flat, local, group=self.group)
+        table = table_flat.view(self.world_size, -1).tolist()
+        validate_table(table)
+        weights = round_weights([int(row[Meta.STEPS]) for row in table], self.gamma)
+        if not weights.realized:
+            return RoundResult(table, weights, None)
+        self.params.wait()
+        if self.bf16_wire:
+            self._reduce_bf16(weights.param_factors)
+        else:
+            torch._foreach_copy_(self._consensus, self.params.buffers)
+            torch._foreach_mul_(self._consensus, weights.param_factors[self.rank])
+            for flat in self._consensus:
+                dist.all_reduce(flat, group=self.group)
+        torch._foreach_copy_(self._scratch, self.params.buffers)
+        divergence = divergence_norms(self._scratch, self._consensus)
+        if self.outer is not None:
+            self.outer.step(self._consensus)
+        if self.buffers is not None:
+            self.buffers.wait()
+            factor = weights.buffer_factors[self.rank]
+            for flat in self.buffers.buffers:
+                flat.mul_(factor)
+                dist.all_reduce(flat, group=self.group)
+        return RoundResult(table, weights, divergence)
+
+    def _reduce_bf16(self, factors: tuple[float, ...]) -> None:
+        # Gathering the bf16 snapshots and summing them here keeps every accumulator in f32 (a bf16
+        # all-reduce would add in bf16); every rank sums in the same order, so all get the same bits.
+        if self._gathered is None:
+            self._gathered = [[torch.empty_like(b) for _ in range(self.world_size)] for b in self.params.buffers]
+        for mine, gathered, out in zip(self.params.buffers, self._gathered, self._consensus, strict=True):
+            dist.all_gather(gathered, mine, group=self.group)
+            weighted_sum_into(out, gathered, factors)
