@@ -28,6 +28,7 @@ from lightning_elche.guard import DivergenceReport, NudgeDown, Stable
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane, RoundResult
 from lightning_elche.rounds import META_SIZE, Meta, RankReport, RanksOutOfStep  # noqa: F401 (re-exported)
+from lightning_elche.timing import WindowClock
 
 OVERSHOOT_INITIAL = 3
 OVERSHOOT_CEILING = 15
@@ -76,33 +77,6 @@ class EngineState:
     totals: list[RankTotals] = field(default_factory=list)
 
 
-class WindowClock:
-    """Host-side timing of compute windows and rounds, with one device sync per boundary.
-
-    On CUDA the boundary synchronizes the current stream once so that the window's compute time
-    is real device time; per step nothing is synchronized.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._window_start = time.perf_counter()
-        self._excluded = 0.0
-
-    def restart_window(self) -> None:
-        self._window_start = time.perf_counter()
-        self._excluded = 0.0
-
-    def exclude(self, seconds: float) -> None:
-        """Leave ``seconds`` spent waiting inside the window out of its compute time."""
-        self._excluded += seconds
-
-    def close_window(self) -> float:
-        """Seconds of compute since the window started (device work included)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return max(0.0, time.perf_counter() - self._window_start - self._excluded)
-
-
 class ElCheEngine:
     """Local step accounting and the round protocol of one rank.
 
@@ -148,7 +122,7 @@ class ElCheEngine:
         self.alpha = float(config.easgd_alpha) if config.mode.is_async and config.easgd_alpha else 1.0
         self.max_overshoot = config.max_overshoot if config.max_overshoot is not None else OVERSHOOT_INITIAL
         self.state = EngineState(totals=[RankTotals() for _ in range(world_size)])
-        self.clock = WindowClock(device)
+        self.clock = WindowClock(device, synchronize=not (config.mode.is_async and plane.non_blocking))
         self.last_outcome: Optional[RoundOutcome] = None
         self._steps = 0
         self._samples = 0
@@ -267,6 +241,7 @@ class ElCheEngine:
         host[Meta.SIGNATURE] = self.signature
         host[Meta.HAS_DIVERGENCE] = float(self._divergence is not None)
         host[Meta.WIRE] = float(self.config.bf16_wire and self.config.mode.uses_cpu_plane)
+        host[Meta.STALL_MS] = -1.0 if self.clock.last_stall_ms is None else self.clock.last_stall_ms
         local = host.to(self.device)
         local[Meta.LOSS_SUM] = self._loss_sum
         if self._divergence is not None:
@@ -371,6 +346,9 @@ class ElCheEngine:
             metrics["elche/divergence"] = outcome.divergence.max_relative_delta()
             for k, d in enumerate(outcome.divergence.deltas):
                 metrics[f"elche/divergence/rank{k}"] = d
+        for k, report in enumerate(outcome.reports):
+            if report.stall_ms is not None:
+                metrics[f"elche/stall_ms/rank{k}"] = report.stall_ms
         if not isinstance(self.outer, OuterAvg) and outcome.weights.realized:
             metrics["elche/outer_step_norm"] = self.outer.last_step_norm
         total_steps = sum(r.steps for r in outcome.reports)

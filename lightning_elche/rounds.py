@@ -32,6 +32,7 @@ class Meta(IntEnum):
     PRE_NORM = 14
     POST_NORM = 15
     WIRE = 16  # 0: f32 wire, 1: bf16 wire (CPU plane); must agree on every rank
+    STALL_MS = 17  # device stall of this rank's previous sync (cpu_async on CUDA), -1 when unmeasured
 
 
 META_SIZE = len(Meta)
@@ -55,6 +56,7 @@ class RankReport:
     stop_level: int
     finite: bool
     divergence: Optional[tuple[float, float, float]]
+    stall_ms: Optional[float]
 
     @classmethod
     def from_row(cls, row: list[float]) -> RankReport:
@@ -71,6 +73,7 @@ class RankReport:
             divergence=(row[Meta.DELTA_NORM], row[Meta.PRE_NORM], row[Meta.POST_NORM])
             if row[Meta.HAS_DIVERGENCE] > 0.5
             else None,
+            stall_ms=row[Meta.STALL_MS] if row[Meta.STALL_MS] >= 0 else None,
         )
 
 
