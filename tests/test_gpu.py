@@ -19,14 +19,15 @@ from lightning_elche.testing import Throttle
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
-def test_heterogeneous_nccl_run_with_green_context_throttle(tmp_path):
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
+def test_heterogeneous_run_with_green_context_throttle(tmp_path, mode):
     assert torch.cuda.device_count() >= 2, "needs 2 CUDA GPUs"
     pl.seed_everything(0, verbose=False)
     model = WideRegression(str(tmp_path))
     throttle = Throttle(1, 2.5)
     trainer = pl.Trainer(
         accelerator="cuda", devices=2, max_epochs=3,
-        strategy=ElCheStrategy(mode="nccl_cadence", start_method="spawn", timeout=timedelta(seconds=60)),
+        strategy=ElCheStrategy(mode=mode, start_method="spawn", timeout=timedelta(seconds=60)),
         callbacks=[throttle, ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val_loss")],
         enable_progress_bar=False, enable_model_summary=False, logger=False,
     )
@@ -40,6 +41,6 @@ def test_heterogeneous_nccl_run_with_green_context_throttle(tmp_path):
         assert sorted(r0["seen"][e] + r1["seen"][e]) == list(range(16384))
     assert r0["callback_metrics"]["val_loss"] == r1["callback_metrics"]["val_loss"]
     ms_per_step = [c / s for c, s in zip(r0["compute_s"], r0["steps"], strict=True)]
-    print(f"GPU hetero: steps {r0['steps']}, ms/step {[round(1000 * m, 2) for m in ms_per_step]}, "
+    print(f"GPU hetero {mode}: steps {r0['steps']}, ms/step {[round(1000 * m, 2) for m in ms_per_step]}, "
           f"rounds {r0['rounds']}, final plan {r0['batch_counts']}")
     assert ms_per_step[1] > 1.5 * ms_per_step[0], f"green-context throttle did not slow rank 1: {ms_per_step}"
