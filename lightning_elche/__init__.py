@@ -18,6 +18,7 @@ from lightning_elche.guard import (
     TrendGuard,
 )
 from lightning_elche.meta import MetaController
+from lightning_elche.monitor import ElCheMonitor
 from lightning_elche.outer import DiLoCo, OuterAvg, OuterOptimizer, SlowMo
 from lightning_elche.strategy import ElCheStrategy
 
@@ -29,6 +30,7 @@ __all__ = [
     "DivergenceReport",
     "ElCheConfig",
     "ElCheMode",
+    "ElCheMonitor",
     "ElCheStrategy",
     "GrowthGuard",
     "MetaController",

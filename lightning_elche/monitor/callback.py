@@ -1,0 +1,547 @@
+"""``ElCheMonitor``: record log, scalar roll-ups, sub-epoch reports, dashboard and timeline.
+
+Everything is fed by the strategy's round listener (``ElCheStrategy.add_round_listener``), which
+runs on every rank after every sync with the round's outcome (every rank's steps, samples,
+compute time and loss) and its ``elche/*`` metrics. Nothing here runs a collective inside the
+training steps: user scalars, which only the rank that logged them knows, are gathered once per
+epoch in ``on_train_epoch_end``, where every rank has left the epoch after the same round.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_elche.engine import RoundOutcome
+from lightning_elche.monitor.dashboard import dashboard_data, validate_theme, write_dashboard
+from lightning_elche.monitor.record import (
+    CORE_REDUCTIONS,
+    DEFAULT_MAX_LOG_BYTES,
+    DEFAULT_SCALAR_REDUCTION,
+    MIN_LOG_BYTES,
+    MemoryRing,
+    RecordLog,
+    epoch_rollup,
+    rollup,
+    validate_reductions,
+)
+from lightning_elche.monitor.reports import ReportAccumulator, ReportScheduler
+from lightning_elche.monitor.timeline import Timeline
+from lightning_elche.strategy import ElCheStrategy
+
+ReductionName = Literal["mean", "sum", "max", "min", "last"]
+
+MAX_PENDING = 8192
+"""Syncs per epoch whose user scalars are kept for the epoch-end roll-up (thinned evenly beyond)."""
+
+
+def _scalar(value: Any) -> Optional[float]:
+    """A finite float from a logged value (0-d or 1-element tensor, number), else None."""
+    try:
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                return None
+            out = float(value.detach().reshape(()).to("cpu", torch.float64))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out = float(value)
+        else:
+            return None
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+class ElCheMonitor(Callback):
+    """Monitoring for :class:`~lightning_elche.ElCheStrategy` runs (flodl's monitor knobs).
+
+    Args:
+        record_log_dir: write the record log here: ``rank<r>.jsonl`` per rank (every sync's
+            metrics, user scalars and per-rank work; a first ``meta`` record) and, on rank 0,
+            ``root.jsonl`` (the cross-rank roll-up). ``None``: no files.
+        max_log_size: byte cap of each record-log file (drop-oldest ring; the meta record
+            stays). ``None`` or ``0``: 32 MiB. Also caps rank 0's in-memory history.
+        dashboard_html: at the end of fit, rank 0 writes a self-contained HTML dashboard here.
+        dashboard_theme: ``"light"`` or ``"dark"`` pins the dashboard's theme; ``"auto"`` or
+            ``None`` follows the reader's ``prefers-color-scheme``.
+        reports_per_epoch: log at most this many ``elche/report/*`` points per epoch, at sync
+            boundaries (rank 0, through the Trainer's loggers). ``None`` or ``0``: off.
+        scalar_reductions: how each user scalar (a name logged with ``self.log``) rolls up across
+            ranks: ``mean`` (work-weighted; the default), ``sum``, ``max``, ``min``, ``last``
+            (the value of the rank that did the most work).
+        timeline: at the end of fit, rank 0 writes a Chrome-trace JSON here (Perfetto,
+            ``chrome://tracing``): per-rank compute windows and syncs, validation, epochs,
+            anchor changes and throttled ranks.
+    """
+
+    def __init__(
+        self,
+        record_log_dir: Optional[str] = None,
+        max_log_size: Optional[int] = None,
+        dashboard_html: Optional[str] = None,
+        dashboard_theme: Optional[Literal["light", "dark", "auto"]] = None,
+        reports_per_epoch: Optional[int] = None,
+        scalar_reductions: Optional[dict[str, ReductionName]] = None,
+        timeline: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        if max_log_size in (None, 0):
+            max_log_size = DEFAULT_MAX_LOG_BYTES
+        if isinstance(max_log_size, bool) or not isinstance(max_log_size, int) or max_log_size < MIN_LOG_BYTES:
+            raise ValueError(
+                f"ElCheMonitor(max_log_size={max_log_size!r}) is invalid: expected an integer number of bytes "
+                f">= {MIN_LOG_BYTES}, or 0/None for the default {DEFAULT_MAX_LOG_BYTES}."
+            )
+        if reports_per_epoch is not None and (
+            isinstance(reports_per_epoch, bool) or not isinstance(reports_per_epoch, int) or reports_per_epoch < 0
+        ):
+            raise ValueError(
+                f"ElCheMonitor(reports_per_epoch={reports_per_epoch!r}) is invalid: expected an integer >= 0 "
+                "(0 or None: off)."
+            )
+        for name, value in (("record_log_dir", record_log_dir), ("dashboard_html", dashboard_html),
+                            ("timeline", timeline)):
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"ElCheMonitor({name}={value!r}) is invalid: expected a path.")
+        self.record_log_dir = os.fspath(record_log_dir) if record_log_dir is not None else None
+        self.max_log_size = int(max_log_size)
+        self.dashboard_html = os.fspath(dashboard_html) if dashboard_html is not None else None
+        self.dashboard_theme = validate_theme(dashboard_theme)
+        self.reports_per_epoch = reports_per_epoch or 0
+        self.scalar_reductions = validate_reductions(scalar_reductions)
+        self.timeline = os.fspath(timeline) if timeline is not None else None
+        self._reset_runtime()
+
+    # -- run-time state (built per fit, inside the rank processes) --------------------------
+
+    def _reset_runtime(self) -> None:
+        self._strategy: Optional[ElCheStrategy] = None
+        self._trainer: Optional[Trainer] = None
+        self._active = False
+        self._rank = 0
+        self._world = 1
+        self._t0 = 0.0
+        self._rank_log: Optional[RecordLog] = None
+        self._root_log: Optional[RecordLog] = None
+        self._history: Optional[MemoryRing] = None
+        self._pending: list[dict[str, Any]] = []  # this rank's user scalars at the current epoch's syncs
+        self._pending_stride = 1
+        self._epoch_syncs = 0
+        self._epoch_start = 0.0
+        self._val_start: Optional[float] = None
+        self._val_keys: set[str] = set()
+        self._timeline: Optional[Timeline] = None
+        self._scheduler: Optional[ReportScheduler] = None
+        self._accumulator: Optional[ReportAccumulator] = None
+        self._meta: dict[str, Any] = {}
+        self._warned = False
+        self._written = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in list(state):
+            if key.startswith("_"):
+                del state[key]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_runtime()
+
+    @property
+    def is_root(self) -> bool:
+        return self._rank == 0
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _warn_once(self, what: str, err: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"ElCheMonitor (rank {self._rank}): {what} failed ({type(err).__name__}: {err}); training goes on "
+                "and the monitor skips what it could not record.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    # -- Lightning hooks -----------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not isinstance(strategy, ElCheStrategy):
+            raise TypeError(
+                f"ElCheMonitor records ElChe sync rounds and needs Trainer(strategy=ElCheStrategy(...)) "
+                f"(or strategy='elche'); this Trainer's strategy is {type(strategy).__name__}. Remove the "
+                "callback or switch the strategy."
+            )
+        self._reset_runtime()
+        self._strategy = strategy
+        self._trainer = trainer
+        strategy.remove_round_listener(self._on_round)
+        strategy.add_round_listener(self._on_round)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        strategy = self._strategy
+        if strategy is None:
+            return
+        self._active = True
+        self._t0 = time.perf_counter()
+        self._rank = int(trainer.global_rank)
+        self._world = int(trainer.world_size)
+        self._meta = self._build_meta(trainer, strategy)
+        if self.record_log_dir is not None:
+            directory = self.record_log_dir
+            self._rank_log = RecordLog(os.path.join(directory, f"rank{self._rank}.jsonl"),
+                                       {**self._meta, "node": f"rank{self._rank}", "rank": self._rank},
+                                       self.max_log_size)
+            if self.is_root:
+                self._root_log = RecordLog(os.path.join(directory, "root.jsonl"), {**self._meta, "node": "root"},
+                                           self.max_log_size)
+        if self.is_root:
+            self._history = MemoryRing(self.max_log_size)
+            if self.timeline is not None:
+                self._timeline = Timeline(self._world)
+            if self.reports_per_epoch:
+                self._scheduler = ReportScheduler(self.reports_per_epoch)
+                self._accumulator = ReportAccumulator(self._world)
+
+    def _build_meta(self, trainer: Trainer, strategy: ElCheStrategy) -> dict[str, Any]:
+        import lightning
+
+        try:
+            from lightning_elche import __version__ as elche_version
+        except ImportError:  # pragma: no cover
+            elche_version = "unknown"
+        return {
+            "ts": time.time(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "world_size": self._world,
+            "config": strategy.elche.describe(),
+            "strategy": {"chunk_batches": strategy.chunk_batches, "log_every_n_syncs": strategy.log_every_n_syncs},
+            "scalar_reductions": dict(self.scalar_reductions),
+            "default_reduction": DEFAULT_SCALAR_REDUCTION,
+            "core_reductions": dict(CORE_REDUCTIONS),
+            "max_log_size": self.max_log_size,
+            "versions": {
+                "lightning_elche": elche_version,
+                "lightning": lightning.__version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+        }
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._active:
+            return
+        epoch = int(trainer.current_epoch)
+        self._epoch_start = self._now()
+        self._pending = []
+        self._pending_stride = 1
+        self._epoch_syncs = 0
+        if self._timeline is not None:
+            self._timeline.epoch_start(epoch, self._epoch_start)
+        if self._scheduler is not None and self._accumulator is not None:
+            self._scheduler.start_epoch(self._steps_per_epoch(trainer))
+            self._accumulator.reset()
+
+    def _steps_per_epoch(self, trainer: Trainer) -> int:
+        engine = self._strategy.engine if self._strategy is not None else None
+        batches = engine.controller.max_total_batches if engine is not None else 0
+        if batches <= 0:
+            per_rank = trainer.num_training_batches
+            batches = int(per_rank) * self._world if math.isfinite(per_rank) else 1
+        return max(1, math.ceil(batches / max(1, int(trainer.accumulate_grad_batches))))
+
+    # -- every sync ----------------------------------------------------------------------------
+
+    def _on_round(self, outcome: RoundOutcome, metrics: dict[str, float]) -> None:
+        if not self._active:
+            return
+        try:
+            self._record_round(outcome, metrics)
+        except Exception as err:  # the monitor must never fail training
+            self._warn_once("recording a sync", err)
+
+    def _record_round(self, outcome: RoundOutcome, metrics: dict[str, float]) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        t = self._now()
+        ts = time.time()
+        epoch = int(trainer.current_epoch)
+        reports = outcome.reports
+        steps = [r.steps for r in reports]
+        total = sum(steps)
+        per_rank = {
+            "steps": steps,
+            "samples": [r.samples for r in reports],
+            "compute_s": [r.compute_s for r in reports],
+            "sync_s": [r.last_sync_s for r in reports],
+            "loss": [r.loss_sum / r.steps if r.steps > 0 else None for r in reports],
+            "batch_share": [s / total if total else None for s in steps],
+            "samples_per_s": [r.samples / r.compute_s if r.compute_s > 0 and r.samples > 0 else None for r in reports],
+        }
+        core = [self._core(per_rank, k) for k in range(self._world)]
+        mine = reports[self._rank]
+        scalars = self._user_scalars(trainer) if mine.steps > 0 else {}
+        common = {
+            "ts": ts, "t": t, "sync": outcome.index, "epoch": epoch, "cohort_step": outcome.cohort_step,
+            "global_step": int(trainer.global_step), "epoch_over": outcome.epoch_over, "anchor": outcome.anchor,
+            "overhead": outcome.overhead, "planned": list(outcome.planned),
+        }
+        if self._rank_log is not None:
+            self._rank_log.append({"kind": "sync", "node": f"rank{self._rank}", **common, "work": mine.steps,
+                                   "metrics": core[self._rank], "scalars": scalars, "per_rank": per_rank,
+                                   "elche": metrics})
+        self._epoch_syncs += 1
+        self._keep_pending({"sync": outcome.index, "t": t, "work": mine.steps, "scalars": scalars})
+        if not self.is_root:
+            return
+        rolled = rollup([{"work": steps[k], "metrics": core[k]} for k in range(self._world)])
+        root: dict[str, Any] = {"kind": "sync", "node": "root", **common, "work": total,
+                                "metrics": rolled["metrics"], "per_rank": per_rank, "elche": metrics}
+        if "elche/divergence" in metrics:
+            root["divergence"] = metrics["elche/divergence"]
+        if self._root_log is not None:
+            self._root_log.append(root)
+        if self._history is not None:
+            self._history.append(root)
+        if self._timeline is not None:
+            self._timeline.round(outcome.index, t, epoch, steps, per_rank["samples"], per_rank["compute_s"],
+                                 outcome.anchor, [s or 0.0 for s in per_rank["batch_share"]] if total else None)
+        if self._scheduler is not None and self._accumulator is not None:
+            self._accumulator.add(steps, per_rank["samples"], per_rank["compute_s"],
+                                  [r.loss_sum for r in reports], per_rank["sync_s"])
+            if self._scheduler.add(total):
+                self._log_report(trainer, outcome, t)
+
+    def _keep_pending(self, entry: dict[str, Any]) -> None:
+        """Keep this sync's user scalars for the epoch-end roll-up, thinned to at most MAX_PENDING.
+
+        Every rank sees the same sync indices, so thinning by index keeps the same syncs everywhere.
+        """
+        if not self.is_root:
+            entry.pop("t", None)  # rank 0's clock dates the roll-up
+        if entry["sync"] % self._pending_stride == 0:
+            self._pending.append(entry)
+        if len(self._pending) > MAX_PENDING:
+            self._pending_stride *= 2
+            self._pending = [e for e in self._pending if e["sync"] % self._pending_stride == 0]
+
+    @staticmethod
+    def _core(per_rank: Mapping[str, list[Any]], k: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key in ("loss", "samples_per_s", "batch_share", "steps", "samples", "compute_s", "sync_s"):
+            value = per_rank[key][k]
+            if value is not None:
+                out[key] = float(value)
+        return out
+
+    def _user_scalars(self, trainer: Trainer) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, value in trainer.callback_metrics.items():
+            if name in self._val_keys or name.startswith("elche/"):
+                continue
+            v = _scalar(value)
+            if v is not None:
+                out[name] = v
+        return out
+
+    def _log_report(self, trainer: Trainer, outcome: RoundOutcome, t: float) -> None:
+        assert self._accumulator is not None and self._scheduler is not None
+        payload = self._accumulator.payload()
+        payload["elche/report/anchor"] = float(outcome.anchor)
+        payload["elche/report/overhead"] = float(outcome.overhead)
+        payload["elche/report/index"] = float(self._scheduler.fired)
+        payload["elche/report/epoch_progress"] = min(1.0, self._scheduler.work / self._scheduler.steps_per_epoch)
+        payload["elche/report/wall_s"] = t
+        self._accumulator.reset()
+        for logger in trainer.loggers:
+            logger.log_metrics(payload, step=trainer.global_step)
+        if self._root_log is not None:
+            self._root_log.append({"kind": "report", "node": "root", "t": t, "ts": time.time(), "sync": outcome.index,
+                                   "epoch": int(trainer.current_epoch), "metrics": payload})
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._active and not trainer.sanity_checking:
+            self._val_start = self._now()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking:
+            if self._strategy is not None:  # learn the validation keys, so that syncs leave them out
+                self._val_keys.update(self._validation_metrics(trainer))
+            return
+        if not self._active:
+            return
+        try:
+            t = self._now()
+            values = self._validation_metrics(trainer)
+            self._val_keys.update(values)
+            engine = self._strategy.engine if self._strategy is not None else None
+            record = {"kind": "eval", "ts": time.time(), "t": t, "epoch": int(trainer.current_epoch),
+                      "global_step": int(trainer.global_step),
+                      "cohort_step": engine.state.cohort_step if engine is not None else None, "metrics": values}
+            if self._rank_log is not None:
+                self._rank_log.append({**record, "node": f"rank{self._rank}"})
+            if self.is_root:
+                if self._history is not None:
+                    self._history.append({**record, "node": "root"})
+                if self._root_log is not None:
+                    self._root_log.append({**record, "node": "root"})
+                if self._timeline is not None and self._val_start is not None:
+                    self._timeline.validation(self._val_start, t, values)
+        except Exception as err:
+            self._warn_once("recording validation metrics", err)
+        self._val_start = None
+
+    @staticmethod
+    def _validation_metrics(trainer: Trainer) -> dict[str, float]:
+        # During on_validation_end the logger connector's results are the validation loop's, so
+        # its "callback" metrics are exactly what validation logged.
+        try:
+            logged = trainer._logger_connector.metrics["callback"]
+        except Exception:  # another Lightning layout: fall back to the naming convention
+            logged = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val")}
+        out: dict[str, float] = {}
+        for name, value in logged.items():
+            v = _scalar(value)
+            if v is not None and not name.startswith("elche/"):
+                out[name] = v
+        return out
+
+    # -- epoch end: the one place user scalars cross ranks ------------------------------------
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._active:
+            return
+        epoch = int(trainer.current_epoch)
+        gathered = self._gather_pending(trainer)
+        try:
+            self._close_epoch(trainer, epoch, gathered)
+        except Exception as err:
+            self._warn_once("rolling up the epoch", err)
+
+    def _gather_pending(self, trainer: Trainer) -> list[list[dict[str, Any]]]:
+        """Every rank's per-sync user scalars of this epoch (on every rank); collective when W > 1."""
+        import json
+
+        try:
+            payload = json.dumps(self._pending, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError):
+            payload = b"[]"
+        if self._world == 1:
+            blobs = [payload]
+        else:
+            strategy = trainer.strategy
+            device = strategy.root_device
+            size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+            sizes = strategy.all_gather(size).reshape(-1).tolist()
+            length = max(1, int(max(sizes)))
+            buffer = torch.zeros(length, dtype=torch.uint8)
+            if payload:
+                buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            rows = strategy.all_gather(buffer.to(device)).reshape(self._world, length).cpu()
+            blobs = [bytes(rows[k, : int(sizes[k])].tolist()) for k in range(self._world)]
+        out: list[list[dict[str, Any]]] = []
+        for blob in blobs:
+            try:
+                entries = json.loads(blob.decode("utf-8")) if blob else []
+            except ValueError:
+                entries = []
+            out.append(entries if isinstance(entries, list) else [])
+        return out
+
+    def _close_epoch(self, trainer: Trainer, epoch: int, gathered: list[list[dict[str, Any]]]) -> None:
+        t = self._now()
+        if self._rank_log is not None:
+            self._rank_log.append({"kind": "epoch", "node": f"rank{self._rank}", "ts": time.time(), "t": t,
+                                   "epoch": epoch, "start": self._epoch_start, "syncs": self._epoch_syncs})
+        if not self.is_root:
+            self._pending = []
+            return
+        by_sync: dict[int, list[dict[str, Any]]] = {}
+        for entries in gathered:
+            for entry in entries:
+                by_sync.setdefault(int(entry.get("sync", -1)), []).append(entry)
+        for own in gathered[0]:
+            rolled = rollup(by_sync.get(int(own["sync"]), []), self.scalar_reductions)["scalars"]
+            if rolled:
+                record = {"kind": "scalars", "node": "root", "t": own.get("t"), "sync": own["sync"], "epoch": epoch,
+                          "scalars": rolled}
+                if self._root_log is not None:
+                    self._root_log.append(record)
+                if self._history is not None:
+                    self._history.append(record)
+        summary = epoch_rollup(gathered, self.scalar_reductions)
+        epoch_record = {"kind": "epoch", "node": "root", "ts": time.time(), "t": t, "epoch": epoch,
+                        "start": self._epoch_start, "scalars": summary}
+        if self._root_log is not None:
+            self._root_log.append(epoch_record)
+        if self._history is not None:
+            self._history.append(epoch_record)
+        if summary:
+            logged = {f"elche/scalars/{name}": value for name, value in summary.items()}
+            for logger in trainer.loggers:
+                logger.log_metrics(logged, step=trainer.global_step)
+        if self._timeline is not None:
+            self._timeline.epoch_end(epoch, t)
+        self._pending = []
+
+    # -- end of fit ----------------------------------------------------------------------------
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish(trainer, "end")
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._finish(trainer, f"exception: {type(exception).__name__}")
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._finish(trainer, "teardown")
+            if self._strategy is not None:
+                self._strategy.remove_round_listener(self._on_round)
+
+    def _finish(self, trainer: Trainer, how: str) -> None:
+        if not self._active or self._written:
+            return
+        self._written = True
+        t = self._now()
+        try:
+            ranks = self._rank_totals()
+            end = {"kind": "end", "ts": time.time(), "t": t, "how": how, "ranks": ranks}
+            if self._rank_log is not None:
+                self._rank_log.append({**end, "node": f"rank{self._rank}"})
+            if self._root_log is not None:
+                self._root_log.append({**end, "node": "root"})
+            if self.is_root and self.dashboard_html is not None:
+                records = [{"kind": "meta", **self._meta}, *(self._history or []), {**end, "node": "root"}]
+                dropped = self._history.dropped if self._history is not None else 0
+                write_dashboard(self.dashboard_html, dashboard_data(records, dropped=dropped), self.dashboard_theme)
+            if self.is_root and self._timeline is not None and self.timeline is not None:
+                self._timeline.write(self.timeline, {"world_size": self._world, "end": how})
+        except Exception as err:
+            self._warn_once("writing the dashboard or timeline", err)
+        finally:
+            for log in (self._rank_log, self._root_log):
+                if log is not None:
+                    log.close()
+            self._active = False
+
+    def _rank_totals(self) -> list[dict[str, Any]]:
+        engine = self._strategy.engine if self._strategy is not None else None
+        if engine is None:
+            return []
+        return [{"rank": k, "steps": tot.steps, "samples": tot.samples, "compute_s": tot.compute_s,
+                 "sync_s": tot.sync_s} for k, tot in enumerate(engine.state.totals)]

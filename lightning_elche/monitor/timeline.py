@@ -1,0 +1,145 @@
+"""A Chrome-trace timeline of the run (open in Perfetto or ``chrome://tracing``).
+
+Rank 0 builds it from the round outcomes, which carry every rank's compute time, so one file
+shows every rank without a gather. Times are rank 0's clock (microseconds since the start of
+training). A round ends at about the same moment on every rank, so rank ``k``'s slices of round
+``r`` are reconstructed as: ``window`` from the end of the previous round (or the epoch start)
+for ``compute_s`` seconds, then ``sync`` (waiting for peers plus the reduce) until the round's end.
+
+Event kinds: ``window`` and ``sync`` slices per rank ("X"), ``validation`` slices, ``epoch N``
+slices on a ``cohort`` track, and instant events ("i") for ``anchor_changed`` (from/to),
+``throttle`` (a rank's batch share fell under half an equal share) and epoch boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+from lightning_elche.monitor.record import clean
+
+DEFAULT_MAX_EVENTS = 200_000
+"""Events kept (the newest); metadata events are always kept."""
+
+THROTTLE_SHARE = 0.5
+"""A rank is marked throttled when its batch share is below this fraction of an equal share."""
+
+TRAIN_TID = 0
+EPOCH_TID = 1
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 1)
+
+
+class Timeline:
+    """Collects trace events; :meth:`to_trace` returns the Chrome-trace JSON object."""
+
+    def __init__(self, world_size: int, max_events: int = DEFAULT_MAX_EVENTS) -> None:
+        self.world_size = int(world_size)
+        self.events: deque[dict[str, Any]] = deque(maxlen=max(16, int(max_events)))
+        self.dropped = 0
+        self._last_round_end: Optional[float] = None
+        self._epoch_start: Optional[tuple[int, float]] = None
+        self._anchor: Optional[int] = None
+        self._throttled: set[int] = set()
+
+    def _add(self, event: dict[str, Any]) -> None:
+        if len(self.events) == self.events.maxlen:
+            self.dropped += 1
+        self.events.append(event)
+
+    # -- feeding -------------------------------------------------------------------------------
+
+    def epoch_start(self, epoch: int, t: float) -> None:
+        self._epoch_start = (epoch, t)
+        self._last_round_end = t
+        self._add({"name": "epoch_start", "ph": "i", "s": "g", "pid": 0, "tid": EPOCH_TID, "ts": _us(t),
+                   "cat": "epoch", "args": {"epoch": epoch}})
+
+    def epoch_end(self, epoch: int, t: float) -> None:
+        start = self._epoch_start[1] if self._epoch_start and self._epoch_start[0] == epoch else None
+        if start is not None:
+            for pid in range(self.world_size):
+                self._add({"name": f"epoch {epoch}", "ph": "X", "pid": pid, "tid": EPOCH_TID, "ts": _us(start),
+                           "dur": _us(max(0.0, t - start)), "cat": "epoch", "args": {"epoch": epoch}})
+        self._add({"name": "epoch_end", "ph": "i", "s": "g", "pid": 0, "tid": EPOCH_TID, "ts": _us(t),
+                   "cat": "epoch", "args": {"epoch": epoch}})
+        self._epoch_start = None
+
+    def validation(self, start: float, end: float, metrics: Optional[dict[str, float]] = None) -> None:
+        for pid in range(self.world_size):
+            self._add({"name": "validation", "ph": "X", "pid": pid, "tid": TRAIN_TID, "ts": _us(start),
+                       "dur": _us(max(0.0, end - start)), "cat": "eval", "args": dict(metrics or {})})
+        self._last_round_end = end
+
+    def round(
+        self,
+        index: int,
+        t_end: float,
+        epoch: int,
+        steps: Sequence[int],
+        samples: Sequence[int],
+        compute_s: Sequence[float],
+        anchor: int,
+        batch_share: Optional[Sequence[float]] = None,
+    ) -> None:
+        """One sync round that ended at ``t_end`` (seconds, rank 0's clock)."""
+        start = self._last_round_end if self._last_round_end is not None else t_end - max(compute_s, default=0.0)
+        for k in range(self.world_size):
+            compute_end = min(t_end, start + max(0.0, float(compute_s[k])))
+            if steps[k] > 0:
+                self._add({"name": "window", "ph": "X", "pid": k, "tid": TRAIN_TID, "ts": _us(start),
+                           "dur": _us(compute_end - start), "cat": "compute",
+                           "args": {"sync": index, "epoch": epoch, "steps": int(steps[k]),
+                                    "samples": int(samples[k])}})
+            self._add({"name": "sync", "ph": "X", "pid": k, "tid": TRAIN_TID, "ts": _us(compute_end),
+                       "dur": _us(max(0.0, t_end - compute_end)), "cat": "sync",
+                       "args": {"sync": index, "epoch": epoch, "steps": int(steps[k])}})
+        if self._anchor is not None and anchor != self._anchor:
+            self._add({"name": "anchor_changed", "ph": "i", "s": "g", "pid": 0, "tid": TRAIN_TID, "ts": _us(t_end),
+                       "cat": "anchor", "args": {"from": self._anchor, "to": anchor, "sync": index}})
+        self._anchor = anchor
+        if batch_share is not None and self.world_size > 1:
+            equal = 1.0 / self.world_size
+            for k, share in enumerate(batch_share):
+                low = share < THROTTLE_SHARE * equal
+                if low and k not in self._throttled and sum(steps) > 0:
+                    self._add({"name": "throttle", "ph": "i", "s": "p", "pid": k, "tid": TRAIN_TID,
+                               "ts": _us(t_end), "cat": "throttle",
+                               "args": {"rank": k, "batch_share": share, "equal_share": equal, "sync": index}})
+                if low:
+                    self._throttled.add(k)
+                else:
+                    self._throttled.discard(k)
+        self._last_round_end = t_end
+
+    # -- output --------------------------------------------------------------------------------
+
+    def metadata(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for k in range(self.world_size):
+            out.append({"name": "process_name", "ph": "M", "pid": k, "tid": 0, "args": {"name": f"rank {k}"}})
+            out.append({"name": "process_sort_index", "ph": "M", "pid": k, "tid": 0, "args": {"sort_index": k}})
+            out.append({"name": "thread_name", "ph": "M", "pid": k, "tid": TRAIN_TID, "args": {"name": "train"}})
+            out.append({"name": "thread_name", "ph": "M", "pid": k, "tid": EPOCH_TID, "args": {"name": "epochs"}})
+        return out
+
+    def to_trace(self, extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        other = {"source": "lightning_elche.ElCheMonitor", "clock": "rank 0, seconds since train start",
+                 "dropped_events": self.dropped, **(extra or {})}
+        trace = {"traceEvents": self.metadata() + list(self.events), "displayTimeUnit": "ms", "otherData": other}
+        return clean(trace)  # strict JSON: a NaN metric becomes null
+
+    def write(self, path: Union[str, os.PathLike], extra: Optional[dict[str, Any]] = None) -> None:
+        path = os.fspath(path)
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_trace(extra), f, separators=(",", ":"), allow_nan=False)
+        os.replace(tmp, path)
