@@ -58,11 +58,14 @@ def test_hetero_demo_quick_reports_all_four_arms(tmp_path):
     assert "ElCheStrategy nccl_cadence" in output
 
 
-@pytest.mark.parametrize("config, mode", [("nccl_cadence.yaml", "nccl_cadence"), ("nccl_sync.yaml", "nccl_sync")])
-def test_cli_yaml_fit(tmp_path, config, mode):
-    output = run([str(TRAIN), "fit", "--config", str(CONFIGS / config)], tmp_path)
+@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"])
+def test_cli_yaml_fit(tmp_path, mode):
+    output = run([str(TRAIN), "fit", "--config", str(CONFIGS / f"{mode}.yaml"), "--trainer.max_epochs=2"], tmp_path)
     assert f"ElChe summary: mode {mode}" in output
     assert list((tmp_path / "lightning_logs").rglob("metrics.csv")), "the CSVLogger wrote nothing"
+    if mode == "cpu_async":  # the YAML also wires DiLoCo and the monitor by class_path
+        assert (tmp_path / "lightning_logs" / "cpu_async_dashboard.html").is_file()
+        assert (tmp_path / "lightning_logs" / "cpu_async_records" / "rank1.jsonl").is_file()
 
 
 def test_cli_print_config_round_trips(tmp_path):
