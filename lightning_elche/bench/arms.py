@@ -112,7 +112,8 @@ ARM_DESCRIPTIONS: dict[str, str] = {
     LOCAL_SGD: "Lightning DDPStrategy + PyTorch post-local SGD: average parameters every K steps",
     "nccl_sync": "ElCheStrategy(mode='nccl_sync'): lockstep windows, equal data split",
     "nccl_cadence": "ElCheStrategy(mode='nccl_cadence'): throughput-proportional windows and data",
-    "cpu_sync": "ElCheStrategy(mode='cpu_sync')",
-    "cpu_cadence": "ElCheStrategy(mode='cpu_cadence')",
-    "cpu_async": "ElCheStrategy(mode='cpu_async')",
+    "cpu_sync": "ElCheStrategy(mode='cpu_sync'): lockstep windows, averaging of host snapshots on a gloo group",
+    "cpu_cadence": "ElCheStrategy(mode='cpu_cadence'): proportional windows and data, host snapshots on a gloo group",
+    "cpu_async": "ElCheStrategy(mode='cpu_async'): proportional windows, non-blocking host-snapshot rounds, "
+                 "elastic blend",
 }

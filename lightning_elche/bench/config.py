@@ -121,12 +121,12 @@ class Budget:
 _CPU_BUDGETS = {
     "tiny": Budget("tiny", "mlp", 1024, 32, 1.0, 4, 3, 1, 32, 60.0, 1 << 16, 150.0, micro_iters=5),
     "quick": Budget("quick", "resnet20", 1024, 32, 6.0, 20, 10, 1, 32, 120.0, 1 << 18, 420.0),
-    "full": Budget("full", "resnet20", 3072, 32, 30.0, 40, 30, 3, 32, 240.0, 1 << 19, 840.0),
+    "full": Budget("full", "resnet20", 2048, 32, 20.0, 40, 30, 3, 32, 240.0, 1 << 19, 840.0),
 }
 _GPU_BUDGETS = {
     "tiny": Budget("tiny", "mlp", 8192, 256, 1.0, 4, 2, 1, 64, 60.0, 1 << 18, 150.0, micro_iters=5),
     "quick": Budget("quick", "resnet20", 32768, 256, 4.0, 20, 2, 1, 64, 60.0, 1 << 20, 240.0),
-    "full": Budget("full", "resnet20", 32768, 256, 10.0, 40, 6, 3, 64, 60.0, 1 << 21, 380.0, micro_iters=50),
+    "full": Budget("full", "resnet20", 32768, 256, 8.0, 40, 6, 3, 64, 60.0, 1 << 21, 360.0, micro_iters=50),
 }
 
 
@@ -164,7 +164,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         prog="python -m lightning_elche.bench",
         description="Run every arm of the lightning-elche benchmark protocol on one rig, in one invocation.",
     )
-    parser.add_argument("--rig", required=True, choices=sorted(RIGS), help="machine layout (docs/benchmarks.md)")
+    parser.add_argument("--rig", choices=sorted(RIGS), help="machine layout (docs/benchmarks.md); required")
+    parser.add_argument("--replot", type=Path, default=None,
+                        help="rewrite the Markdown table and plots from an existing <rig>.json (nothing is run)")
     parser.add_argument("--budget", default="full", choices=("tiny", "quick", "full"), help="how long to run")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="where the results go")
     parser.add_argument("--seeds", type=int, default=None, help="convergence seeds (default: 3 for full)")
@@ -183,17 +185,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="target held-out quality (default: Lightning DDP's median final quality, relaxed)")
     parser.add_argument("--min-slowdown", type=float, default=MIN_MEASURED_SLOWDOWN,
                         help="smallest solo slowdown that proves the throttle works")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="skip optional passes/seeds that would end later than this (default: the budget's)")
     parser.add_argument("--only-headline", action="store_true", help="skip the rig's other heterogeneity settings")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
     args = parser.parse_args(argv)
+    if args.rig is None and args.replot is None:
+        parser.error("--rig is required")
     for name in ("seeds", "throughput_seeds", "conv_epochs"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.local_sgd_period < 1 or args.local_sgd_warmup < 0:
         parser.error("--local-sgd-period must be >= 1 and --local-sgd-warmup >= 0")
-    if args.tp_seconds is not None and not (math.isfinite(args.tp_seconds) and args.tp_seconds > 0):
-        parser.error("--tp-seconds must be a positive number")
+    for name in ("tp_seconds", "deadline_s"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"--{name.replace('_', '-')} must be a positive number")
     return args
 
 
@@ -223,6 +231,8 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         overrides["conv_epochs"] = args.conv_epochs
     if args.only_headline:
         overrides["other_settings"] = False
+    if args.deadline_s is not None:
+        overrides["deadline_s"] = args.deadline_s
     budget = replace(budget, **overrides)  # type: ignore[arg-type]
     settings = settings_for(rig, args.slowdowns)
     if not budget.other_settings:

@@ -135,19 +135,24 @@ class BenchMeter(Callback):
     def _trace_round(self, trainer: Trainer) -> None:
         engine = getattr(trainer.strategy, "engine", None)
         outcome = getattr(engine, "last_outcome", None)
-        if outcome is None or outcome.index == self._last_round:
+        if outcome is None:
             return
-        self._last_round = outcome.index
-        steps = [r.steps for r in outcome.reports]
+        try:
+            index = int(outcome.index)
+            if index == self._last_round:
+                return
+            steps = [int(r.steps) for r in outcome.reports]
+            point = {"round": index, "train_s": self.train_clock(), "anchor": int(outcome.anchor), "steps": steps,
+                     "planned": [int(n) for n in outcome.planned],
+                     # Accelerator stall of each rank's previous sync (cpu_async on CUDA), None if unmeasured.
+                     "stall_ms": [getattr(r, "stall_ms", None) for r in outcome.reports]}
+        except (AttributeError, TypeError, ValueError):  # the engine's outcome changed shape: stop tracing
+            self.trace_elche = False
+            return
+        self._last_round = index
         total = sum(steps)
-        self.trace.append({
-            "round": outcome.index,
-            "train_s": self.train_clock(),
-            "anchor": outcome.anchor,
-            "steps": steps,
-            "share": [s / total if total else 0.0 for s in steps],
-            "planned": list(outcome.planned),
-        })
+        point["share"] = [s / total if total else 0.0 for s in steps]
+        self.trace.append(point)
 
     def record(self) -> dict[str, Any]:
         """This rank's numbers (plain JSON values)."""

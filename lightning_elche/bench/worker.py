@@ -21,10 +21,11 @@ import platform
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -148,6 +149,7 @@ def _init_process_group(rank: int, port: int, config: BenchConfig) -> tuple[torc
     if config.rig.accelerator == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
+        torch.set_num_threads(max(1, (os.cpu_count() or WORLD_SIZE) // WORLD_SIZE))  # as Lightning's DDP would
         torch.backends.cudnn.benchmark = True
         torch.set_float32_matmul_precision("high")
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
@@ -182,9 +184,14 @@ def describe_device(device: torch.device) -> dict[str, Any]:
             "gpu_sms": props.multi_processor_count,
             "gpu_memory_gib": round(props.total_memory / 2**30, 1),
             "cuda": torch.version.cuda,
-            "nccl": ".".join(str(v) for v in torch.cuda.nccl.version()),
+            "nccl": _nccl_version(),
         })
     return info
+
+
+def _nccl_version() -> str:
+    version = torch.cuda.nccl.version()
+    return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
 
 
 def _cpu_model() -> str:
@@ -214,35 +221,37 @@ def _time_collective(ctx: RankContext, op: Callable[[], Any], iters: int, warmup
     return (time.perf_counter() - start) / iters
 
 
-def microbenchmark(ctx: RankContext) -> dict[str, Any]:
-    """Seconds per raw ``dist.all_reduce`` of a flat float32 tensor of each model's parameter count,
-    per ``CollectivePlane.average`` of the same model's parameters (pack, pre-scale, SUM all-reduce,
-    unpack), and per metadata exchange (one round's all-gather)."""
+def _micro_model(ctx: RankContext, section: str) -> dict[str, Any]:
     iters = ctx.config.budget.micro_iters
-    out: dict[str, Any] = {}
-    for section in (THROUGHPUT, CONVERGENCE):
-        module = ctx.workload(section).make_module().to(ctx.device)
-        params = [p.detach().clone() for p in module.parameters()]
-        numel = sum(p.numel() for p in params)
-        flat = torch.ones(numel, dtype=torch.float32, device=ctx.device)
-        raw_s = _time_collective(ctx, lambda: dist.all_reduce(flat), iters)
-        meta_device = ctx.device if ctx.config.rig.backend == "nccl" else torch.device("cpu")
-        plane = CollectivePlane(FlatTensors(params), FlatTensors([]), ctx.rank, WORLD_SIZE, meta_device)
-        weights = round_weights([1] * WORLD_SIZE, 1.0)
-        plane_s = _time_collective(ctx, lambda: plane.average(weights), iters)
-        local = torch.zeros(META_SIZE, dtype=torch.float64)
-        exchange_s = _time_collective(ctx, lambda: plane.exchange(local), iters)
-        plane.close()
-        out[section] = {
-            "model": ctx.workload(section).name,
-            "numel": numel,
-            "bytes": numel * 4,
-            "iters": iters,
-            "raw_all_reduce_s": raw_s,
-            "plane_average_s": plane_s,
-            "metadata_exchange_s": exchange_s,
-        }
-        del module, params, flat, plane
+    module = ctx.workload(section).make_module().to(ctx.device)
+    params = [p.detach().clone() for p in module.parameters()]
+    numel = sum(p.numel() for p in params)
+    flat = torch.ones(numel, dtype=torch.float32, device=ctx.device)
+    raw_s = _time_collective(ctx, lambda: dist.all_reduce(flat), iters)
+    meta_device = ctx.device if ctx.config.rig.backend == "nccl" else torch.device("cpu")
+    plane = CollectivePlane(FlatTensors(params), FlatTensors([]), ctx.rank, WORLD_SIZE, meta_device)
+    weights = round_weights([1] * WORLD_SIZE, 1.0)
+    plane_s = _time_collective(ctx, lambda: plane.average(weights), iters)
+    local = torch.zeros(META_SIZE, dtype=torch.float64)
+    exchange_s = _time_collective(ctx, lambda: plane.exchange(local), iters)
+    plane.close()
+    return {
+        "model": ctx.workload(section).name,
+        "numel": numel,
+        "bytes": numel * 4,
+        "iters": iters,
+        "raw_all_reduce_s": raw_s,
+        "plane_average_s": plane_s,
+        "metadata_exchange_s": exchange_s,
+    }
+
+
+def microbenchmark(ctx: RankContext) -> dict[str, Any]:
+    """Per model of the run: seconds per raw ``dist.all_reduce`` of a flat float32 tensor of its
+    parameter count, per ``CollectivePlane.average`` of its parameters (pack, pre-scale, SUM
+    all-reduce, unpack: ElChe's averaging path), and per metadata exchange (a round's all-gather)."""
+    out = {section: _micro_model(ctx, section) for section in (THROUGHPUT, CONVERGENCE)}
+    _release()
     return out
 
 
@@ -301,6 +310,7 @@ def _common_record(job: Job, trainer: Trainer, meter: BenchMeter, throttle: Opti
         "setting": job.setting.label,
         "epochs": trainer.current_epoch,
         "model": stats,
+        "workload": meter.workload.describe(),
         "wall_s": wall_s,
     })
     if throttle is not None:
@@ -365,6 +375,7 @@ def run_multi(ctx: RankContext, job: Job) -> dict[str, Any]:
             "totals": [{"steps": t.steps, "samples": t.samples, "compute_s": t.compute_s, "sync_s": t.sync_s}
                        for t in engine.state.totals],
             "meta_bytes": META_SIZE * 8,
+            "bf16_wire": bool(getattr(getattr(strategy, "elche", None), "bf16_wire", False)),
         }
     if isinstance(strategy, PostLocalSGDStrategy):
         averager = strategy._model_averager

@@ -1,0 +1,347 @@
+"""The numbers of the report, derived from the per-rank records (pure functions, no torch).
+
+Formulas (``docs/benchmarks.md`` explains them):
+
+* steady-state samples/s = samples every rank trained from the start of epoch 1 to the end of the
+  last epoch ÷ (latest end − earliest start);
+* efficiency = samples/s ÷ ideal, ideal = solo rank 0 + solo rank 1 (same pass);
+* a ring all-reduce of N bytes makes each of W ranks send ``2 (W-1)/W · N`` bytes; an all-gather of
+  m bytes per rank makes each send ``(W-1) · m``; a broadcast of N bytes puts ``(W-1) · N`` on the wire;
+* bytes sent per sample = bytes all ranks sent during the fit ÷ samples all ranks trained;
+* bus bandwidth = N · 2 (W-1)/W ÷ seconds per all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+from lightning_elche.bench.plan import DDP, LOCAL_SGD, SOLO_RANK0, SOLO_RANK1
+
+TOLERANCE_ACC = 0.005
+"""Default target = Lightning DDP's worst-seed final accuracy minus 0.5 percentage points ..."""
+TOLERANCE_LOSS = 0.01
+"""... or its worst-seed final loss plus 1 % (the protocol's "within seed noise")."""
+
+
+# -- primitives ------------------------------------------------------------------------------
+
+
+def ring_allreduce_bytes(nbytes: float, world: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``."""
+    return 2.0 * (world - 1) / world * nbytes
+
+
+def bus_bandwidth(nbytes: float, seconds: float, world: int) -> float:
+    """nccl-tests' bus bandwidth of an all-reduce (bytes/s)."""
+    return ring_allreduce_bytes(nbytes, world) / seconds if seconds > 0 else 0.0
+
+
+def ddp_bytes(steps: int, grad_bytes: int, buffer_bytes: int, world: int) -> float:
+    """All ranks, one fit of DDP: a gradient all-reduce per step, plus DDP's default buffer
+    broadcast from rank 0 before every forward (``broadcast_buffers=True``)."""
+    per_step = world * ring_allreduce_bytes(grad_bytes, world) + (world - 1) * buffer_bytes
+    return steps * per_step
+
+
+def local_sgd_bytes(steps: int, warmup: int, averagings: int, grad_bytes: int, buffer_bytes: int, world: int) -> float:
+    """All ranks, one fit of post-local SGD: gradient all-reduces during the warm-up, one parameter
+    all-reduce per average (the parameters that have gradients), DDP's buffer broadcast per step."""
+    warm = min(steps, warmup) * world * ring_allreduce_bytes(grad_bytes, world)
+    averages = averagings * world * ring_allreduce_bytes(grad_bytes, world)
+    return warm + averages + steps * (world - 1) * buffer_bytes
+
+
+def elche_bytes(rounds: int, param_bytes: int, float_buffer_bytes: int, meta_bytes: int, world: int,
+                bf16_wire: bool = False) -> float:
+    """All ranks, one fit of an ElChe mode: per round a metadata all-gather and one all-reduce of
+    the flat f32 parameters and floating-point buffers (the ``nccl_*`` modes on the default group,
+    the ``cpu_*`` modes on host snapshots over gloo). With ``bf16_wire`` (``cpu_*`` only) the
+    parameters travel as an all-gather of bf16 snapshots instead. Every round is counted as
+    realized (a round in which no rank moved skips the reduce), so this is an upper bound."""
+    if bf16_wire:
+        params = world * (world - 1) * param_bytes / 2
+    else:
+        params = world * ring_allreduce_bytes(param_bytes, world)
+    per_round = params + world * ring_allreduce_bytes(float_buffer_bytes, world) + world * (world - 1) * meta_bytes
+    return rounds * per_round
+
+
+def steady_rate(records: Sequence[dict[str, Any]]) -> float:
+    """Samples/s of all ranks together from the start of epoch 1 to the end of the last epoch."""
+    starts = [r["t_start"] for r in records if r.get("t_start") is not None]
+    ends = [r["t_end"] for r in records if r.get("t_end") is not None]
+    if not starts or not ends:
+        return 0.0
+    span = max(ends) - min(starts)
+    return sum(r["samples"] for r in records) / span if span > 0 else 0.0
+
+
+def step_seconds(record: dict[str, Any]) -> Optional[float]:
+    """This rank's steady-state seconds per optimizer step."""
+    if record.get("t_start") is None or record.get("t_end") is None or record["steps"] <= 0:
+        return None
+    return (record["t_end"] - record["t_start"]) / record["steps"]
+
+
+def spread(values: Iterable[Optional[float]], missing_is_worst: bool = False) -> dict[str, Any]:
+    """Median, min, max of the finite values, and every value (None kept in place).
+
+    With ``missing_is_worst`` a None counts as +infinity in the median (a seed that never reached a
+    target took "forever"), so the median is None when half the values or more are missing.
+    """
+    values = list(values)
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return {"median": None, "min": None, "max": None, "values": values}
+    if missing_is_worst:
+        median = statistics.median([math.inf if v is None else v for v in values])
+        median = median if math.isfinite(median) else None
+    else:
+        median = statistics.median(finite)
+    return {"median": median, "min": min(finite), "max": max(finite), "values": values}
+
+
+def _median(values: Iterable[Optional[float]]) -> Optional[float]:
+    return spread(values)["median"]
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+# -- throughput ------------------------------------------------------------------------------
+
+
+def idle_fractions(arm_kind: str, records: Sequence[dict[str, Any]], solo_rates: Sequence[float],
+                   batch_size: int) -> tuple[list[Optional[float]], str]:
+    """Per-rank share of time not spent computing, and how it was obtained.
+
+    ElChe measures it: ``sync_s / (compute_s + sync_s)`` from the engine's totals (whole fit).
+    DDP and post-local SGD overlap the gradient all-reduce with the backward pass, so the wait
+    cannot be told apart from compute without a profiler; it is estimated as
+    ``1 - (step time alone) / (step time in the 2-rank fit)``, the step time alone coming from that
+    device's solo fit of the same pass (same batch size).
+    """
+    if arm_kind == "elche":
+        totals = records[0]["elche"]["totals"]
+        return [t["sync_s"] / (t["compute_s"] + t["sync_s"]) if t["compute_s"] + t["sync_s"] > 0 else None
+                for t in totals], "measured: engine totals sync_s / (compute_s + sync_s)"
+    out: list[Optional[float]] = []
+    for rank, record in enumerate(records):
+        step = step_seconds(record)
+        alone = batch_size / solo_rates[rank] if rank < len(solo_rates) and solo_rates[rank] > 0 else None
+        out.append(max(0.0, 1.0 - alone / step) if step and alone else None)
+    return out, "estimate: 1 - solo step time / 2-rank step time"
+
+
+def stall_per_sync(trace: Sequence[dict[str, Any]], totals: Sequence[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Mean accelerator stall per sync of each rank (the engine measures it for ``cpu_async`` on
+    CUDA), and as a fraction of that rank's mean step time (``compute_s / steps`` from the totals).
+    None when no round carried a measurement."""
+    per_rank: list[list[float]] = [[] for _ in totals]
+    for point in trace:
+        for rank, value in enumerate(point.get("stall_ms") or []):
+            if value is not None and rank < len(per_rank):
+                per_rank[rank].append(float(value))
+    if not any(per_rank):
+        return None
+    mean_ms = [statistics.fmean(v) if v else None for v in per_rank]
+    step_ms = [1000.0 * t["compute_s"] / t["steps"] if t["steps"] else None for t in totals]
+    return {
+        "mean_ms": mean_ms,
+        "rounds_measured": [len(v) for v in per_rank],
+        "fraction_of_step": [m / s if m is not None and s else None for m, s in zip(mean_ms, step_ms, strict=True)],
+    }
+
+
+def arm_kind(arm: str) -> str:
+    if arm in (SOLO_RANK0, SOLO_RANK1):
+        return "solo"
+    if arm == DDP:
+        return "ddp"
+    if arm == LOCAL_SGD:
+        return "local_sgd"
+    return "elche"
+
+
+def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: Sequence[float]) -> dict[str, Any]:
+    """Throughput, syncs, bytes per sample, idle and batch share of one 2-rank fit."""
+    world = len(records)
+    kind = arm_kind(arm)
+    stats = records[0]["model"]
+    steps = [r["total_steps"] for r in records]
+    samples = sum(r["total_samples"] for r in records)
+    out: dict[str, Any] = {"kind": kind, "samples_per_s": steady_rate(records), "epochs": records[0]["epochs"]}
+    if kind == "ddp":
+        syncs = steps[0]
+        sent = ddp_bytes(steps[0], stats["grad_bytes"], stats["buffer_bytes"], world)
+    elif kind == "local_sgd":
+        info = records[0]["local_sgd"]
+        syncs = min(steps[0], info["warmup"]) + info["averagings"]
+        sent = local_sgd_bytes(steps[0], info["warmup"], info["averagings"], stats["grad_bytes"],
+                               stats["buffer_bytes"], world)
+        out["local_sgd"] = info
+    else:
+        info = records[0]["elche"]
+        syncs = info["rounds"]
+        sent = elche_bytes(info["rounds"], stats["param_bytes"], stats["float_buffer_bytes"], info["meta_bytes"], world,
+                           bool(info.get("bf16_wire", False)))
+        out["elche"] = {k: info[k] for k in ("rounds", "cohort_step", "final_anchor", "window_plan", "totals",
+                                             "meta_bytes", "bf16_wire")}
+        steps = [t["steps"] for t in info["totals"]]
+        stall = stall_per_sync(records[0].get("trace", []), info["totals"])
+        if stall is not None:
+            out["stall"] = stall
+    idle, how = idle_fractions(kind, records, solo_rates, records[0]["batch_size"])
+    out.update({
+        "syncs": syncs,
+        "samples_per_sync": samples / syncs if syncs else None,
+        "bytes_sent": sent,
+        "bytes_per_sample": sent / samples if samples else None,
+        "idle": idle,
+        "idle_method": how,
+        "steps": steps,
+        "batch_share": [s / sum(steps) if sum(steps) else None for s in steps],
+        "stopped_by_cap": any(r["stopped_by_cap"] for r in records),
+        "model": stats,
+    })
+    return out
+
+
+def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One pass: ``jobs`` = [(arm, job id)], the first being the solo pair."""
+    (_, solo_id), *multi = jobs
+    solo = records[solo_id]
+    rates = [steady_rate([r]) for r in solo]
+    ideal = sum(rates)
+    arms: dict[str, Any] = {}
+    for rank, (name, rate) in enumerate(zip((SOLO_RANK0, SOLO_RANK1), rates, strict=True)):
+        arms[name] = {"kind": "solo", "samples_per_s": rate, "syncs": 0, "bytes_per_sample": 0.0,
+                      "idle": [0.0], "idle_method": "single process", "epochs": solo[rank]["epochs"],
+                      "throttle": solo[rank].get("throttle")}
+    for arm, job_id in multi:
+        arms[arm] = multi_rank_metrics(arm, records[job_id], rates)
+    ddp_rate = arms.get(DDP, {}).get("samples_per_s")
+    for row in arms.values():
+        row["efficiency"] = row["samples_per_s"] / ideal if ideal > 0 else None
+        row["speedup_vs_ddp"] = _ratio(row["samples_per_s"], ddp_rate)
+    return {
+        "ideal_samples_per_s": ideal,
+        "measured_slowdown": rates[0] / rates[1] if rates[1] > 0 else None,
+        "arms": arms,
+    }
+
+
+_AGGREGATED = ("samples_per_s", "efficiency", "speedup_vs_ddp", "syncs", "samples_per_sync", "bytes_per_sample")
+
+
+def aggregate_passes(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Median over passes of every headline number; the last pass's details (idle, shares, ...)."""
+    if not passes:
+        return {}
+    last = passes[-1]
+    out: dict[str, Any] = {
+        "passes": len(passes),
+        "ideal_samples_per_s": _median(p["ideal_samples_per_s"] for p in passes),
+        "measured_slowdown": _median(p["measured_slowdown"] for p in passes),
+        "arms": {},
+    }
+    for arm in passes[0]["arms"]:  # the first pass runs the arms in their base order
+        merged = dict(last["arms"][arm])
+        for key in _AGGREGATED:
+            values = [p["arms"][arm].get(key) for p in passes if arm in p["arms"]]
+            merged[key] = _median(values)
+            if len(passes) > 1:
+                merged[f"{key}_per_pass"] = values
+        idle = [p["arms"][arm]["idle"] for p in passes if arm in p["arms"]]
+        merged["idle"] = [_median(v[k] for v in idle) for k in range(len(idle[0]))]
+        out["arms"][arm] = merged
+    return out
+
+
+# -- convergence -----------------------------------------------------------------------------
+
+
+def reaches(value: float, target: float, higher_is_better: bool) -> bool:
+    return value >= target if higher_is_better else value <= target
+
+
+def time_to_target(curve: Sequence[dict[str, Any]], quality: str, target: float, higher_is_better: bool
+                   ) -> Optional[float]:
+    """Train-clock seconds of the first held-out score that meets the target (None: never)."""
+    for point in curve:
+        if reaches(point[quality], target, higher_is_better):
+            return float(point["train_s"])
+    return None
+
+
+def default_target(ddp_finals: Sequence[float], higher_is_better: bool) -> Optional[float]:
+    """The final quality every Lightning DDP seed reached (its worst seed), relaxed by the
+    protocol's seed-noise tolerance: DDP reaches it in every seed by construction, so the time to
+    target compares how much sooner other arms get there."""
+    finals = [v for v in ddp_finals if v is not None and math.isfinite(v)]
+    if not finals:
+        return None
+    return min(finals) - TOLERANCE_ACC if higher_is_better else max(finals) * (1.0 + TOLERANCE_LOSS)
+
+
+def convergence(runs: dict[str, list[dict[str, Any]]], quality: str, higher_is_better: bool,
+                target: Optional[float]) -> dict[str, Any]:
+    """``runs``: arm -> rank-0 records (one per seed). Final quality and time to target per arm."""
+    finals = {arm: [r["curve"][-1][quality] for r in recs if r["curve"]] for arm, recs in runs.items()}
+    source = "--target"
+    if target is None:
+        target = default_target(finals.get(DDP, []), higher_is_better)
+        tolerance = f"{TOLERANCE_ACC * 100:g} pp" if higher_is_better else f"{TOLERANCE_LOSS:.0%}"
+        source = f"Lightning DDP's worst-seed final {quality}, relaxed by {tolerance}"
+    arms: dict[str, Any] = {}
+    for arm, recs in runs.items():
+        times = [time_to_target(r["curve"], quality, target, higher_is_better) if target is not None else None
+                 for r in recs]
+        reached = [t for t in times if t is not None]
+        tt = spread(times, missing_is_worst=True)
+        arms[arm] = {
+            "seeds": len(recs),
+            "final_quality": spread(finals[arm]),
+            "time_to_target_s": tt,
+            "reached_target": len(reached),
+            "train_s": spread(r["epoch_ends_train_s"][-1] if r["epoch_ends_train_s"] else None for r in recs),
+            "epochs": [r["epochs"] for r in recs],
+            "capped_fits": sum(1 for r in recs if r["stopped_by_cap"]),
+        }
+    ddp = arms.get(DDP)
+    for row in arms.values():
+        row["time_to_target_speedup_vs_ddp"] = _ratio(ddp["time_to_target_s"]["median"] if ddp else None,
+                                                      row["time_to_target_s"]["median"])
+        final, ddp_final = row["final_quality"]["median"], ddp["final_quality"]["median"] if ddp else None
+        row["final_quality_minus_ddp"] = final - ddp_final if final is not None and ddp_final is not None else None
+    return {"quality": quality, "higher_is_better": higher_is_better, "target": target, "target_source": source,
+            "arms": arms}
+
+
+# -- microbenchmark --------------------------------------------------------------------------
+
+
+def microbenchmark(per_rank: Sequence[dict[str, Any]], world: int) -> dict[str, Any]:
+    """Bus bandwidth of a raw all-reduce and of ElChe's plane, from the slower rank's timings."""
+    out: dict[str, Any] = {}
+    for section, first in per_rank[0].items():
+        raw = max(r[section]["raw_all_reduce_s"] for r in per_rank)
+        plane = max(r[section]["plane_average_s"] for r in per_rank)
+        meta = max(r[section]["metadata_exchange_s"] for r in per_rank)
+        raw_bw, plane_bw = bus_bandwidth(first["bytes"], raw, world), bus_bandwidth(first["bytes"], plane, world)
+        out[section] = {
+            "model": first["model"],
+            "bytes": first["bytes"],
+            "iters": first["iters"],
+            "raw_all_reduce_s": raw,
+            "plane_average_s": plane,
+            "metadata_exchange_s": meta,
+            "raw_busbw_gb_s": raw_bw / 1e9,
+            "plane_busbw_gb_s": plane_bw / 1e9,
+            "plane_vs_raw": plane_bw / raw_bw if raw_bw > 0 else None,
+        }
+    return out

@@ -1,0 +1,227 @@
+"""The outputs: a Markdown table, the JSON file with every number, and PNG plots.
+
+matplotlib is imported only when plots are drawn; without it the plots are skipped and the JSON
+says why.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_elche.bench.arms import ARM_DESCRIPTIONS
+
+
+def _num(value: Optional[float], digits: int = 2, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:.{digits}f}{suffix}"
+
+
+def _rate(value: Optional[float]) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _bytes(value: Optional[float]) -> str:
+    if value is None:
+        return "n/a"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _count(value: Optional[float]) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.0f}" if float(value).is_integer() else f"{value:.1f}"
+
+
+def _pair(values: Optional[list[Optional[float]]], fmt: str = "pct") -> str:
+    if not values:
+        return "n/a"
+    if fmt == "pct":
+        return " / ".join("n/a" if v is None else f"{v:.0%}" for v in values)
+    return " / ".join(_num(v) for v in values)
+
+
+def throughput_table(section: dict[str, Any]) -> list[str]:
+    lines = [
+        "| arm | samples/s | efficiency | vs DDP | syncs | bytes sent / sample | idle r0 / r1 | batch share r0 / r1 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm, row in section["arms"].items():
+        idle = _pair(row.get("idle")) + (" (est.)" if row.get("idle_method", "").startswith("estimate") else "")
+        share = _pair(row.get("batch_share")) if row.get("kind") != "solo" else "-"
+        lines.append(
+            f"| `{arm}` | {_rate(row['samples_per_s'])} | {_num(row.get('efficiency'))} | "
+            f"{_num(row.get('speedup_vs_ddp'), suffix='x')} | {_count(row.get('syncs'))} | "
+            f"{_bytes(row.get('bytes_per_sample'))} | {idle} | {share} |"
+        )
+    lines.append(f"| ideal (solo rank 0 + solo rank 1) | {_rate(section['ideal_samples_per_s'])} | 1.00 | | | | | |")
+    for arm, row in section["arms"].items():
+        stall = row.get("stall")
+        if stall:
+            per_rank = ", ".join(
+                f"rank {k} {_num(ms, 3, ' ms')} ({_num(None if f is None else 100 * f, 2, ' %')} of a step)"
+                for k, (ms, f) in enumerate(zip(stall["mean_ms"], stall["fraction_of_step"], strict=True)))
+            lines += ["", f"Accelerator stall per sync, `{arm}`: {per_rank}."]
+    return lines
+
+
+def convergence_table(conv: dict[str, Any]) -> list[str]:
+    quality = conv["quality"].replace("_", " ")
+    digits = 4 if conv["higher_is_better"] else 3
+    lines = [
+        f"| arm | final {quality}: median [min, max] | vs DDP | time to target (s): median [min, max] | "
+        "reached | speed-up vs DDP | train s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm, row in conv["arms"].items():
+        fq, tt = row["final_quality"], row["time_to_target_s"]
+        lines.append(
+            f"| `{arm}` | {_num(fq['median'], digits)} [{_num(fq['min'], digits)}, {_num(fq['max'], digits)}] | "
+            f"{_num(row['final_quality_minus_ddp'], digits, '')} | "
+            f"{_num(tt['median'], 1)} [{_num(tt['min'], 1)}, {_num(tt['max'], 1)}] | "
+            f"{row['reached_target']}/{row['seeds']} | {_num(row['time_to_target_speedup_vs_ddp'], 2, 'x')} | "
+            f"{_num(row['train_s']['median'], 1)} |"
+        )
+    return lines
+
+
+def micro_table(micro: dict[str, Any]) -> list[str]:
+    lines = [
+        "| model | flat bytes | raw `all_reduce` busbw | ElChe `CollectivePlane.average` busbw | ratio | "
+        "metadata exchange |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in micro.values():
+        lines.append(
+            f"| {row['model']} | {_bytes(row['bytes'])} | {_num(row['raw_busbw_gb_s'], 2, ' GB/s')} | "
+            f"{_num(row['plane_busbw_gb_s'], 2, ' GB/s')} | {_num(row['plane_vs_raw'])} | "
+            f"{_num(row['metadata_exchange_s'] * 1e6, 0, ' µs')} |"
+        )
+    return lines
+
+
+def markdown(result: dict[str, Any]) -> str:
+    out = [
+        f"# lightning-elche benchmark: `{result['rig']}`",
+        "",
+        f"- command: `{result['command']}`",
+        f"- commit: `{result['commit']}`{' (uncommitted changes)' if result.get('commit_dirty') else ''}",
+        f"- date: {result['date']}",
+        f"- device: {result['device']['summary']}",
+        f"- budget: {result['config']['budget']['name']}; ElChe modes run: "
+        + ", ".join(f"`{m}`" for m in result["elche_modes"]),
+        "",
+        f"## Throughput: {result['setting']['description']}",
+        "",
+        f"Workload: {result['throughput_workload']}, per-device batch {result['config']['budget']['tp_batch']}; "
+        f"steady state (epoch 0 excluded), median of {result.get('passes', 1)} pass(es).",
+        "",
+        *throughput_table(result),
+        "",
+        f"Measured solo slowdown of rank 1: {_num(result['measured_slowdown'])}x.",
+    ]
+    conv = result.get("convergence")
+    if conv:
+        target = _num(conv["target"], 4)
+        out += [
+            "",
+            f"## Convergence: {conv['workload']}",
+            "",
+            f"{conv['seeds_run']} seed(s) (of {conv['seeds_requested']} requested), "
+            f"{result['config']['budget']['conv_epochs']} epochs per fit, "
+            f"same setting as above; held-out score of rank 0's replica after every epoch. "
+            f"Target {conv['quality']} = {target} ({conv['target_source']}).",
+            "",
+            *convergence_table(conv),
+        ]
+    out += ["", "## All-reduce microbenchmark (2 ranks, no throttle)", "", *micro_table(result["microbenchmark"])]
+    for label, section in result.get("other_settings", {}).items():
+        out += ["", f"## Throughput: {section['description']} (`{label}`)", "", *throughput_table(section), "",
+                f"Measured solo slowdown of rank 1: {_num(section['measured_slowdown'])}x."]
+    out += ["", "## Notes", ""]
+    out += [f"- `{arm}`: {ARM_DESCRIPTIONS.get(arm, arm)}." for arm in result["arms"]]
+    for mode, why in result.get("elche_modes_skipped", {}).items():
+        out.append(f"- `{mode}` not run: {why}.")
+    if result.get("skipped_groups"):
+        out.append(f"- skipped for time (budget deadline): {', '.join(result['skipped_groups'])}.")
+    out.append("- idle marked (est.) is estimated from the solo step times; see docs/benchmarks.md for every formula.")
+    if any(row.get("efficiency") and row["efficiency"] > 1.0 for row in result["arms"].values()):
+        out.append("- an efficiency above 1 means the solo fits ran under heavier load than the 2-rank fits: "
+                   "rerun on a quiet machine.")
+    return "\n".join(out) + "\n"
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+
+
+def plot(result: dict[str, Any], out_dir: Path, stem: str) -> dict[str, Any]:
+    """Held-out quality vs train time per arm (``result["convergence"]["curves"]``); ElChe batch
+    share and anchor over time (``result["elche_traces"]``, the first headline pass).
+
+    Returns {"files": [...]} or {"skipped": reason}.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        return {"skipped": f"matplotlib is not installed ({error}); pip install 'lightning-elche[bench]'"}
+    files: list[str] = []
+    conv = result.get("convergence")
+    curves = conv.get("curves", {}) if conv else {}
+    traces = result.get("elche_traces", {})
+    if conv and curves:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i, (arm, seeds) in enumerate(curves.items()):
+            for j, curve in enumerate(seeds):
+                xs = [p["train_s"] for p in curve]
+                ys = [p[conv["quality"]] for p in curve]
+                ax.plot(xs, ys, color=colors[i % len(colors)], alpha=0.8, lw=1.2, label=arm if j == 0 else None)
+        if conv["target"] is not None:
+            ax.axhline(conv["target"], color="grey", ls="--", lw=0.8, label="target")
+        ax.set_xlabel("train time (s, held-out scoring excluded)")
+        ax.set_ylabel(conv["quality"].replace("_", " "))
+        ax.set_title(f"{result['rig']}: held-out quality vs time ({conv['seeds_run']} seed(s))")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{stem}-quality.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        files.append(path.name)
+    if traces:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i, (mode, trace) in enumerate((m, t) for m, t in traces.items() if t):
+            color = colors[i % len(colors)]
+            xs = [t["train_s"] for t in trace]
+            planned = [t["planned"][0] / sum(t["planned"]) if sum(t["planned"]) else 0.0 for t in trace]
+            top.step(xs, planned, where="post", color=color, lw=1.2, label=mode)
+            top.plot(xs, [t["share"][0] for t in trace], ".", color=color, ms=3, alpha=0.5)
+            bottom.step(xs, [t["anchor"] for t in trace], where="post", color=color, lw=1.2, label=mode)
+        solo = [result["arms"].get(f"solo_rank{k}", {}).get("samples_per_s") for k in (0, 1)]
+        if all(solo) and sum(solo) > 0:
+            top.axhline(solo[0] / sum(solo), color="grey", ls="--", lw=0.8, label="solo speed share")
+        top.set_ylabel("rank 0's batch share\n(line: plan, dots: each round)")
+        top.set_ylim(0, 1)
+        top.legend(fontsize=7, ncol=2)
+        bottom.set_ylabel("anchor (batches of the slow rank)")
+        bottom.set_xlabel("train time (s)")
+        bottom.legend(fontsize=7, ncol=2)
+        top.set_title(f"{result['rig']}: ElChe batch share and anchor ({result['setting']['label']})")
+        fig.tight_layout()
+        path = out_dir / f"{stem}-elche.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        files.append(path.name)
+    return {"files": files}
