@@ -172,7 +172,7 @@ class ElCheEngine:
         ``stop_level`` is this rank's stop request (0 none; larger values are more urgent, the
         strategy defines them); an outcome carries the largest over all ranks.
         """
-        compute_s = self.clock.close_window()
+        compute_s = self.clock.close_window(self._steps)
         round_start = time.perf_counter()
         completed = [self._finish()] if self._in_flight else []
         if completed and completed[0].ends_window_sequence:

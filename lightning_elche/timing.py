@@ -28,7 +28,8 @@ class WindowClock:
         self._window_start = time.perf_counter()
         self._excluded = 0.0
         self._start_event: Optional[torch.cuda.Event] = None
-        self._pending: Optional[tuple[torch.cuda.Event, torch.cuda.Event, float]] = None
+        self._pending: Optional[tuple[torch.cuda.Event, torch.cuda.Event, float, int]] = None
+        self._seconds_per_step: Optional[float] = None
         self._sync_start: Optional[torch.cuda.Event] = None
         self._stall_pending: Optional[tuple[torch.cuda.Event, torch.cuda.Event]] = None
         self.last_stall_ms: Optional[float] = None
@@ -51,8 +52,13 @@ class WindowClock:
         """Leave ``seconds`` spent waiting inside the window out of its compute time."""
         self._excluded += seconds
 
-    def close_window(self) -> float:
-        """Seconds of compute in the window that ends now (device work included)."""
+    def close_window(self, steps: int = 1) -> float:
+        """Seconds of compute in the window that ends now, which took ``steps`` steps.
+
+        Without a boundary sync, the device time of a window is known only once its events have
+        completed, a window later; the value returned is then the latest measured device time
+        per step times ``steps``, so the controller always sees a consistent per-step cost.
+        """
         host = max(0.0, time.perf_counter() - self._window_start - self._excluded)
         if self.synchronize:
             if self.cuda:
@@ -62,14 +68,16 @@ class WindowClock:
         end = self._event()
         self._sync_start = end
         self._read_stall()
-        # Report the previous window's device time: its events have surely completed by now.
+        # The previous window's events have almost surely completed by now.
         previous, self._pending = self._pending, None
         if self._start_event is not None:
-            self._pending = (self._start_event, end, self._excluded)
-        if previous is not None and previous[1].query():
-            start, stop, excluded = previous
-            return max(0.0, start.elapsed_time(stop) / 1000.0 - excluded)
-        return host
+            self._pending = (self._start_event, end, self._excluded, steps)
+        if previous is not None and previous[1].query() and previous[3] > 0:
+            start, stop, excluded, previous_steps = previous
+            self._seconds_per_step = max(0.0, start.elapsed_time(stop) / 1000.0 - excluded) / previous_steps
+        if self._seconds_per_step is None:
+            return host
+        return self._seconds_per_step * steps
 
     def _read_stall(self) -> None:
         if self._stall_pending is not None and self._stall_pending[1].query():
