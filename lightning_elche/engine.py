@@ -228,7 +228,9 @@ class ElCheEngine:
             self.max_overshoot = min(self.max_overshoot + 1, OVERSHOOT_CEILING)
 
     def _local_metadata(self, epoch: int, out_of_data: bool, stop_level: int, compute_s: float) -> Tensor:
-        host = torch.zeros(META_SIZE, dtype=torch.float64)
+        # Pinned (from PyTorch's caching host allocator) so that the copy below does not
+        # synchronize the device: in cpu_async nothing at the boundary may wait for the GPU.
+        host = torch.zeros(META_SIZE, dtype=torch.float64, pin_memory=self.device.type == "cuda")
         host[Meta.STEPS] = self._steps
         host[Meta.SAMPLES] = self._samples
         host[Meta.COMPUTE_S] = compute_s
@@ -242,11 +244,14 @@ class ElCheEngine:
         host[Meta.HAS_DIVERGENCE] = float(self._divergence is not None)
         host[Meta.WIRE] = float(self.config.bf16_wire and self.config.mode.uses_cpu_plane)
         host[Meta.STALL_MS] = -1.0 if self.clock.last_stall_ms is None else self.clock.last_stall_ms
-        local = host.to(self.device)
+        divergence, self._divergence = self._divergence, None
+        if divergence is not None and not divergence.is_cuda:  # the CPU plane measures on the host
+            host[Meta.DELTA_NORM : Meta.POST_NORM + 1] = divergence
+            divergence = None
+        local = host.to(self.device, non_blocking=True)
         local[Meta.LOSS_SUM] = self._loss_sum
-        if self._divergence is not None:
-            local[Meta.DELTA_NORM : Meta.POST_NORM + 1] = self._divergence
-            self._divergence = None
+        if divergence is not None:
+            local[Meta.DELTA_NORM : Meta.POST_NORM + 1] = divergence
         if self.params:
             norms = torch._foreach_norm(self.params)
             local[Meta.FINITE] = torch.stack(norms).isfinite().all().to(torch.float64)

@@ -142,7 +142,23 @@ class CpuPlane(AveragingPlane):
             self.buffers.capture()
         self._busy = True
         self._done.clear()
-        self._jobs.put(local.to("cpu", torch.float64))
+        self._jobs.put(self._metadata_to_host(local))
+
+    def _metadata_to_host(self, local: Tensor) -> tuple[Tensor, Optional[torch.cuda.Event]]:
+        # The metadata holds device values (loss sum, finite flag): copy them without blocking
+        # the training thread; the plane's thread waits for the copy before it gathers.
+        if not local.is_cuda:
+            return local.to(torch.float64).clone(), None
+        host = torch.empty(local.numel(), dtype=torch.float64, pin_memory=True)
+        stream = self.params._stream
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            host.copy_(local, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        local.record_stream(stream)
+        return host, copied
 
     def ready(self) -> bool:
         return self._done.is_set()
@@ -209,7 +225,10 @@ class CpuPlane(AveragingPlane):
             )
         return error
 
-    def _round(self, local: Tensor) -> RoundResult:
+    def _round(self, job: tuple[Tensor, Optional[torch.cuda.Event]]) -> RoundResult:
+        local, copied = job
+        if copied is not None:
+            copied.synchronize()
         table_flat = torch.empty(self.world_size * local.numel(), dtype=torch.float64)
         all_gather_flat(table_flat, local, group=self.group)
         table = table_flat.view(self.world_size, -1).tolist()
