@@ -66,6 +66,8 @@ class RankTotals:
     samples: int = 0
     compute_s: float = 0.0
     sync_s: float = 0.0
+    stall_ms_sum: float = 0.0
+    stalls: int = 0
 
 
 @dataclass
@@ -228,22 +230,23 @@ class ElCheEngine:
             self.max_overshoot = min(self.max_overshoot + 1, OVERSHOOT_CEILING)
 
     def _local_metadata(self, epoch: int, out_of_data: bool, stop_level: int, compute_s: float) -> Tensor:
-        # Pinned (from PyTorch's caching host allocator) so that the copy below does not
-        # synchronize the device: in cpu_async nothing at the boundary may wait for the GPU.
-        host = torch.zeros(META_SIZE, dtype=torch.float64, pin_memory=self.device.type == "cuda")
-        host[Meta.STEPS] = self._steps
-        host[Meta.SAMPLES] = self._samples
-        host[Meta.COMPUTE_S] = compute_s
-        host[Meta.LAST_SYNC_S] = self._last_sync_s
-        host[Meta.LR] = self._lr
-        host[Meta.OUT_OF_DATA] = float(out_of_data)
-        host[Meta.STOP_REQUESTED] = float(stop_level)
-        host[Meta.EPOCH] = epoch
-        host[Meta.ROUND] = self.state.rounds
-        host[Meta.SIGNATURE] = self.signature
-        host[Meta.HAS_DIVERGENCE] = float(self._divergence is not None)
-        host[Meta.WIRE] = float(self.config.bf16_wire and self.config.mode.uses_cpu_plane)
-        host[Meta.STALL_MS] = -1.0 if self.clock.last_stall_ms is None else self.clock.last_stall_ms
+        values = [0.0] * META_SIZE
+        values[Meta.STEPS] = self._steps
+        values[Meta.SAMPLES] = self._samples
+        values[Meta.COMPUTE_S] = compute_s
+        values[Meta.LAST_SYNC_S] = self._last_sync_s
+        values[Meta.LR] = self._lr
+        values[Meta.OUT_OF_DATA] = float(out_of_data)
+        values[Meta.STOP_REQUESTED] = float(stop_level)
+        values[Meta.EPOCH] = epoch
+        values[Meta.ROUND] = self.state.rounds
+        values[Meta.SIGNATURE] = self.signature
+        values[Meta.HAS_DIVERGENCE] = float(self._divergence is not None)
+        values[Meta.WIRE] = float(self.config.bf16_wire and self.config.mode.uses_cpu_plane)
+        values[Meta.STALL_MS] = -1.0 if self.clock.last_stall_ms is None else self.clock.last_stall_ms
+        # Pinned (PyTorch's caching host allocator) so that the copy below does not synchronize
+        # the device: in cpu_async nothing at the boundary may wait for the GPU.
+        host = torch.tensor(values, dtype=torch.float64, pin_memory=self.device.type == "cuda")
         divergence, self._divergence = self._divergence, None
         if divergence is not None and not divergence.is_cuda:  # the CPU plane measures on the host
             host[Meta.DELTA_NORM : Meta.POST_NORM + 1] = divergence
@@ -268,6 +271,9 @@ class ElCheEngine:
             totals.samples += report.samples
             totals.compute_s += report.compute_s
             totals.sync_s += report.last_sync_s
+            if report.stall_ms is not None:
+                totals.stall_ms_sum += report.stall_ms
+                totals.stalls += 1
         state.cohort_step += sum(r.steps for r in reports)
         state.rounds += 1
         # The fastest arrival pays no wait, so the smallest round time is the pure reduce cost.

@@ -117,6 +117,7 @@ class RecordingModel(LightningModule):
             record["cohort_step"] = engine.state.cohort_step
             record["steps"] = [t.steps for t in engine.state.totals]
             record["compute_s"] = [t.compute_s for t in engine.state.totals]
+            record["mean_stall_ms"] = [t.stall_ms_sum / t.stalls if t.stalls else None for t in engine.state.totals]
             record["batch_counts"] = list(engine.controller.batch_counts)
         Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(record))
 

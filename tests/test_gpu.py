@@ -42,5 +42,5 @@ def test_heterogeneous_run_with_green_context_throttle(tmp_path, mode):
     assert r0["callback_metrics"]["val_loss"] == r1["callback_metrics"]["val_loss"]
     ms_per_step = [c / s for c, s in zip(r0["compute_s"], r0["steps"], strict=True)]
     print(f"GPU hetero {mode}: steps {r0['steps']}, ms/step {[round(1000 * m, 2) for m in ms_per_step]}, "
-          f"rounds {r0['rounds']}, final plan {r0['batch_counts']}")
+          f"rounds {r0['rounds']}, final plan {r0['batch_counts']}, mean stall per sync (ms) {r0['mean_stall_ms']}")
     assert ms_per_step[1] > 1.5 * ms_per_step[0], f"green-context throttle did not slow rank 1: {ms_per_step}"

@@ -49,15 +49,12 @@ class HostMirror:
 
     def capture(self) -> None:
         """Snapshot the live tensors (device work is queued; :meth:`wait` before reading)."""
-        if self._restored is not None:  # the last adopt's copies out of these buffers must be done
-            self._restored.synchronize()
-            self._restored = None
         self.source.pack()
         if not self.cuda:
             torch._foreach_copy_(self.buffers, self.source.flats)
             return
         assert self._stream is not None
-        self._stream.wait_stream(torch.cuda.current_stream())
+        self._stream.wait_stream(torch.cuda.current_stream())  # also orders it after the last restore
         with torch.cuda.stream(self._stream):
             for host, flat in zip(self.buffers, self.source.flats, strict=True):
                 host.copy_(flat, non_blocking=True)
@@ -65,9 +62,17 @@ class HostMirror:
             self._ready.record(self._stream)
 
     def wait(self) -> None:
+        """Block until the last snapshot is readable (called by the plane's thread)."""
         if self._ready is not None:
             self._ready.synchronize()
             self._ready = None
+
+    def wait_restored(self) -> None:
+        """Block until the last restore's copies out of host memory are done (plane's thread),
+        so that the next consensus may be written there; the training thread never waits."""
+        restored, self._restored = self._restored, None
+        if restored is not None:
+            restored.synchronize()
 
     def restore(self, values: list[Tensor], alpha: float) -> None:
         """``live ← (1 − alpha)·live + alpha·values`` (a plain copy when alpha is 1), in place."""
@@ -237,6 +242,7 @@ class CpuPlane(AveragingPlane):
         if not weights.realized:
             return RoundResult(table, weights, None)
         self.params.wait()
+        self.params.wait_restored()
         if self.bf16_wire:
             self._reduce_bf16(weights.param_factors)
         else:
