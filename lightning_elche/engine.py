@@ -152,7 +152,7 @@ class ElCheEngine:
 
     def start_epoch(self) -> None:
         """Exclude the time between epochs (validation, checkpoints) from the next window."""
-        self.clock.restart_window()
+        self.clock.restart_window(after_sync=False)
 
     # -- per round -------------------------------------------------------------------------
 
@@ -184,9 +184,10 @@ class ElCheEngine:
         self._reset_window()
         if blocking or not self.plane.non_blocking:
             completed.append(self._finish())
-            self.clock.restart_window()
+            self.clock.restart_window(after_sync=False)
         else:
             self._in_flight = True
+            self.clock.restart_window()  # the gap since close_window is this sync's stall
         self._last_sync_s = time.perf_counter() - round_start
         return completed
 
@@ -321,7 +322,6 @@ class ElCheEngine:
         self._steps = 0
         self._samples = 0
         self._loss_sum.zero_()
-        self.clock.restart_window()
 
     # -- checkpoints -----------------------------------------------------------------------
 

@@ -39,14 +39,16 @@ class WindowClock:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def restart_window(self) -> None:
+    def restart_window(self, after_sync: bool = True) -> None:
+        """Start timing a window. ``after_sync=False`` (a new epoch, or a blocking round) does
+        not count the gap before it as a sync's stall: validation or a wait happened there."""
         self._window_start = time.perf_counter()
         self._excluded = 0.0
         if self.cuda and not self.synchronize:
             self._start_event = self._event()
-            if self._sync_start is not None:
+            if self._sync_start is not None and after_sync:
                 self._stall_pending = (self._sync_start, self._start_event)
-                self._sync_start = None
+            self._sync_start = None
 
     def exclude(self, seconds: float) -> None:
         """Leave ``seconds`` spent waiting inside the window out of its compute time."""
