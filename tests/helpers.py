@@ -283,3 +283,26 @@ def fit_and_report_leftovers(rank: int, out_dir: str, port: int, scenario: str) 
         "side_group_released": strategy._side_group is None,
         "plane_closed": bool(plane is not None and plane.closed),
     }))
+
+
+def run_command(command: list[str], cwd: Path, timeout_s: float) -> tuple[int, str]:
+    """Run ``command`` in its own process session; on a hang, kill the whole session and fail.
+
+    Killing the session matters: a launcher's rank processes would otherwise outlive the test
+    and wait out their process-group timeout.
+    """
+    import os
+    import signal
+    import subprocess
+
+    import pytest
+
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{command} did not finish in {timeout_s} s:\n{output[-4000:]}")
+    return proc.returncode, output

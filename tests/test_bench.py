@@ -10,14 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import run_command
 
 from lightning_elche.bench import metrics
 from lightning_elche.bench.arms import available_elche_modes
@@ -28,21 +26,7 @@ COMMAND_TIMEOUT_S = 170
 
 
 def run_bench(args: list[str], cwd: Path) -> tuple[int, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lightning_elche.bench", *args],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=COMMAND_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session this test started: the harness and its ranks
-        output, _ = proc.communicate()
-        pytest.fail(f"the benchmark did not finish in {COMMAND_TIMEOUT_S} s:\n{output[-4000:]}")
-    return proc.returncode, output
+    return run_command([sys.executable, "-m", "lightning_elche.bench", *args], cwd, COMMAND_TIMEOUT_S)
 
 
 def positive(value: Any) -> bool:

@@ -9,13 +9,11 @@ the first one). No timing is asserted: CI machines are too noisy.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_command
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -27,21 +25,8 @@ COMMAND_TIMEOUT_S = 150
 
 def run(args: list[str], cwd: Path) -> str:
     """Run ``python *args`` in ``cwd``; fail with the output's tail on a non-zero exit or a hang."""
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=COMMAND_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started: the script and its ranks
-        output, _ = proc.communicate()
-        pytest.fail(f"{args} did not finish in {COMMAND_TIMEOUT_S} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{output[-4000:]}"
+    status, output = run_command([sys.executable, *args], cwd, COMMAND_TIMEOUT_S)
+    assert status == 0, f"{args} exited with {status}:\n{output[-4000:]}"
     return output
 
 

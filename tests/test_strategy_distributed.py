@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import signal
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -14,7 +11,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import CountCollectives, RecordingModel, StopAtStep, inverse_decay, load_records
+from helpers import CountCollectives, RecordingModel, StopAtStep, inverse_decay, load_records, run_command
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
@@ -133,13 +130,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_next_sync(tmp_path):
     # Lightning turns SIGTERM into SIGTERMException (a SystemExit); under spawn the parent would wait
     # forever for rank 0's result, so this runs the popen launcher, as torchrun or SLURM jobs do.
     script = Path(__file__).parent / "scripts" / "sigterm_fit.py"
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("a SIGTERM on one rank hung the job")
+    _, output = run_command([sys.executable, str(script), str(tmp_path)], tmp_path, 120)
     reports = [json.loads((tmp_path / f"exception{r}.json").read_text()) for r in range(2)]
     assert [r["type"] for r in reports] == ["SIGTERMException", "SIGTERMException"], output[-2000:]
     # Rank 1 is signalled in its second window: both ranks stop right after the second round.
