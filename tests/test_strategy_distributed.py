@@ -189,3 +189,25 @@ def test_diloco_step_schedules_on_the_cohort_step_and_elche_state_in_checkpoints
     divergences = [float(row["elche/divergence"]) for row in rows if row.get("elche/divergence")]
     assert divergences and all(d > 0 for d in divergences)
     assert any(row.get("elche/outer_step_norm") for row in rows)
+
+
+def test_fit_resumes_from_a_checkpoint_with_the_same_cadence(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    first = fit(tmp_path, elche(), callbacks=[Throttle(1, 3.0), ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True)],
+                model_kwargs={"val": False}, enable_checkpointing=True)
+    saved = torch.load(ckpt_dir / "last.ckpt", weights_only=False)["elche"]
+    assert saved["rounds"] == first[0]["rounds"] and saved["controller"]["batch_counts"] == first[0]["batch_counts"]
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    pl.seed_everything(0, verbose=False)
+    model = RecordingModel(str(resumed_dir), val=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=elche(), max_epochs=3, limit_val_batches=0,
+                         callbacks=[Throttle(1, 3.0)], enable_progress_bar=False, enable_model_summary=False,
+                         logger=False, enable_checkpointing=False, default_root_dir=str(resumed_dir))
+    trainer.fit(model, ckpt_path=str(ckpt_dir / "last.ckpt"))
+    r0, r1 = load_records(resumed_dir)
+    assert set(r0["seen"]) == set(r1["seen"]) == {"2"}  # only the epoch that was left
+    assert sorted(r0["seen"]["2"] + r1["seen"]["2"]) == list(range(512))
+    assert r0["rounds"] == r1["rounds"] > saved["rounds"]  # the round count carries on
+    assert r0["cohort_step"] > saved["cohort_step"]
+    assert r0["params"] == r1["params"]
