@@ -306,3 +306,49 @@ def run_command(command: list[str], cwd: Path, timeout_s: float) -> tuple[int, s
         output, _ = proc.communicate()
         pytest.fail(f"{command} did not finish in {timeout_s} s:\n{output[-4000:]}")
     return proc.returncode, output
+
+
+# DiLoCo(lr=0.7, momentum=0.9) over SGD-with-momentum is not in this list: it reached a median of
+# 0.972 against nccl_sync's 0.986 at 30 epochs (its inner momentum is reset at every sync); see
+# docs/benchmarks.md. Issue 4 stays open on it.
+CONVERGENCE_ARMS = ("nccl_sync", "cpu_sync", "cpu_cadence", "cpu_async", "nccl_cadence", "nccl_cadence+slowmo",
+                    "nccl_cadence+no_guard")
+
+
+def _convergence_strategy(arm: str) -> Any:
+    from datetime import timedelta
+
+    from lightning_elche import DiLoCo, ElCheConfig, ElCheStrategy, SlowMo
+
+    mode, _, variant = arm.partition("+")
+    config = ElCheConfig.preset(mode)
+    outer = {"slowmo": SlowMo(lr=1.0, momentum=0.5), "diloco": DiLoCo(lr=0.7, momentum=0.9)}.get(variant)
+    if variant == "no_guard":
+        config = ElCheConfig(mode=mode, no_divergence_guard=True)
+    return ElCheStrategy(elche=config, outer_optimizer=outer, timeout=timedelta(seconds=30),
+                         snapshot_timeout=timedelta(seconds=30), summary=False)
+
+
+def digits_convergence(rank: int, out_dir: str, port: int, seeds: int, epochs: int) -> None:
+    """A rank of a 2-process job (``torch.multiprocessing.spawn``) that fits every arm of
+    ``CONVERGENCE_ARMS`` on scikit-learn digits for each seed, rank 1 throttled 2x, and writes
+    rank 0's held-out accuracy per arm and seed."""
+    from lightning.pytorch import seed_everything
+
+    from lightning_elche.bench.workloads import DigitsWorkload, train_loader
+    from lightning_elche.testing import Throttle
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    workload = DigitsWorkload(torch.device("cpu"))
+    accuracy: dict[str, list[float]] = {arm: [] for arm in CONVERGENCE_ARMS}
+    for seed in range(seeds):
+        for arm in CONVERGENCE_ARMS:
+            seed_everything(seed, verbose=False)
+            module = workload.make_module()
+            trainer = Trainer(accelerator="cpu", devices=2, max_epochs=epochs, strategy=_convergence_strategy(arm),
+                              callbacks=[Throttle(1, 2.0)], logger=False, enable_progress_bar=False,
+                              enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)
+            trainer.fit(module, train_dataloaders=train_loader(workload.train_set(), 32, drop_last=False))
+            accuracy[arm].append(workload.evaluate(module)["held_out_acc"])
+    Path(out_dir, f"digits{rank}.json").write_text(json.dumps(accuracy))

@@ -1,0 +1,35 @@
+"""Held-out accuracy on real data (scikit-learn digits): every mode, SlowMo, and the guard switched
+off learn as well as lockstep averaging at equal epochs, on a heterogeneous 2-rank rig, 3 seeds."""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+
+import pytest
+import torch.multiprocessing as mp
+from helpers import CONVERGENCE_ARMS, digits_convergence
+
+SEEDS = 3
+EPOCHS = 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_every_mode_slowmo_and_guard_off_within_one_point_of_nccl_sync(tmp_path):
+    mp.spawn(digits_convergence, args=(str(tmp_path), free_port(), SEEDS, EPOCHS), nprocs=2, join=True)
+    accuracy = json.loads((tmp_path / "digits0.json").read_text())
+    assert json.loads((tmp_path / "digits1.json").read_text()) == accuracy  # replicas end identical
+    median = {arm: statistics.median(values) for arm, values in accuracy.items()}
+    print({arm: (round(median[arm], 4), [round(v, 4) for v in accuracy[arm]]) for arm in CONVERGENCE_ARMS})
+    assert median["nccl_sync"] > 0.9, "the reference did not learn"
+    for arm in CONVERGENCE_ARMS:
+        assert len(accuracy[arm]) == SEEDS
+        assert median[arm] >= median["nccl_sync"] - 0.01, f"{arm}: {accuracy[arm]} vs nccl_sync {accuracy['nccl_sync']}"
