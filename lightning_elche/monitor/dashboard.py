@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
 
-from lightning_elche.monitor.record import clean, read_records
+from lightning_elche.monitor.record import clean, read_records, write_atomically
 
 THEMES = ("auto", "light", "dark")
 
@@ -142,15 +142,7 @@ def render_dashboard(data: Mapping[str, Any], theme: Optional[str] = None) -> st
 
 def write_dashboard(path: Union[str, os.PathLike], data: Mapping[str, Any], theme: Optional[str] = None) -> None:
     """Render and write atomically (a reader never sees half a page)."""
-    page = render_dashboard(data, theme)
-    path = os.fspath(path)
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(page)
-    os.replace(tmp, path)
+    write_atomically(path, render_dashboard(data, theme))
 
 
 _TEMPLATE = """<!DOCTYPE html>

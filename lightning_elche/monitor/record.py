@@ -154,6 +154,18 @@ def to_line(record: Mapping[str, Any]) -> bytes:
     return (json.dumps(clean(record), separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
 
 
+def write_atomically(path: Union[str, os.PathLike], text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a reader never sees half a file."""
+    path = os.fspath(path)
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def read_records(path: Union[str, os.PathLike]) -> list[dict[str, Any]]:
     """Every record of a record-log file, oldest first (a torn last line is skipped)."""
     out: list[dict[str, Any]] = []

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
-from lightning_elche.monitor.record import clean
+from lightning_elche.monitor.record import clean, write_atomically
 
 DEFAULT_MAX_EVENTS = 200_000
 """Events kept (the newest); metadata events are always kept."""
@@ -135,11 +135,4 @@ class Timeline:
         return clean(trace)  # strict JSON: a NaN metric becomes null
 
     def write(self, path: Union[str, os.PathLike], extra: Optional[dict[str, Any]] = None) -> None:
-        path = os.fspath(path)
-        parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_trace(extra), f, separators=(",", ":"), allow_nan=False)
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(self.to_trace(extra), separators=(",", ":"), allow_nan=False))
