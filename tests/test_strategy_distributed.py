@@ -170,13 +170,13 @@ def test_diloco_step_schedules_on_the_cohort_step_and_elche_state_in_checkpoints
         tmp_path,
         elche(outer_optimizer=DiLoCo(lr=0.7, momentum=0.9)),
         callbacks=[Throttle(1, 3.0), ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True)],
-        model_kwargs={"step_schedule": True, "val": False, "momentum": 0.9},
+        model_kwargs={"step_schedule": True, "val": False, "momentum": 0.9, "n": 1024},
         logger=CSVLogger(str(tmp_path), name="logs"),
         enable_checkpointing=True,
     )
     r0, r1 = records
     assert r0["params"] == r1["params"]
-    assert r0["steps"][0] > 1.5 * r0["steps"][1]
+    assert r0["steps"][0] > 1.3 * r0["steps"][1]  # 3x faster; the first window is uncalibrated
     # Both ranks' schedules sit at the cohort step, not at their own (very different) step counts.
     assert r0["schedule_position"] == r1["schedule_position"] == [r0["cohort_step"]]
     assert r0["lr"] == r1["lr"] == pytest.approx(0.05 * inverse_decay(r0["cohort_step"]))
