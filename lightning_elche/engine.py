@@ -136,8 +136,17 @@ class ElCheEngine:
 
     @property
     def planned_steps(self) -> int:
-        """Optimizer steps this rank runs in the current window."""
-        return self.controller.batch_counts[self.rank]
+        """Optimizer steps this rank runs in the current window.
+
+        ``max_batch_diff = D`` bounds the lead of any rank over the slowest plan to D steps (0 is
+        strict lockstep), on top of the controller's per-update clamp: the controller may jump to
+        the measured ratio at its first calibration, the lead bound never lets the plan do so.
+        """
+        counts = self.controller.batch_counts
+        lead = self.config.max_batch_diff
+        if lead is None:
+            return counts[self.rank]
+        return min(counts[self.rank], min(counts) + lead)
 
     def record_step(self, samples: int, loss: Optional[Tensor], lr: float) -> None:
         """Account one local optimizer step (device-side loss accumulation only)."""

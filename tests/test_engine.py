@@ -288,3 +288,13 @@ def test_async_round_that_ends_the_epoch_overwrites_instead_of_blending():
     earlier, last = engine.run_round(0, out_of_data=True, blocking=True)
     assert not earlier.epoch_over and last.epoch_over
     assert plane.adopted == [0.5, 1.0]
+
+
+def test_max_batch_diff_bounds_the_lead_over_the_slowest_plan():
+    engine, plane, _ = make_engine(max_batch_diff=0)
+    sync(engine, plane, steps=10, peer={"COMPUTE_S": 0.5})  # rank 0 measured 5x faster
+    assert engine.controller.batch_counts[0] > engine.controller.batch_counts[1]  # the controller's plan
+    assert engine.planned_steps == engine.controller.batch_counts[1]  # strict lockstep wins
+    loose, plane2, _ = make_engine(max_batch_diff=3)
+    sync(loose, plane2, steps=10, peer={"COMPUTE_S": 0.5})
+    assert loose.planned_steps == loose.controller.batch_counts[1] + 3
