@@ -114,6 +114,10 @@ class FlatTensors:
         for members, _, views in self._groups:
             torch._foreach_copy_(members, views)
 
+    def release(self) -> None:
+        """Drop the flat buffers (the live tensors are untouched); the mirror is empty afterwards."""
+        self._groups = []
+
     def blend(self, alpha: float) -> None:
         """``live ← (1 − alpha)·live + alpha·flat``, in place (elastic averaging toward the buffers)."""
         for members, _, views in self._groups:

@@ -27,7 +27,7 @@ from lightning_elche.convergence import ConvergenceControl, Feedback
 from lightning_elche.guard import DivergenceReport, NudgeDown, Stable
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane, RoundResult
-from lightning_elche.rounds import META_SIZE, Meta, RankReport, RanksOutOfStep  # noqa: F401 (re-exported)
+from lightning_elche.rounds import META_SIZE, Meta, RankReport
 from lightning_elche.timing import WindowClock
 
 OVERSHOOT_INITIAL = 3

@@ -418,10 +418,10 @@ class ElCheStrategy(DDPStrategy):
             if not out_of_data:
                 break
 
-    def _after_round(self, trainer: Trainer, outcome: RoundOutcome) -> bool:
+    def _after_round(self, trainer: Trainer, outcome: RoundOutcome) -> None:
         """Log, and turn the round's stop requests into the same decision on every rank.
 
-        Returns whether every rank leaves the epoch after the current batch.
+        Sets ``_leaving`` when every rank leaves the epoch after the current batch.
         """
         assert self._engine is not None
         log_now = self.is_global_zero and (outcome.index % self.log_every_n_syncs == 0 or outcome.epoch_over)
@@ -454,7 +454,6 @@ class ElCheStrategy(DDPStrategy):
             self._uneven_phase = False
             self._leaving = True
         self._should_stop_seen = trainer.should_stop
-        return leaving
 
     def _follow_cohort_step(self, trainer: Trainer, outcome: RoundOutcome) -> None:
         # Lightning steps step-interval schedulers once per local optimizer step, so a fast rank

@@ -46,8 +46,8 @@ from lightning_elche.bench.workloads import (
     model_stats,
     train_loader,
 )
-from lightning_elche.engine import META_SIZE
 from lightning_elche.planes import CollectivePlane
+from lightning_elche.rounds import META_SIZE
 from lightning_elche.testing import Throttle
 
 CONTROL_TIMEOUT_S = 1800

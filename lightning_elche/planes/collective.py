@@ -101,5 +101,8 @@ class CollectivePlane(AveragingPlane):
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
 
     def close(self) -> None:
+        # The engine outlives fit (its totals are the run's record): free the model-sized buffers.
         self._pre = None
         self._meta_out = None
+        self.params.release()
+        self.buffers.release()

@@ -200,8 +200,10 @@ class CpuPlane(AveragingPlane):
         if not self._thread.is_alive():
             # Release the pinned host memory (the engine outlives fit for inspection).
             self.params.buffers, self._consensus, self._scratch, self._gathered = [], [], [], None
+            self.params.source.release()
             if self.buffers is not None:
                 self.buffers.buffers = []
+                self.buffers.source.release()
 
     @property
     def closed(self) -> bool:
