@@ -108,6 +108,35 @@ def test_gpu_rigs_throttle_by_sm_count():
     assert config.conv_workload == "char" and config.budget.conv_seeds == 3
 
 
+def test_workload_flags_reach_the_budget_and_conv_arms_restrict_only_convergence():
+    config = _config(["--rig", "gpu2-hetero", "--model", "resnet20x4", "--tp-batch", "512", "--conv-batch", "32",
+                      "--char-model", "medium", "--conv-arms", "ddp,nccl_sync,nccl_cadence"])
+    assert (config.budget.model, config.budget.tp_batch, config.budget.conv_batch) == ("resnet20x4", 512, 32)
+    assert config.budget.char_model == "medium"
+    plan = build_plan(config)
+    for group in plan:
+        arms = {job.arm for job in group.jobs[1:]}
+        if group.section == CONVERGENCE:
+            assert arms == {"ddp", "nccl_sync", "nccl_cadence"}
+        else:
+            assert "ddp_post_local_sgd" in arms and "cpu_async" in arms
+    for bad in ("ddp,nccl_turbo", "nccl_sync,nccl_cadence"):
+        with pytest.raises(ValueError, match="--conv-arms"):
+            _config(["--rig", "gpu2-hetero", "--conv-arms", bad])
+    with pytest.raises(SystemExit):
+        parse_args(["--rig", "gpu2-hetero", "--tp-batch", "0"])
+
+
+def test_wide_resnet_has_four_times_the_channels():
+    from lightning_elche.bench.workloads import throughput_net
+
+    narrow, wide = throughput_net("resnet20"), throughput_net("resnet20x4")
+    assert wide[0].out_channels == 4 * narrow[0].out_channels == 64
+    assert wide[-1].in_features == 4 * narrow[-1].in_features == 256
+    with pytest.raises(ValueError, match="unknown throughput model"):
+        throughput_net("vgg")
+
+
 # -- end to end ------------------------------------------------------------------------------
 
 

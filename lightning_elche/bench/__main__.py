@@ -25,7 +25,7 @@ from typing import Any, Optional
 from lightning_elche.bench import metrics
 from lightning_elche.bench.arms import available_elche_modes
 from lightning_elche.bench.config import WORLD_SIZE, BenchConfig, build_config, parse_args
-from lightning_elche.bench.plan import CONVERGENCE, SOLO_RANK0, THROUGHPUT, Group, build_plan, multi_rank_arms
+from lightning_elche.bench.plan import CONVERGENCE, SOLO_RANK0, THROUGHPUT, Group, build_plan, convergence_arms
 from lightning_elche.bench.report import markdown, plot, write_json
 from lightning_elche.bench.worker import EXIT_THROTTLE, worker_main
 
@@ -138,7 +138,7 @@ def convergence_section(config: BenchConfig, plan: list[Group], records: dict[st
     if not groups:
         return None
     runs: dict[str, list[dict[str, Any]]] = {}
-    for arm in (SOLO_RANK0, *multi_rank_arms(config)):
+    for arm in (SOLO_RANK0, *convergence_arms(config)):
         runs[arm] = [records[f"{g.name}-{arm}"][0] for g in groups]
     workload = runs[SOLO_RANK0][0]["workload"]
     conv = metrics.convergence(runs, workload["quality"], workload["higher_is_better"], config.target)
@@ -219,7 +219,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.replot is not None:
         return replot(args.replot, not args.no_plots)
     modes, skipped = available_elche_modes()
-    config = build_config(args, modes, skipped)
+    try:
+        config = build_config(args, modes, skipped)
+    except ValueError as error:
+        print(f"[bench] {error}", file=sys.stderr)
+        return 2
     plan = build_plan(config)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

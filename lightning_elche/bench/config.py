@@ -97,6 +97,8 @@ class Budget:
         conv_batch: per-device batch size (convergence section).
         conv_max_seconds: safety cap of one convergence fit (a capped fit is flagged).
         char_bytes: training text of the byte-level transformer.
+        char_model: shape of the byte-level transformer (``tiny``, ``small``, ``medium``;
+            ``None``: ``small`` on GPUs, ``tiny`` on CPU).
         deadline_s: groups of fits that would end after this many seconds are skipped (and listed).
         other_settings: also run the rig's non-headline heterogeneity settings (throughput only).
         micro_iters: timed iterations of the all-reduce microbenchmark.
@@ -116,6 +118,7 @@ class Budget:
     deadline_s: float
     other_settings: bool = True
     micro_iters: int = 20
+    char_model: Optional[str] = None
 
 
 _CPU_BUDGETS = {
@@ -153,6 +156,8 @@ class BenchConfig:
     out_dir: str
     plots: bool = True
     skipped_modes: dict[str, str] = field(default_factory=dict)
+    conv_arms: Optional[tuple[str, ...]] = None
+    """2-rank arms of the convergence section (``None``: every arm)."""
 
     @property
     def headline(self) -> Setting:
@@ -171,7 +176,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="where the results go")
     parser.add_argument("--seeds", type=int, default=None, help="convergence seeds (default: 3 for full)")
     parser.add_argument("--throughput-seeds", type=int, default=1, help="interleaved throughput passes")
-    parser.add_argument("--model", choices=("resnet20", "mlp"), default=None, help="throughput model")
+    parser.add_argument("--model", choices=("resnet20", "resnet20x4", "mlp"), default=None,
+                        help="throughput model (resnet20x4: 4x the channels, compute-bound on large GPUs)")
+    parser.add_argument("--tp-batch", type=int, default=None, help="per-device batch size of the throughput section")
+    parser.add_argument("--conv-batch", type=int, default=None, help="per-device batch size of the convergence section")
+    parser.add_argument("--char-model", choices=("tiny", "small", "medium"), default=None,
+                        help="byte-level transformer shape (default: small on GPUs, tiny on CPU)")
     parser.add_argument("--conv-workload", choices=("digits", "char"), default=None,
                         help="convergence workload (default: digits on CPU, char on GPU)")
     parser.add_argument("--slowdowns", default=None,
@@ -187,12 +197,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="smallest solo slowdown that proves the throttle works")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="skip optional passes/seeds that would end later than this (default: the budget's)")
+    parser.add_argument("--conv-arms", default=None,
+                        help="comma-separated 2-rank arms of the convergence section (default: every arm)")
     parser.add_argument("--only-headline", action="store_true", help="skip the rig's other heterogeneity settings")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
     args = parser.parse_args(argv)
     if args.rig is None and args.replot is None:
         parser.error("--rig is required")
-    for name in ("seeds", "throughput_seeds", "conv_epochs"):
+    for name in ("seeds", "throughput_seeds", "conv_epochs", "tp_batch", "conv_batch"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -225,6 +237,9 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         overrides["model"] = args.model
     if args.seeds is not None:
         overrides["conv_seeds"] = args.seeds
+    for name in ("tp_batch", "conv_batch", "char_model"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
     if args.tp_seconds is not None:
         overrides["tp_seconds"] = args.tp_seconds
     if args.conv_epochs is not None:
@@ -235,6 +250,14 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         overrides["deadline_s"] = args.deadline_s
     budget = replace(budget, **overrides)  # type: ignore[arg-type]
     settings = settings_for(rig, args.slowdowns)
+    conv_arms = None
+    if args.conv_arms is not None:
+        conv_arms = tuple(a.strip() for a in args.conv_arms.split(",") if a.strip())
+        known = ("ddp", "ddp_post_local_sgd", *elche_modes)
+        unknown = [a for a in conv_arms if a not in known]
+        if unknown or "ddp" not in conv_arms:
+            raise ValueError(f"--conv-arms={args.conv_arms!r} is invalid: expected a comma-separated subset of "
+                             f"{', '.join(known)} that includes ddp (the target is set from it); unknown: {unknown}")
     if not budget.other_settings:
         settings = settings[:1]
     return BenchConfig(
@@ -251,4 +274,5 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         out_dir=str(args.out),
         plots=not args.no_plots,
         skipped_modes=skipped,
+        conv_arms=conv_arms,
     )

@@ -50,6 +50,14 @@ def multi_rank_arms(config: BenchConfig) -> list[str]:
     return [DDP, LOCAL_SGD, *config.elche_modes]
 
 
+def convergence_arms(config: BenchConfig) -> list[str]:
+    """The 2-rank arms of the convergence section: ``--conv-arms`` if given, else every arm."""
+    arms = multi_rank_arms(config)
+    if config.conv_arms is None:
+        return arms
+    return [arm for arm in arms if arm in config.conv_arms]
+
+
 def _rotated(arms: list[str], shift: int) -> list[str]:
     if not arms:
         return arms
@@ -77,7 +85,7 @@ def build_plan(config: BenchConfig) -> list[Group]:
     for s in range(config.budget.conv_seeds):
         name = f"cv-s{s}"
         jobs = [Job(f"{name}-{SOLO_RANK0}", CONVERGENCE, SOLO_RANK0, headline, s)]
-        jobs += [Job(f"{name}-{arm}", CONVERGENCE, arm, headline, s) for arm in _rotated(multi_rank_arms(config), s)]
+        jobs += [Job(f"{name}-{arm}", CONVERGENCE, arm, headline, s) for arm in _rotated(convergence_arms(config), s)]
         groups.append(Group(name, CONVERGENCE, tuple(jobs), skippable=s > 0))
     for setting in config.settings[1:]:
         groups += _throughput_groups(config, setting, first_skippable=True)

@@ -39,6 +39,7 @@ from lightning_elche.bench.plan import CONVERGENCE, SOLO_PAIR, SOLO_RANK0, THROU
 from lightning_elche.bench.workloads import (
     CHAR_SPEC_CPU,
     CHAR_SPEC_GPU,
+    CHAR_SPECS,
     CharWorkload,
     DigitsWorkload,
     ImagesWorkload,
@@ -112,7 +113,8 @@ class RankContext:
             elif self.config.conv_workload == "digits":
                 self.workloads[section] = DigitsWorkload(self.device)
             else:
-                spec = CHAR_SPEC_GPU if self.device.type == "cuda" else CHAR_SPEC_CPU
+                default = CHAR_SPEC_GPU if self.device.type == "cuda" else CHAR_SPEC_CPU
+                spec = CHAR_SPECS[budget.char_model] if budget.char_model else default
                 self.workloads[section] = CharWorkload(spec, budget.char_bytes, self.device)
         return self.workloads[section]
 

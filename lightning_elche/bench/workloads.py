@@ -127,11 +127,13 @@ class BasicBlock(nn.Module):
         return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
 
 
-def resnet20(num_classes: int = NUM_CLASSES) -> nn.Module:
-    """ResNet-20 for 32x32 inputs (He et al. 2016, CIFAR variant): 3 stages x 3 blocks, 16/32/64 channels."""
-    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
-    width = 16
-    for out_ch, stride in ((16, 1), (32, 2), (64, 2)):
+def resnet20(num_classes: int = NUM_CLASSES, base_width: int = 16) -> nn.Module:
+    """ResNet-20 for 32x32 inputs (He et al. 2016, CIFAR variant): 3 stages x 3 blocks of
+    ``base_width``/2x/4x channels (16/32/64 in the paper; 64 makes each convolution compute-bound
+    on a large GPU, which an SM-limited throttle needs to bite)."""
+    width = base_width
+    layers: list[nn.Module] = [nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+    for out_ch, stride in ((base_width, 1), (2 * base_width, 2), (4 * base_width, 2)):
         for block in range(3):
             layers.append(BasicBlock(width, out_ch, stride if block == 0 else 1))
             width = out_ch
@@ -242,8 +244,27 @@ class CharSpec:
     seq_len: int
 
 
-CHAR_SPEC_GPU = CharSpec(d_model=256, layers=4, heads=4, seq_len=256)
-CHAR_SPEC_CPU = CharSpec(d_model=64, layers=2, heads=2, seq_len=64)
+CHAR_SPECS: dict[str, CharSpec] = {
+    "tiny": CharSpec(d_model=64, layers=2, heads=2, seq_len=64),  # CPU
+    "small": CharSpec(d_model=256, layers=4, heads=4, seq_len=256),
+    "medium": CharSpec(d_model=512, layers=6, heads=8, seq_len=256),
+}
+CHAR_SPEC_GPU = CHAR_SPECS["small"]
+CHAR_SPEC_CPU = CHAR_SPECS["tiny"]
+
+THROUGHPUT_MODELS = ("resnet20", "resnet20x4", "mlp")
+"""``resnet20x4``: ResNet-20 with 4x the channels (64/128/256)."""
+
+
+def throughput_net(model: str) -> nn.Module:
+    """The throughput section's network by name (:data:`THROUGHPUT_MODELS`)."""
+    if model == "resnet20":
+        return resnet20()
+    if model == "resnet20x4":
+        return resnet20(base_width=64)
+    if model == "mlp":
+        return mlp(math.prod(IMAGE_SHAPE), 512, 2)
+    raise ValueError(f"unknown throughput model {model!r}: expected one of {', '.join(THROUGHPUT_MODELS)}")
 
 
 class CausalBlock(nn.Module):
@@ -344,15 +365,14 @@ class ImagesWorkload(Workload):
     """Synthetic CIFAR-shaped images and a ResNet-20 (or an MLP): throughput only."""
 
     def __init__(self, model: str, num_samples: int, device: torch.device, data_seed: int = 0) -> None:
-        if model not in ("resnet20", "mlp"):
-            raise ValueError(f"unknown throughput model {model!r}: expected 'resnet20' or 'mlp'")
+        if model not in THROUGHPUT_MODELS:
+            raise ValueError(f"unknown throughput model {model!r}: expected one of {', '.join(THROUGHPUT_MODELS)}")
         self.name = f"{model} on synthetic 3x32x32 images"
         self.model = model
         self.data = synthetic_images(num_samples, data_seed, device)
 
     def make_module(self) -> LightningModule:
-        net = resnet20() if self.model == "resnet20" else mlp(math.prod(IMAGE_SHAPE), 512, 2)
-        return Classifier(net, lr=0.05, momentum=0.9)
+        return Classifier(throughput_net(self.model), lr=0.05, momentum=0.9)
 
     def train_set(self, share: float = 1.0) -> Dataset:
         return _first(self.data, share)
