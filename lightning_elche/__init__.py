@@ -6,6 +6,8 @@ names ``"elche"`` and ``"elche_<mode>"``.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_elche.augment import AugmentedDataset, PickKey
+from lightning_elche.checkpointing import ElCheCheckpoint
 from lightning_elche.config import ElCheConfig, ElCheMode
 from lightning_elche.guard import (
     ConvergenceGuard,
@@ -25,9 +27,11 @@ from lightning_elche.strategy import ElCheStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "AugmentedDataset",
     "ConvergenceGuard",
     "DiLoCo",
     "DivergenceReport",
+    "ElCheCheckpoint",
     "ElCheConfig",
     "ElCheMode",
     "ElCheMonitor",
@@ -38,6 +42,7 @@ __all__ = [
     "NudgeDown",
     "OuterAvg",
     "OuterOptimizer",
+    "PickKey",
     "SlowMo",
     "Stable",
     "SuppressGrowth",

@@ -13,17 +13,26 @@ depends on the mode:
 Whatever the dispatch, every sample of an epoch is handed to exactly one rank exactly once.
 Claimed chunks are always trained (prefetching DataLoader workers only claim ahead), so windows
 and syncs never change which indices a rank reads.
+
+With ``augment = k`` (an :class:`~lightning_elche.AugmentedDataset`) the epoch is ``k`` picks per
+sample, permuted together, and the sampler yields :class:`~lightning_elche.augment.PickKey`
+objects; each pick is still dispatched exactly once. A mid-epoch checkpoint records the epoch's
+untrained part (:mod:`lightning_elche.coverage`); :meth:`ElCheSampler.resume` dispatches only that
+part in the resumed epoch.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Optional, Protocol, Union
 
 import torch
 from torch.utils.data import Sampler
+
+from lightning_elche.augment import PickKey
+from lightning_elche.coverage import EpochCoverage, Range, compress, expand, merge, subtract
 
 CHUNK_KEY_PREFIX = "lightning_elche/dispatch"
 
@@ -78,14 +87,14 @@ class DispatchRecord:
     samples: int = 0
 
 
-class ElCheSampler(Sampler[int]):
-    """Yields this rank's sample indices for one epoch under ElChe's dispatch.
+class ElCheSampler(Sampler[Union[int, PickKey]]):
+    """Yields this rank's sample indices (or pick keys) for one epoch under ElChe's dispatch.
 
     It deliberately has no ``__len__``: in the pooled dispatch a rank does not know in advance how
     many batches it will train, so Lightning runs the epoch until the iterator is exhausted.
 
     Args:
-        num_samples: length of the dataset.
+        num_samples: length of the dataset (samples, before ``augment``).
         batch_size: the DataLoader's batch size; chunks are whole batches.
         rank, world_size: this rank and the number of ranks.
         shuffle, seed: permutation as ``DistributedSampler(shuffle, seed)`` builds it.
@@ -97,6 +106,9 @@ class ElCheSampler(Sampler[int]):
         drop_last: the DataLoader drops incomplete batches. Pooled and fixed dispatch then drop
             the epoch's global tail (fewer than ``batch_size`` samples) up front; the equal split
             leaves each rank's own partial batch to the DataLoader, as under DDP.
+        augment: picks per sample and epoch; the epoch has ``num_samples * augment`` picks.
+        pick_keys: yield :class:`PickKey` ``(index, repeat, epoch)`` instead of integer indices
+            (for an :class:`~lightning_elche.AugmentedDataset`; required when ``augment > 1``).
     """
 
     def __init__(
@@ -114,7 +126,16 @@ class ElCheSampler(Sampler[int]):
         partition_ratios: Optional[Sequence[float]] = None,
         max_chunk_batches: int = 4,
         drop_last: bool = False,
+        augment: int = 1,
+        pick_keys: bool = False,
     ) -> None:
+        if isinstance(augment, bool) or not isinstance(augment, int) or augment < 1:
+            raise ValueError(f"augment={augment!r} is invalid: expected an integer >= 1.")
+        if augment > 1 and not pick_keys:
+            raise ValueError(
+                f"augment={augment} needs pick_keys=True: the dataset must read (index, repeat, epoch) "
+                "keys (wrap it in lightning_elche.AugmentedDataset)."
+            )
         if dispatch not in ("equal", "pool", "fixed"):
             raise ValueError(f"dispatch={dispatch!r} is invalid: expected 'equal', 'pool' or 'fixed'.")
         if dispatch == "pool" and counter is None:
@@ -123,7 +144,11 @@ class ElCheSampler(Sampler[int]):
             raise ValueError(f"dispatch='fixed' needs one partition ratio per rank ({world_size}).")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} is invalid: expected >= 1.")
-        self.num_samples = num_samples
+        self.dataset_len = num_samples
+        self.augment = augment
+        self.pick_keys = pick_keys
+        # Everything below counts picks: an epoch dispatches every sample ``augment`` times.
+        self.num_samples = num_samples * augment
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
@@ -137,6 +162,12 @@ class ElCheSampler(Sampler[int]):
         self.drop_last = drop_last
         self.epoch = 0
         self.record = DispatchRecord()
+        self._resume: Optional[EpochCoverage] = None
+        # The current epoch's layout, kept for coverage: global positions of the pooled picks
+        # (None: the whole epoch), chunk layout and the end of the last batch, in local positions.
+        self._positions: Optional[list[int]] = None
+        self._layout: list[tuple[int, int]] = []
+        self._limit = 0
         self._check_every_rank_gets_data()
 
     @property
@@ -178,38 +209,131 @@ class ElCheSampler(Sampler[int]):
     def counter_key(self, epoch: int) -> str:
         return f"{self.key_prefix}/epoch{epoch}"
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[Union[int, PickKey]]:
         order = epoch_permutation(self.num_samples, self.epoch, self.seed, self.shuffle)
         self.record = DispatchRecord(epoch=self.epoch)
-        if self.dispatch == "equal":
-            yield from self._yield_samples(order[self.rank :: self.world_size])
-        elif self.dispatch == "fixed":
-            yield from self._iter_fixed(order)
-        else:
+        resume = self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
+        self._positions = None
+        if self.dispatch == "pool":
+            if resume is not None:
+                assert resume.remaining is not None
+                self._positions = expand(resume.remaining)
             yield from self._iter_pool(order)
+            return
+        stream = self.own_stream()
+        offset = resume.offsets[self.rank] if resume is not None and resume.offsets is not None else 0
+        yield from self._yield_positions(order, stream[offset:])
 
-    def _yield_samples(self, indices: list[int]) -> Iterator[int]:
-        self.record.samples += len(indices)
-        yield from indices
-
-    def _batch_span(self, order: list[int], first_batch: int, batch_count: int) -> list[int]:
-        start = first_batch * self.batch_size
-        return order[start : min((first_batch + batch_count) * self.batch_size, self.samples_per_epoch)]
-
-    def _iter_fixed(self, order: list[int]) -> Iterator[int]:
+    def own_stream(self) -> list[int]:
+        """This rank's positions in the epoch order under equal or fixed dispatch."""
+        if self.dispatch == "equal":
+            return list(range(self.rank, self.num_samples, self.world_size))
         shares = fixed_share_batches(self.num_batches, self.partition_ratios or [])
-        first = sum(shares[: self.rank])
-        yield from self._yield_samples(self._batch_span(order, first, shares[self.rank]))
+        first = sum(shares[: self.rank]) * self.batch_size
+        return list(range(first, min(first + shares[self.rank] * self.batch_size, self.samples_per_epoch)))
 
-    def _iter_pool(self, order: list[int]) -> Iterator[int]:
-        chunks = chunk_layout(self.num_batches, self.world_size, self.max_chunk_batches)
+    def _key(self, pick: int) -> Union[int, PickKey]:
+        if not self.pick_keys:
+            return pick
+        return PickKey(pick % self.dataset_len, pick // self.dataset_len, self.epoch)
+
+    def _yield_positions(self, order: list[int], positions: Sequence[int]) -> Iterator[Union[int, PickKey]]:
+        self.record.samples += len(positions)
+        for position in positions:
+            yield self._key(order[position])
+
+    def _iter_pool(self, order: list[int]) -> Iterator[Union[int, PickKey]]:
+        positions = self._positions
+        # A resumed epoch pools only its remaining positions; they are whole batches (but for the
+        # epoch's own partial tail), so batches keep their samples.
+        self._limit = self.samples_per_epoch if positions is None else len(positions)
+        self._layout = chunk_layout(math.ceil(self._limit / self.batch_size), self.world_size, self.max_chunk_batches)
         # The first chunk of each rank is reserved, so that no rank can find the pool empty
         # before it has trained anything; the rest are claimed in order through the counter.
         claim = self.rank
         key = self.counter_key(self.epoch)
-        while claim < len(chunks):
+        while claim < len(self._layout):
             self.record.chunks.append(claim)
-            first_batch, batch_count = chunks[claim]
-            yield from self._yield_samples(self._batch_span(order, first_batch, batch_count))
+            start, stop = self._chunk_span(claim)
+            local = range(start, stop)
+            yield from self._yield_positions(order, local if positions is None else [positions[p] for p in local])
             assert self.counter is not None
             claim = self.world_size + self.counter.add(key, 1) - 1
+
+    def _chunk_span(self, chunk: int) -> tuple[int, int]:
+        first_batch, batch_count = self._layout[chunk]
+        return first_batch * self.batch_size, min((first_batch + batch_count) * self.batch_size, self._limit)
+
+    # -- coverage: what a mid-epoch checkpoint keeps -----------------------------------------
+
+    def local_coverage(self, batches: int) -> Union[list[Range], int]:
+        """What this rank trained of the current epoch, given that it trained its first ``batches``
+        batches: epoch positions (pooled dispatch) or a pick count (equal, fixed).
+
+        Chunks are trained in the order they were claimed; what the DataLoader claimed beyond
+        ``batches`` (prefetch) is not trained and stays in the epoch's remainder.
+        """
+        if self.dispatch != "pool":
+            resume = self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
+            offset = resume.offsets[self.rank] if resume is not None and resume.offsets is not None else 0
+            return min(batches * self.batch_size, len(self.own_stream()) - offset)
+        local: list[Range] = []
+        left = batches
+        for chunk in self.record.chunks:
+            if left <= 0:
+                break
+            start, stop = self._chunk_span(chunk)
+            take = min(left, math.ceil((stop - start) / self.batch_size))
+            local.append((start, min(start + take * self.batch_size, stop)))
+            left -= take
+        if left > 0:
+            raise RuntimeError(
+                f"Rank {self.rank} trained {batches} batches in epoch {self.epoch} but claimed only "
+                f"{batches - left}: the dispatch record is out of step with training."
+            )
+        if self._positions is None:
+            return merge(local)
+        return compress(self._positions[p] for start, stop in local for p in range(start, stop))
+
+    def identity(self, epoch: int) -> EpochCoverage:
+        """The fields that fix an epoch's order and dispatch, with nothing covered yet."""
+        return EpochCoverage(
+            epoch=epoch, picks=self.num_samples, seed=self.seed, shuffle=self.shuffle, batch_size=self.batch_size,
+            drop_last=self.drop_last, dispatch=self.dispatch, world_size=self.world_size,
+            remaining=[] if self.dispatch == "pool" else None, offsets=None if self.dispatch == "pool" else [],
+        )
+
+    def coverage(self, gathered: Sequence[Union[list[Range], int]]) -> EpochCoverage:
+        """The current epoch's untrained part, from every rank's :meth:`local_coverage` (rank order)."""
+        if len(gathered) != self.world_size:
+            raise ValueError(f"Coverage needs one entry per rank ({self.world_size}), got {len(gathered)}.")
+        base = self.identity(self.epoch)
+        resume = self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
+        if self.dispatch == "pool":
+            universe = [(0, self.samples_per_epoch)] if resume is None else list(resume.remaining or [])
+            taken = [r for ranges in gathered for r in ranges]  # type: ignore[union-attr]
+            return replace(base, remaining=subtract(universe, taken))
+        previous = resume.offsets if resume is not None and resume.offsets is not None else [0] * self.world_size
+        return replace(base, offsets=[p + int(t) for p, t in zip(previous, gathered, strict=True)])  # type: ignore[arg-type]
+
+    def resume(self, coverage: EpochCoverage) -> None:
+        """Dispatch only ``coverage``'s untrained part when its epoch comes (the resumed epoch)."""
+        coverage.check_matches(self.identity(coverage.epoch))
+        if coverage.remaining is not None:
+            batches = math.ceil(len(expand(coverage.remaining)) / self.batch_size)
+            if batches < self.world_size:
+                raise ValueError(
+                    f"The checkpoint leaves {batches} batch(es) of epoch {coverage.epoch} for {self.world_size} "
+                    "ranks; every rank needs at least one. Resume from the epoch-end checkpoint instead."
+                )
+        else:
+            assert coverage.offsets is not None
+            if len(coverage.offsets) != self.world_size:
+                raise ValueError(f"The checkpoint's coverage has {len(coverage.offsets)} rank offsets, expected {self.world_size}.")
+            left = len(self.own_stream()) - coverage.offsets[self.rank]
+            if left < 1:
+                raise ValueError(
+                    f"The checkpoint leaves rank {self.rank} no data of epoch {coverage.epoch}; every rank needs "
+                    "at least one batch. Resume from the epoch-end checkpoint instead."
+                )
+        self._resume = coverage

@@ -51,6 +51,7 @@ class RoundOutcome:
     divergence: Optional[DivergenceReport]
     feedback: Feedback
     reset_inner: bool
+    consensus: bool = False  # a blocking round adopted with alpha 1: every replica holds the consensus
 
     @property
     def ends_window_sequence(self) -> bool:
@@ -126,6 +127,12 @@ class ElCheEngine:
         self.state = EngineState(totals=[RankTotals() for _ in range(world_size)])
         self.clock = WindowClock(device, synchronize=not (config.mode.is_async and plane.non_blocking))
         self.last_outcome: Optional[RoundOutcome] = None
+        # Set by whoever needs every replica at the consensus after the next round (a
+        # checkpoint): that round is then blocking and adopted with alpha 1, in every mode; the
+        # round consumes the request. It must be set from round outcomes only, so that every
+        # rank starts that round with the same value.
+        self.consensus_next = False
+        self._consensus_round = False
         self._steps = 0
         self._samples = 0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -159,6 +166,11 @@ class ElCheEngine:
     def window_due(self) -> bool:
         return self._steps >= self.planned_steps
 
+    @property
+    def steps_in_window(self) -> int:
+        """Optimizer steps this rank took since it last joined a round."""
+        return self._steps
+
     def start_epoch(self) -> None:
         """Exclude the time between epochs (validation, checkpoints) from the next window."""
         self.clock.restart_window(after_sync=False)
@@ -189,9 +201,11 @@ class ElCheEngine:
         if completed and completed[0].ends_window_sequence:
             # The round that was in flight already decided that nobody trains on.
             return completed
+        # Read after finishing the in-flight round: its outcome may have asked for it.
+        self._consensus_round, self.consensus_next = self.consensus_next, False
         self.plane.start(self._local_metadata(epoch, out_of_data, stop_level, compute_s))
         self._reset_window()
-        if blocking or not self.plane.non_blocking:
+        if blocking or self._consensus_round or not self.plane.non_blocking:
             completed.append(self._finish())
             self.clock.restart_window(after_sync=False)
         else:
@@ -224,8 +238,9 @@ class ElCheEngine:
             self._divergence = result.divergence
         outcome = self._advance(result)
         # Elastic blending keeps ahead-of-sync progress; when the rounds stop (epoch end, stop,
-        # budget) every replica must hold the same consensus, so those rounds overwrite.
-        self.plane.adopt(result, 1.0 if outcome.ends_window_sequence else self.alpha)
+        # budget) or a checkpoint follows, every replica must hold the same consensus, so those
+        # rounds overwrite.
+        self.plane.adopt(result, 1.0 if outcome.ends_window_sequence or outcome.consensus else self.alpha)
         self._tune_overshoot(outcome)
         return outcome
 
@@ -310,6 +325,9 @@ class ElCheEngine:
             divergence=divergence,
             feedback=feedback,
             reset_inner=weights.realized and self.outer.resets_inner,
+            # In-flight rounds are never consensus rounds (those block), so the flag set at
+            # the start of the round being finished is this round's.
+            consensus=self._consensus_round or not self.plane.non_blocking,
         )
         self.last_outcome = outcome
         return outcome

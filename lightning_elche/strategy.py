@@ -17,7 +17,8 @@ import copy
 import logging
 import secrets
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from types import FrameType
 from typing import Any, Literal, Optional, Union
@@ -42,7 +43,9 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_elche.averaging import averaged_state
+from lightning_elche.augment import AugmentedDataset
 from lightning_elche.config import ElCheConfig, ElCheMode
+from lightning_elche.coverage import EpochCoverage
 from lightning_elche.data import ElCheSampler
 from lightning_elche.engine import ElCheEngine, RoundOutcome
 from lightning_elche.outer import OuterAvg, OuterOptimizer
@@ -152,6 +155,10 @@ class ElCheStrategy(DDPStrategy):
         # Everything below is built per fit, inside the rank processes (never pickled).
         self._engine: Optional[ElCheEngine] = None
         self._restored_engine_state: Optional[dict[str, Any]] = None
+        self._restored_coverage: Optional[EpochCoverage] = None
+        self._batch_epoch: Optional[int] = None  # the epoch of the last training batch of this fit
+        self._epoch_batches = 0  # batches this rank started in that epoch, in this fit
+        self._sync_point_save = False
         self._side_group: Optional[Any] = None
         self._leaving = False
         self._sampler: Optional[ElCheSampler] = None
@@ -198,6 +205,7 @@ class ElCheStrategy(DDPStrategy):
                 "never leaves the devices. bf16_wire applies to the cpu_* modes."
             )
         self._engine = self._build_engine()
+        self._batch_epoch = None
         if self._restored_engine_state is not None:
             self._engine.load_state_dict(self._restored_engine_state)
             self._restored_engine_state = None
@@ -274,6 +282,13 @@ class ElCheStrategy(DDPStrategy):
                 f"{type(dataloader).__name__}."
             )
         self._sampler = self._build_sampler(dataloader)
+        # Lightning's prefetching fetcher draws the first batch in setup_data, before it calls
+        # set_epoch: a resumed fit would dispatch its first epoch with epoch 0's order and counter.
+        # ``processed`` is the epoch the loop runs next (set_epoch uses the same counter).
+        self._sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
+        if self._restored_coverage is not None:
+            self._sampler.resume(self._restored_coverage)
+            self._restored_coverage = None
         self._engine.controller.max_total_batches = max(self._sampler.num_batches, self.world_size)
         return _update_dataloader(dataloader, self._sampler, mode=RunningStage.TRAINING)
 
@@ -302,8 +317,10 @@ class ElCheStrategy(DDPStrategy):
         mode = self.elche.mode
         dispatch = "fixed" if self.elche.partition_ratios else ("pool" if mode.progressive_dispatch else "equal")
         store = dist.distributed_c10d._get_default_store() if dispatch == "pool" else None
+        dataset = dataloader.dataset
+        augmented = isinstance(dataset, AugmentedDataset)
         return ElCheSampler(
-            len(dataloader.dataset),  # type: ignore[arg-type]
+            dataset.base_len if augmented else len(dataset),  # type: ignore[arg-type, union-attr]
             dataloader.batch_size,
             self.global_rank,
             self.world_size,
@@ -315,6 +332,8 @@ class ElCheStrategy(DDPStrategy):
             partition_ratios=self.elche.partition_ratios,
             max_chunk_batches=self.chunk_batches,
             drop_last=dataloader.drop_last,
+            augment=dataset.augment if augmented else 1,  # type: ignore[union-attr]
+            pick_keys=augmented,
         )
 
     def on_train_start(self) -> None:
@@ -361,9 +380,14 @@ class ElCheStrategy(DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         assert self._engine is not None
-        if batch_idx == 0:
+        epoch = self.lightning_module.trainer.current_epoch
+        # By epoch number, not batch_idx == 0: an epoch resumed mid-way starts at a later batch_idx.
+        if epoch != self._batch_epoch:
+            self._batch_epoch = epoch
+            self._epoch_batches = 0
             self._engine.start_epoch()
             self._leaving = False
+        self._epoch_batches += 1
         self._uneven_phase = True
         try:
             self._pending_samples += extract_batch_size(batch)
@@ -469,17 +493,71 @@ class ElCheStrategy(DDPStrategy):
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    @contextmanager
+    def sync_point(self) -> Iterator[None]:
+        """Run a checkpoint (or another collective) inside an epoch, on every rank, right after a
+        consensus round at which every rank still had data: the one place mid-epoch where all
+        replicas hold the consensus and every rank reaches the same code. Checkpoints saved
+        inside carry the epoch's data coverage, so that a resumed fit trains the rest exactly once.
+
+        Used by :class:`~lightning_elche.ElCheCheckpoint`; every rank must enter it for the same round.
+        """
+        engine = self._engine
+        outcome = engine.last_outcome if engine is not None else None
+        if (
+            engine is None
+            or outcome is None
+            or not outcome.consensus
+            or outcome.ends_window_sequence
+            or any(r.out_of_data for r in outcome.reports)
+            or engine.steps_in_window
+            or engine.in_flight
+        ):
+            raise RuntimeError(
+                "ElCheStrategy.sync_point() is only valid right after a consensus round at which every rank "
+                "still has data in the epoch (ElCheCheckpoint(every_n_syncs=...) arranges that)."
+            )
+        uneven, self._uneven_phase = self._uneven_phase, False
+        self._sync_point_save = True
+        try:
+            yield
+        finally:
+            self._uneven_phase = uneven
+            self._sync_point_save = False
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
     ) -> None:
         if self._engine is not None:
-            checkpoint["elche"] = self._engine.state_dict()
+            if self._uneven_phase:
+                raise RuntimeError(
+                    "ElCheStrategy: a checkpoint in the middle of a window would hold one rank's replica "
+                    "(not the consensus) and no record of which samples were trained. Save at epoch ends "
+                    "(ModelCheckpoint(every_n_epochs)) or at syncs with ElCheCheckpoint(every_n_syncs=N)."
+                )
+            state = self._engine.state_dict()
+            if self._sync_point_save:
+                state["coverage"] = self._epoch_coverage().state_dict()
+            checkpoint["elche"] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _epoch_coverage(self) -> EpochCoverage:
+        # Every rank knows only which chunks it claimed itself; one gather at the sync point
+        # (all ranks are there, in the same order) assembles the epoch's untrained remainder.
+        assert self._sampler is not None
+        local = self._sampler.local_coverage(self._epoch_batches)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        return self._sampler.coverage(gathered)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # Read before setup builds the engine; applied there so the cadence continues.
-        self._restored_engine_state = checkpoint.get("elche")
+        state = checkpoint.get("elche")
+        self._restored_engine_state = state
+        coverage = state.get("coverage") if isinstance(state, dict) else None
+        # Applied when the sampler is built: the resumed epoch dispatches only what was untrained.
+        self._restored_coverage = EpochCoverage.from_state_dict(coverage) if coverage is not None else None
         return checkpoint
 
     # -- collectives outside ElChe's rounds ---------------------------------------------------

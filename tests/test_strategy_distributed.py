@@ -17,6 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_elche import DiLoCo, ElCheConfig, ElCheStrategy
+from lightning_elche.data import epoch_permutation
 from lightning_elche.testing import Throttle
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
@@ -208,6 +209,9 @@ def test_fit_resumes_from_a_checkpoint_with_the_same_cadence(tmp_path):
     r0, r1 = load_records(resumed_dir)
     assert set(r0["seen"]) == set(r1["seen"]) == {"2"}  # only the epoch that was left
     assert sorted(r0["seen"]["2"] + r1["seen"]["2"]) == list(range(512))
+    # Epoch 2's own order (rank 0's reserved first chunk), though Lightning draws the first batch
+    # before it calls set_epoch.
+    assert r0["seen"]["2"][:16] == epoch_permutation(512, 2, 0, True)[:16]
     assert r0["rounds"] == r1["rounds"] > saved["rounds"]  # the round count carries on
     assert r0["cohort_step"] > saved["cohort_step"]
     assert r0["params"] == r1["params"]
