@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_elche.augment import AugmentedDataset, PickKey
 from lightning_elche.checkpointing import ElCheCheckpoint
 from lightning_elche.config import ElCheConfig, ElCheMode
+from lightning_elche.epoch_callbacks import EpochCallbacks
 from lightning_elche.guard import (
     ConvergenceGuard,
     DivergenceReport,
@@ -36,6 +37,7 @@ __all__ = [
     "ElCheMode",
     "ElCheMonitor",
     "ElCheStrategy",
+    "EpochCallbacks",
     "GrowthGuard",
     "MetaController",
     "NoGuard",

@@ -48,6 +48,7 @@ from lightning_elche.config import ElCheConfig, ElCheMode
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.data import ElCheSampler
 from lightning_elche.engine import ElCheEngine, RoundOutcome
+from lightning_elche.epoch_callbacks import CallbackRole, EpochCallbackPolicy, check_policy
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import AveragingPlane, CollectivePlane, CpuPlane
 from lightning_elche.summary import format_summary
@@ -95,6 +96,10 @@ class ElCheStrategy(DDPStrategy):
             before it fails with a clear error (instead of hanging).
         log_every_n_syncs: log the ``elche/*`` metrics every this many syncs (rank 0).
         summary: print a per-rank summary table at the end of ``fit``.
+        epoch_callback_policy: which rank runs user epoch callbacks wrapped in
+            :class:`~lightning_elche.EpochCallbacks` (or that check :attr:`runs_epoch_callbacks`):
+            ``"fastest"`` (default, as flodl), ``"rank0"`` or ``"all"``. Callbacks that Lightning
+            runs directly still run on every rank.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
@@ -115,6 +120,7 @@ class ElCheStrategy(DDPStrategy):
         snapshot_timeout: timedelta = timedelta(minutes=5),
         log_every_n_syncs: int = 1,
         summary: bool = True,
+        epoch_callback_policy: EpochCallbackPolicy = "fastest",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -152,6 +158,7 @@ class ElCheStrategy(DDPStrategy):
         self.chunk_batches = chunk_batches
         self.log_every_n_syncs = log_every_n_syncs
         self.summary = summary
+        self.epoch_callback_policy = check_policy("ElCheStrategy", epoch_callback_policy)
         # Everything below is built per fit, inside the rank processes (never pickled).
         self._engine: Optional[ElCheEngine] = None
         self._restored_engine_state: Optional[dict[str, Any]] = None
@@ -159,6 +166,8 @@ class ElCheStrategy(DDPStrategy):
         self._batch_epoch: Optional[int] = None  # the epoch of the last training batch of this fit
         self._epoch_batches = 0  # batches this rank started in that epoch, in this fit
         self._sync_point_save = False
+        self._callback_role = CallbackRole(1)
+        self._single_rank_policy: Optional[str] = None
         self._side_group: Optional[Any] = None
         self._leaving = False
         self._sampler: Optional[ElCheSampler] = None
@@ -188,6 +197,28 @@ class ElCheStrategy(DDPStrategy):
         if listener in self._round_listeners:
             self._round_listeners.remove(listener)
 
+    # -- epoch callbacks -------------------------------------------------------------------
+
+    def epoch_callback_rank(self, policy: Optional[str] = None) -> Optional[int]:
+        """The rank that runs epoch callbacks under ``policy`` (default: the strategy's);
+        ``None`` means every rank. The same on every rank."""
+        return self._callback_role.rank_for(check_policy("ElCheStrategy", policy or self.epoch_callback_policy))
+
+    @property
+    def runs_epoch_callbacks(self) -> bool:
+        """Whether this rank runs epoch callbacks under ``epoch_callback_policy``."""
+        rank = self.epoch_callback_rank()
+        return rank is None or rank == self.global_rank
+
+    @contextmanager
+    def single_rank_callbacks(self, policy: str) -> Iterator[None]:
+        """Refuse collectives while callbacks run on this rank alone (their peers would never join)."""
+        self._single_rank_policy = policy
+        try:
+            yield
+        finally:
+            self._single_rank_policy = None
+
     # -- set-up, in the order Lightning calls it --------------------------------------------
 
     def setup(self, trainer: Trainer) -> None:
@@ -206,8 +237,10 @@ class ElCheStrategy(DDPStrategy):
             )
         self._engine = self._build_engine()
         self._batch_epoch = None
+        self._callback_role = CallbackRole(self.world_size)
         if self._restored_engine_state is not None:
             self._engine.load_state_dict(self._restored_engine_state)
+            self._callback_role.load_state_dict(self._restored_engine_state.get("callback_role", {}))
             self._restored_engine_state = None
         self._check_step_schedulers(trainer)
         self._dispatch_prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
@@ -458,6 +491,7 @@ class ElCheStrategy(DDPStrategy):
                 # step count is a logged value, elche/cohort_step.
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=trainer.global_step)
+        self._callback_role.observe(self._engine.controller)
         if outcome.reset_inner:
             for optimizer in self.optimizers:
                 optimizer.state.clear()
@@ -536,6 +570,7 @@ class ElCheStrategy(DDPStrategy):
                     "(ModelCheckpoint(every_n_epochs)) or at syncs with ElCheCheckpoint(every_n_syncs=N)."
                 )
             state = self._engine.state_dict()
+            state["callback_role"] = self._callback_role.state_dict()
             if self._sync_point_save:
                 state["coverage"] = self._epoch_coverage().state_dict()
             checkpoint["elche"] = state
@@ -563,6 +598,7 @@ class ElCheStrategy(DDPStrategy):
     # -- collectives outside ElChe's rounds ---------------------------------------------------
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        self._refuse_on_one_rank("reduce()")
         if self._uneven_phase:
             if not self._warned_rank_local_reduce:
                 self._warned_rank_local_reduce = True
@@ -574,7 +610,17 @@ class ElCheStrategy(DDPStrategy):
             return tensor
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
+    def _refuse_on_one_rank(self, what: str) -> None:
+        if self._single_rank_policy is not None:
+            raise RuntimeError(
+                f"ElCheStrategy: {what} inside an epoch callback that runs on one rank "
+                f"(epoch_callback_policy={self._single_rank_policy!r}) would wait forever for the other ranks. "
+                "Run callbacks with collectives under epoch_callback_policy='all' (or register them with the "
+                "Trainer directly)."
+            )
+
     def _refuse_mid_window(self, what: str) -> None:
+        self._refuse_on_one_rank(what)
         if self._uneven_phase:
             raise RuntimeError(
                 f"ElCheStrategy: {what} during training steps cannot work: ranks take different numbers "
