@@ -129,7 +129,10 @@ _CPU_BUDGETS = {
 _GPU_BUDGETS = {
     "tiny": Budget("tiny", "mlp", 8192, 256, 1.0, 4, 2, 1, 64, 60.0, 1 << 18, 150.0, micro_iters=5),
     "quick": Budget("quick", "resnet20", 32768, 256, 4.0, 20, 2, 1, 64, 60.0, 1 << 20, 240.0),
-    "full": Budget("full", "resnet20", 32768, 256, 8.0, 40, 6, 3, 64, 60.0, 1 << 21, 360.0, micro_iters=50),
+    # ResNet-20 with 4x the channels and the medium transformer: compute-bound enough that 32 SMs
+    # slow a H200 2.2-2.9x (tools/sm_probe.py); the paper-width ResNet-20 slowed only 1.4-1.6x.
+    "full": Budget("full", "resnet20x4", 32768, 256, 5.0, 40, 6, 3, 64, 60.0, 1 << 21, 530.0, micro_iters=50,
+                   char_model="medium"),
 }
 
 
