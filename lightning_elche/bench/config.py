@@ -202,12 +202,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="skip optional passes/seeds that would end later than this (default: the budget's)")
     parser.add_argument("--conv-arms", default=None,
                         help="comma-separated 2-rank arms of the convergence section (default: every arm)")
+    parser.add_argument("--micro-iters", type=int, default=None, help="timed iterations of the all-reduce microbenchmark")
     parser.add_argument("--only-headline", action="store_true", help="skip the rig's other heterogeneity settings")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
     args = parser.parse_args(argv)
     if args.rig is None and args.replot is None:
         parser.error("--rig is required")
-    for name in ("seeds", "throughput_seeds", "conv_epochs", "tp_batch", "conv_batch"):
+    for name in ("seeds", "throughput_seeds", "conv_epochs", "tp_batch", "conv_batch", "micro_iters"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -240,7 +241,7 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         overrides["model"] = args.model
     if args.seeds is not None:
         overrides["conv_seeds"] = args.seeds
-    for name in ("tp_batch", "conv_batch", "char_model"):
+    for name in ("tp_batch", "conv_batch", "char_model", "micro_iters"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     if args.tp_seconds is not None:

@@ -326,22 +326,28 @@ def convergence(runs: dict[str, list[dict[str, Any]]], quality: str, higher_is_b
 
 
 def microbenchmark(per_rank: Sequence[dict[str, Any]], world: int) -> dict[str, Any]:
-    """Bus bandwidth of a raw all-reduce and of ElChe's plane, from the slower rank's timings."""
+    """Bus bandwidth of a raw all-reduce, of ElChe's flat-parameter all-reduce and of its whole
+    averaging path, from the slower rank's timings."""
     out: dict[str, Any] = {}
     for section, first in per_rank[0].items():
         raw = max(r[section]["raw_all_reduce_s"] for r in per_rank)
         plane = max(r[section]["plane_average_s"] for r in per_rank)
+        flat = max(r[section]["flat_all_reduce_s"] for r in per_rank)
         meta = max(r[section]["metadata_exchange_s"] for r in per_rank)
         raw_bw, plane_bw = bus_bandwidth(first["bytes"], raw, world), bus_bandwidth(first["bytes"], plane, world)
+        flat_bw = bus_bandwidth(first["bytes"], flat, world)
         out[section] = {
             "model": first["model"],
             "bytes": first["bytes"],
             "iters": first["iters"],
             "raw_all_reduce_s": raw,
             "plane_average_s": plane,
+            "flat_all_reduce_s": flat,
             "metadata_exchange_s": meta,
             "raw_busbw_gb_s": raw_bw / 1e9,
             "plane_busbw_gb_s": plane_bw / 1e9,
             "plane_vs_raw": plane_bw / raw_bw if raw_bw > 0 else None,
+            "flat_busbw_gb_s": flat_bw / 1e9,
+            "flat_vs_raw": flat_bw / raw_bw if raw_bw > 0 else None,
         }
     return out

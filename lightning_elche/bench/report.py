@@ -95,13 +95,14 @@ def convergence_table(conv: dict[str, Any]) -> list[str]:
 
 def micro_table(micro: dict[str, Any]) -> list[str]:
     lines = [
-        "| model | flat bytes | raw `all_reduce` busbw | ElChe `CollectivePlane.average` busbw | ratio | "
-        "metadata exchange |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| model | flat bytes | raw `all_reduce` busbw | ElChe flat-parameter all-reduce busbw | ratio | "
+        "whole averaging path (`CollectivePlane.average`) busbw | ratio | metadata exchange |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in micro.values():
         lines.append(
             f"| {row['model']} | {_bytes(row['bytes'])} | {_num(row['raw_busbw_gb_s'], 2, ' GB/s')} | "
+            f"{_num(row.get('flat_busbw_gb_s'), 2, ' GB/s')} | {_num(row.get('flat_vs_raw'))} | "
             f"{_num(row['plane_busbw_gb_s'], 2, ' GB/s')} | {_num(row['plane_vs_raw'])} | "
             f"{_num(row['metadata_exchange_s'] * 1e6, 0, ' µs')} |"
         )

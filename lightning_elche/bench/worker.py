@@ -234,6 +234,8 @@ def _micro_model(ctx: RankContext, section: str) -> dict[str, Any]:
     plane = CollectivePlane(FlatTensors(params), FlatTensors([]), ctx.rank, WORLD_SIZE, meta_device)
     weights = round_weights([1] * WORLD_SIZE, 1.0)
     plane_s = _time_collective(ctx, lambda: plane.average(weights), iters)
+    plane.params.pack()
+    flat_s = _time_collective(ctx, lambda: plane.sum_scaled(plane.params, 1.0), iters)
     local = torch.zeros(META_SIZE, dtype=torch.float64)
     exchange_s = _time_collective(ctx, lambda: plane.exchange(local), iters)
     plane.close()
@@ -244,14 +246,17 @@ def _micro_model(ctx: RankContext, section: str) -> dict[str, Any]:
         "iters": iters,
         "raw_all_reduce_s": raw_s,
         "plane_average_s": plane_s,
+        "flat_all_reduce_s": flat_s,
         "metadata_exchange_s": exchange_s,
     }
 
 
 def microbenchmark(ctx: RankContext) -> dict[str, Any]:
     """Per model of the run: seconds per raw ``dist.all_reduce`` of a flat float32 tensor of its
-    parameter count, per ``CollectivePlane.average`` of its parameters (pack, pre-scale, SUM
-    all-reduce, unpack: ElChe's averaging path), and per metadata exchange (a round's all-gather)."""
+    parameter count, per flat-parameter all-reduce as the plane issues it
+    (``CollectivePlane.sum_scaled``: pre-scale and SUM all-reduce of its persistent flat buffer),
+    per ``CollectivePlane.average`` of its parameters (pack, pre-scale, SUM all-reduce, divergence
+    norms, unpack: ElChe's whole averaging path), and per metadata exchange (a round's all-gather)."""
     out = {section: _micro_model(ctx, section) for section in (THROUGHPUT, CONVERGENCE)}
     _release()
     return out

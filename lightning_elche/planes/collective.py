@@ -84,18 +84,20 @@ class CollectivePlane(AveragingPlane):
             self._pre = [torch.empty_like(flat) for flat in params.flats]
         # Keep this replica's parameters to measure how far it drifted from the consensus.
         torch._foreach_copy_(self._pre, params.flats)
-        self._sum_scaled(params, weights.param_factors[self.rank])
+        self.sum_scaled(params, weights.param_factors[self.rank])
         divergence = divergence_norms(self._pre, params.flats)
         if outer is not None:
             outer.step(params.flats)
         params.unpack()
         if self.buffers:
             self.buffers.pack()
-            self._sum_scaled(self.buffers, weights.buffer_factors[self.rank])
+            self.sum_scaled(self.buffers, weights.buffer_factors[self.rank])
             self.buffers.unpack()
         return divergence
 
-    def _sum_scaled(self, flat: FlatTensors, factor: float) -> None:
+    def sum_scaled(self, flat: FlatTensors, factor: float) -> None:
+        """The wire part of a round: pre-scale each flat buffer by this rank's weight and SUM
+        all-reduce it in place (one collective per dtype group)."""
         for buffer in flat.flats:
             buffer.mul_(factor)
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
