@@ -46,7 +46,9 @@ def test_sync_checkpoint_resumes_mid_epoch_without_repeating_or_skipping_a_sampl
     sync = sorted(saves)[len(saves) // 2]
     at_save = saves[sync]
     trained = [len(s["trained"]) for s in at_save]
-    assert 0 < sum(trained) < N and trained[0] != trained[1]
+    assert 0 < sum(trained) < N
+    if mode != "nccl_sync":  # pooled dispatch: the fast rank had trained more (equal split may tie)
+        assert trained[0] != trained[1]
     # Prefetch: the ranks had claimed more than they trained, so coverage by claims would skip samples.
     assert sum(s["claimed"] for s in at_save) > sum(trained)
     # The checkpoint holds the consensus (cpu_async flushes to it before saving).
