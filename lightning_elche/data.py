@@ -168,6 +168,10 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         self._positions: Optional[list[int]] = None
         self._layout: list[tuple[int, int]] = []
         self._limit = 0
+        self._speed_shares: Optional[list[float]] = None
+        self.started_batches: Optional[int] = None
+        """Batches this rank has started training in the current epoch, kept by the strategy:
+        the batches yielded beyond it are claimed work still ahead of the rank (prefetch)."""
         self._check_every_rank_gets_data()
 
     @property
@@ -212,6 +216,8 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
     def __iter__(self) -> Iterator[Union[int, PickKey]]:
         order = epoch_permutation(self.num_samples, self.epoch, self.seed, self.shuffle)
         self.record = DispatchRecord(epoch=self.epoch)
+        if self.started_batches is not None:
+            self.started_batches = 0
         resume = self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
         self._positions = None
         if self.dispatch == "pool":
@@ -258,7 +264,55 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
             local = range(start, stop)
             yield from self._yield_positions(order, local if positions is None else [positions[p] for p in local])
             assert self.counter is not None
+            if self._leaves_tail_to_faster_ranks(key, claim):
+                return
             claim = self.world_size + self.counter.add(key, 1) - 1
+
+    def set_speed_shares(self, shares: Sequence[float]) -> None:
+        """Each rank's share of the cohort's throughput (any positive scale), identical on every
+        rank; the strategy passes the controller's latest plan after every round.
+
+        Near the end of a pooled epoch a slower rank then stops claiming chunks when the faster
+        ranks would finish what is left sooner without it: a slow rank that takes one of the last
+        chunks makes every other rank wait for it at the epoch's end. The fastest rank (largest
+        share, lowest index on ties) always claims, so every chunk is still trained exactly once.
+        """
+        if len(shares) != self.world_size or any(not math.isfinite(s) or s < 0 for s in shares) or sum(shares) <= 0:
+            raise ValueError(
+                f"speed shares {list(shares)!r} are invalid: expected {self.world_size} finite values >= 0 "
+                "with a positive sum."
+            )
+        total = float(sum(shares))
+        self._speed_shares = [s / total for s in shares]
+
+    def _leaves_tail_to_faster_ranks(self, key: str, last_claim: int) -> bool:
+        shares = self._speed_shares
+        if shares is None:
+            return False
+        share = shares[self.rank]
+        fastest = max(range(self.world_size), key=lambda r: (shares[r], -r))
+        if self.rank == fastest:
+            return False
+        if share <= 0:
+            return True
+        # Taking a chunk of c batches pays off unless this rank would end it, after the b batches
+        # it already holds (prefetched, or in progress), later than the others end the whole
+        # remainder R without it. They hold about as many batches as this rank (the same loader
+        # settings): leave iff (b + c) / share > (b + R) / (1 - share).
+        patience = (1.0 - share) / share
+        held = 0
+        if self.started_batches is not None:
+            held = max(0, math.ceil(self.record.samples / self.batch_size) - self.started_batches + 1)
+        upper_bound = sum(count for _, count in self._layout[last_claim + 1 :])
+        if held + upper_bound >= (held + self.max_chunk_batches) * patience:
+            return False  # far from the tail: no need to look at the shared counter
+        assert self.counter is not None
+        next_claim = self.world_size + self.counter.add(key, 0)
+        if next_claim >= len(self._layout):
+            return False  # the pool is dry: the claim below ends the epoch for this rank
+        remaining = sum(count for _, count in self._layout[next_claim:])
+        # Strict: on a tie the others are still busy with chunks in flight, so taking it is no worse.
+        return (held + self._layout[next_claim][1]) * patience > held + remaining
 
     def _chunk_span(self, chunk: int) -> tuple[int, int]:
         first_batch, batch_count = self._layout[chunk]

@@ -421,6 +421,8 @@ class ElCheStrategy(DDPStrategy):
             self._engine.start_epoch()
             self._leaving = False
         self._epoch_batches += 1
+        if self._sampler is not None:
+            self._sampler.started_batches = self._epoch_batches
         self._uneven_phase = True
         try:
             self._pending_samples += extract_batch_size(batch)
@@ -492,6 +494,8 @@ class ElCheStrategy(DDPStrategy):
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=trainer.global_step)
         self._callback_role.observe(self._engine.controller)
+        if self._sampler is not None and self._sampler.dispatch == "pool" and sum(outcome.planned) > 0:
+            self._sampler.set_speed_shares(outcome.planned)
         if outcome.reset_inner:
             for optimizer in self.optimizers:
                 optimizer.state.clear()

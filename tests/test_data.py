@@ -183,3 +183,81 @@ def test_split_adapts_within_the_epoch_when_a_rank_slows_down():
     assert total == 4000
     assert abs(taken[0][0] - taken[0][1]) < 400  # even split while speeds were equal
     assert taken[1][1] > 4 * taken[1][0]  # after the slowdown, the other rank takes the bulk
+
+
+def simulate_pool(speeds, shares=None, n=1000, batch=10, chunk=4, prefetch=0):
+    """Ranks train whole batches of ``1 / speed`` time units each. A rank pulls a batch from its
+    sampler ``prefetch`` batches before it starts it (Lightning's fetcher holds one), and reports
+    started batches as the strategy does. Returns (per-rank samples, per-rank finish times)."""
+    import heapq
+
+    counter = SharedCounter()
+    samplers = [make("pool", r, counter, n=n, batch=batch, world=len(speeds), max_chunk_batches=chunk)
+                for r in range(len(speeds))]
+    for s in samplers:
+        s.set_epoch(0)
+        s.started_batches = 0
+        if shares is not None:
+            s.set_speed_shares(shares)
+    iters = [iter(s) for s in samplers]
+    out = [[] for _ in speeds]
+    queues = [[] for _ in speeds]
+
+    def pull(r):
+        got = [x for _, x in zip(range(batch), iters[r])]
+        if got:
+            queues[r].append(got)
+            out[r] += got
+
+    for r in range(len(speeds)):
+        for _ in range(prefetch):
+            pull(r)
+    finish = [0.0] * len(speeds)
+    ready = [(0.0, r) for r in range(len(speeds))]
+    while ready:
+        now, r = heapq.heappop(ready)
+        if not queues[r]:
+            pull(r)
+        if not queues[r]:
+            finish[r] = now
+            continue
+        queues[r].pop(0)
+        samplers[r].started_batches += 1
+        while len(queues[r]) < prefetch:
+            before = len(queues[r])
+            pull(r)
+            if len(queues[r]) == before:
+                break
+        heapq.heappush(ready, (now + 1.0 / speeds[r], r))
+    return out, finish
+
+
+@pytest.mark.parametrize("speeds", [(4, 1), (1, 4), (3, 2, 1), (1, 1), (10, 1)])
+@pytest.mark.parametrize("prefetch", [0, 1, 4])
+def test_speed_shares_keep_exactly_once_and_never_lengthen_the_epoch(speeds, prefetch):
+    plain, plain_finish = simulate_pool(speeds, prefetch=prefetch)
+    aware, aware_finish = simulate_pool(speeds, shares=speeds, prefetch=prefetch)
+    assert sorted(x for o in aware for x in o) == list(range(1000))
+    assert max(aware_finish) <= max(plain_finish) + 1e-9
+
+
+@pytest.mark.parametrize("speeds, prefetch", [((5, 1), 1), ((4, 1), 4)])
+def test_a_slow_rank_leaves_the_last_chunks_to_the_fast_one(speeds, prefetch):
+    plain, plain_finish = simulate_pool(speeds, prefetch=prefetch)
+    aware, aware_finish = simulate_pool(speeds, shares=speeds, prefetch=prefetch)
+    # Without shares the slow rank still holds claimed batches when the fast one runs dry.
+    assert plain_finish[1] >= plain_finish[0] + 1.5
+    # With them it stops claiming early enough that the epoch ends over a slow batch sooner.
+    assert max(aware_finish) <= max(plain_finish) - 1.0
+    assert len(aware[1]) < len(plain[1])
+
+
+def test_the_fastest_rank_always_claims_even_on_equal_shares():
+    out, _ = simulate_pool((1, 1, 1), shares=(1, 1, 1))
+    assert sorted(x for o in out for x in o) == list(range(1000))
+
+
+@pytest.mark.parametrize("shares", [(1.0,), (1.0, -1.0), (0.0, 0.0), (float("nan"), 1.0)])
+def test_speed_shares_are_validated(shares):
+    with pytest.raises(ValueError, match="speed shares"):
+        make("pool", 0, SharedCounter()).set_speed_shares(shares)
