@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import secrets
 import signal
 from collections.abc import Callable, Iterator
@@ -171,6 +172,7 @@ class ElCheStrategy(DDPStrategy):
         self._side_group: Optional[Any] = None
         self._leaving = False
         self._sampler: Optional[ElCheSampler] = None
+        self._patched_fit_loop: Optional[Any] = None
         self._dispatch_prefix = ""
         self._step_budget: Optional[int] = None
         self._pending_samples = 0
@@ -226,6 +228,10 @@ class ElCheStrategy(DDPStrategy):
         if fitting:
             self.elche.validate_world_size(self.world_size)
             self._take_over_max_steps(trainer)
+            # Before super().setup: configure_optimizers may set up the train dataloader (through
+            # trainer.estimated_stepping_batches), and the dispatch needs this prefix then.
+            self._dispatch_prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
+            self._report_cohort_batches(trainer)
         super().setup(trainer)
         if not fitting:
             return
@@ -235,7 +241,6 @@ class ElCheStrategy(DDPStrategy):
                 f"ElCheConfig.bf16_wire=True is ignored by mode {self.elche.mode.value!r}: its reduce "
                 "never leaves the devices. bf16_wire applies to the cpu_* modes."
             )
-        self._engine = self._build_engine()
         self._batch_epoch = None
         self._callback_role = CallbackRole(self.world_size)
         if self._restored_engine_state is not None:
@@ -243,7 +248,6 @@ class ElCheStrategy(DDPStrategy):
             self._callback_role.load_state_dict(self._restored_engine_state.get("callback_role", {}))
             self._restored_engine_state = None
         self._check_step_schedulers(trainer)
-        self._dispatch_prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
 
     def _build_engine(self) -> ElCheEngine:
         assert self.lightning_module is not None
@@ -301,9 +305,32 @@ class ElCheStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         # No DistributedDataParallel: replicas train independently between syncs. Start them
-        # from identical weights, as DDP's constructor would.
+        # from identical weights, as DDP's constructor would, then set up the averaging in its
+        # place, before configure_optimizers (which may already set up the train dataloader).
         assert self.model is not None
         _sync_module_states(self.model)
+        self._engine = self._build_engine()
+
+    def _report_cohort_batches(self, trainer: Trainer) -> None:
+        """Make ``trainer.num_training_batches`` the epoch's batches over all ranks.
+
+        A rank's share of an epoch is decided while it trains, so the loader has no length and
+        Lightning would report infinitely many batches: ``trainer.estimated_stepping_batches``
+        would fall back to ``max_steps`` (-1), and a OneCycleLR sized from it would fail.
+        Step-interval schedulers follow the cohort step, whose count per epoch is known, so that
+        is the number to report. The loader itself stays unsized: Lightning's fetcher then looks
+        one batch ahead to find each rank's last batch.
+        """
+        fit_loop = trainer.fit_loop
+        setup_data = fit_loop.setup_data
+
+        def setup_data_with_cohort_batches() -> None:
+            setup_data()
+            if self._sampler is not None and math.isinf(fit_loop.max_batches):
+                fit_loop.max_batches = self._sampler.num_batches
+
+        fit_loop.setup_data = setup_data_with_cohort_batches  # type: ignore[method-assign]
+        self._patched_fit_loop = fit_loop
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -662,6 +689,9 @@ class ElCheStrategy(DDPStrategy):
             self._side_group = None
         self._sampler = None
         self._uneven_phase = False
+        if self._patched_fit_loop is not None:
+            vars(self._patched_fit_loop).pop("setup_data", None)  # back to the class's method
+            self._patched_fit_loop = None
         super().teardown()
 
     @classmethod

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -57,6 +57,7 @@ class RecordingModel(LightningModule):
         val: bool = True,
         log_step_sync: bool = False,
         step_schedule: bool = False,
+        one_cycle: bool = False,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Linear(dim, hidden)]
@@ -72,6 +73,8 @@ class RecordingModel(LightningModule):
         self.val = val
         self.log_step_sync = log_step_sync
         self.step_schedule = step_schedule
+        self.one_cycle = one_cycle
+        self.estimated_stepping_batches: Optional[float] = None
         self.seen: dict[int, list[int]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,6 +94,12 @@ class RecordingModel(LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+        if self.one_cycle:
+            # The usual recipe: size the schedule from the trainer's estimate.
+            self.estimated_stepping_batches = self.trainer.estimated_stepping_batches
+            one_cycle = torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=self.lr, total_steps=int(self.estimated_stepping_batches))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": one_cycle, "interval": "step"}}
         if not self.step_schedule:
             return optimizer
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_decay)
@@ -114,6 +123,8 @@ class RecordingModel(LightningModule):
             "callback_metrics": {k: float(v) for k, v in self.trainer.callback_metrics.items()},
             "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
             "schedule_position": [c.scheduler.last_epoch for c in self.trainer.lr_scheduler_configs],
+            "estimated_stepping_batches": self.estimated_stepping_batches,
+            "num_training_batches": self.trainer.num_training_batches,
         }
         if engine is not None:
             record["rounds"] = engine.state.rounds

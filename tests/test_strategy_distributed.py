@@ -215,3 +215,18 @@ def test_fit_resumes_from_a_checkpoint_with_the_same_cadence(tmp_path):
     assert r0["rounds"] == r1["rounds"] > saved["rounds"]  # the round count carries on
     assert r0["cohort_step"] > saved["cohort_step"]
     assert r0["params"] == r1["params"]
+
+
+def test_estimated_stepping_batches_is_the_cohort_total_and_sizes_a_one_cycle_schedule(tmp_path):
+    # OneCycleLR sized from trainer.estimated_stepping_batches in configure_optimizers: the usual
+    # recipe. The estimate must be the epochs' batches over all ranks (schedules follow the cohort
+    # step), the dispatch must still be ElChe's, and the schedule must end exactly at its total.
+    records = fit(tmp_path, elche(mode="nccl_cadence"), callbacks=[Throttle(1, 3.0)],
+                  model_kwargs={"one_cycle": True, "val": False}, max_epochs=2)
+    batches_per_epoch = 512 // 16
+    for record in records:
+        assert record["estimated_stepping_batches"] == 2 * batches_per_epoch
+        assert record["num_training_batches"] == batches_per_epoch
+        assert record["schedule_position"] == [2 * batches_per_epoch]
+    assert_exactly_once(records)
+    assert records[0]["steps"][0] > records[0]["steps"][1], "the throttled rank was not slower"
