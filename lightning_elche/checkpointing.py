@@ -16,7 +16,6 @@ own step-checkpoints save (``on_train_batch_end``), so Lightning restores its lo
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -67,7 +66,9 @@ class ElCheCheckpoint(ModelCheckpoint):
         if every_n_syncs is not None and (
             isinstance(every_n_syncs, bool) or not isinstance(every_n_syncs, int) or every_n_syncs < 1
         ):
-            raise ValueError(f"ElCheCheckpoint(every_n_syncs={every_n_syncs!r}) is invalid: expected an integer >= 1 or None.")
+            raise ValueError(
+                f"ElCheCheckpoint(every_n_syncs={every_n_syncs!r}) is invalid: expected an integer >= 1 or None."
+            )
         if every_n_syncs is not None and monitor is not None:
             raise ValueError(
                 f"ElCheCheckpoint(every_n_syncs={every_n_syncs}, monitor={monitor!r}) is invalid: sync checkpoints "

@@ -383,7 +383,9 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         else:
             assert coverage.offsets is not None
             if len(coverage.offsets) != self.world_size:
-                raise ValueError(f"The checkpoint's coverage has {len(coverage.offsets)} rank offsets, expected {self.world_size}.")
+                raise ValueError(
+                    f"The checkpoint's coverage has {len(coverage.offsets)} rank offsets, expected {self.world_size}."
+                )
             left = len(self.own_stream()) - coverage.offsets[self.rank]
             if left < 1:
                 raise ValueError(

@@ -65,7 +65,9 @@ class CallbackRole:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         fastest = state.get("fastest")
         if fastest is not None and not (isinstance(fastest, int) and 0 <= fastest < self.world_size):
-            raise ValueError(f"The checkpoint's epoch callback role names rank {fastest!r}; world size is {self.world_size}.")
+            raise ValueError(
+                f"The checkpoint's epoch callback role names rank {fastest!r}; world size is {self.world_size}."
+            )
         self.fastest = fastest
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import secrets
 import signal
 from collections.abc import Callable, Iterator
@@ -36,20 +35,26 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
-from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 
 from lightning_elche.averaging import averaged_state
-from lightning_elche.augment import AugmentedDataset
 from lightning_elche.config import ElCheConfig, ElCheMode
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.data import ElCheSampler
 from lightning_elche.engine import ElCheEngine, RoundOutcome
 from lightning_elche.epoch_callbacks import CallbackRole, EpochCallbackPolicy, check_policy
+from lightning_elche.loop_glue import (
+    check_step_schedulers,
+    report_cohort_batches,
+    sampler_for,
+    silence_per_step_sigterm_broadcast,
+    take_over_max_steps,
+)
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import AveragingPlane, CollectivePlane, CpuPlane
 from lightning_elche.summary import format_summary
@@ -172,7 +177,7 @@ class ElCheStrategy(DDPStrategy):
         self._side_group: Optional[Any] = None
         self._leaving = False
         self._sampler: Optional[ElCheSampler] = None
-        self._patched_fit_loop: Optional[Any] = None
+        self._undo_cohort_batches: Optional[Callable[[], None]] = None
         self._dispatch_prefix = ""
         self._step_budget: Optional[int] = None
         self._pending_samples = 0
@@ -227,11 +232,11 @@ class ElCheStrategy(DDPStrategy):
         fitting = trainer.state.fn == "fit"
         if fitting:
             self.elche.validate_world_size(self.world_size)
-            self._take_over_max_steps(trainer)
+            self._step_budget = take_over_max_steps(trainer)
             # Before super().setup: configure_optimizers may set up the train dataloader (through
             # trainer.estimated_stepping_batches), and the dispatch needs this prefix then.
             self._dispatch_prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
-            self._report_cohort_batches(trainer)
+            self._undo_cohort_batches = report_cohort_batches(trainer, lambda: self._sampler)
         super().setup(trainer)
         if not fitting:
             return
@@ -247,7 +252,7 @@ class ElCheStrategy(DDPStrategy):
             self._engine.load_state_dict(self._restored_engine_state)
             self._callback_role.load_state_dict(self._restored_engine_state.get("callback_role", {}))
             self._restored_engine_state = None
-        self._check_step_schedulers(trainer)
+        check_step_schedulers(trainer)
 
     def _build_engine(self) -> ElCheEngine:
         assert self.lightning_module is not None
@@ -281,24 +286,6 @@ class ElCheStrategy(DDPStrategy):
             outer=outer,
         )
 
-    @staticmethod
-    def _check_step_schedulers(trainer: Trainer) -> None:
-        for config in trainer.lr_scheduler_configs:
-            if config.interval == "step" and config.frequency != 1:
-                raise MisconfigurationException(
-                    f"ElCheStrategy cannot run a step-interval LR scheduler with frequency={config.frequency}: "
-                    "schedulers follow the cohort step (all ranks' steps) and are advanced one step at a time. "
-                    "Use frequency=1 and fold the factor into the schedule."
-                )
-
-    def _take_over_max_steps(self, trainer: Trainer) -> None:
-        # Lightning would stop each rank at its own global_step; ElChe counts the cohort's steps
-        # instead and stops every rank together at the first sync past the budget.
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if epoch_loop.max_steps not in (None, -1):
-            self._step_budget = int(epoch_loop.max_steps)
-            epoch_loop.max_steps = -1
-
     def _metadata_device(self) -> torch.device:
         backend = dist.get_backend() if _distributed_is_initialized() else "gloo"
         return self.root_device if "nccl" in str(backend) else torch.device("cpu")
@@ -311,27 +298,6 @@ class ElCheStrategy(DDPStrategy):
         _sync_module_states(self.model)
         self._engine = self._build_engine()
 
-    def _report_cohort_batches(self, trainer: Trainer) -> None:
-        """Make ``trainer.num_training_batches`` the epoch's batches over all ranks.
-
-        A rank's share of an epoch is decided while it trains, so the loader has no length and
-        Lightning would report infinitely many batches: ``trainer.estimated_stepping_batches``
-        would fall back to ``max_steps`` (-1), and a OneCycleLR sized from it would fail.
-        Step-interval schedulers follow the cohort step, whose count per epoch is known, so that
-        is the number to report. The loader itself stays unsized: Lightning's fetcher then looks
-        one batch ahead to find each rank's last batch.
-        """
-        fit_loop = trainer.fit_loop
-        setup_data = fit_loop.setup_data
-
-        def setup_data_with_cohort_batches() -> None:
-            setup_data()
-            if self._sampler is not None and math.isinf(fit_loop.max_batches):
-                fit_loop.max_batches = self._sampler.num_batches
-
-        fit_loop.setup_data = setup_data_with_cohort_batches  # type: ignore[method-assign]
-        self._patched_fit_loop = fit_loop
-
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or self._engine is None:
@@ -341,7 +307,8 @@ class ElCheStrategy(DDPStrategy):
                 f"ElCheStrategy dispatches training data itself and needs a torch DataLoader; got "
                 f"{type(dataloader).__name__}."
             )
-        self._sampler = self._build_sampler(dataloader)
+        self._sampler = sampler_for(dataloader, self.elche, self.global_rank, self.world_size, self._dispatch_prefix,
+                                    self.chunk_batches)
         # Lightning's prefetching fetcher draws the first batch in setup_data, before it calls
         # set_epoch: a resumed fit would dispatch its first epoch with epoch 0's order and counter.
         # ``processed`` is the epoch the loop runs next (set_epoch uses the same counter).
@@ -351,50 +318,6 @@ class ElCheStrategy(DDPStrategy):
             self._restored_coverage = None
         self._engine.controller.max_total_batches = max(self._sampler.num_batches, self.world_size)
         return _update_dataloader(dataloader, self._sampler, mode=RunningStage.TRAINING)
-
-    def _build_sampler(self, dataloader: DataLoader) -> ElCheSampler:
-        if isinstance(dataloader.dataset, IterableDataset):
-            raise TypeError(
-                "ElCheStrategy cannot dispatch an IterableDataset: it hands out sample indices by "
-                "throughput. Use a map-style Dataset."
-            )
-        if dataloader.batch_sampler is not None and type(dataloader.batch_sampler).__name__ != "BatchSampler":
-            raise TypeError(
-                f"ElCheStrategy cannot honour a custom batch_sampler ({type(dataloader.batch_sampler).__name__}): "
-                "it assigns batches to ranks by speed. Use batch_size with the default batching."
-            )
-        sampler = dataloader.sampler
-        if isinstance(sampler, DistributedSampler) and type(sampler) is DistributedSampler:
-            shuffle, seed = sampler.shuffle, sampler.seed
-        elif isinstance(sampler, (RandomSampler, SequentialSampler)):
-            shuffle, seed = isinstance(sampler, RandomSampler), 0
-        else:
-            raise TypeError(
-                f"ElCheStrategy cannot honour a custom sampler ({type(sampler).__name__}): it assigns "
-                "samples to ranks by speed. Use shuffle=True/False in the DataLoader."
-            )
-        assert dataloader.batch_size is not None
-        mode = self.elche.mode
-        dispatch = "fixed" if self.elche.partition_ratios else ("pool" if mode.progressive_dispatch else "equal")
-        store = dist.distributed_c10d._get_default_store() if dispatch == "pool" else None
-        dataset = dataloader.dataset
-        augmented = isinstance(dataset, AugmentedDataset)
-        return ElCheSampler(
-            dataset.base_len if augmented else len(dataset),  # type: ignore[arg-type, union-attr]
-            dataloader.batch_size,
-            self.global_rank,
-            self.world_size,
-            shuffle=shuffle,
-            seed=seed,
-            dispatch=dispatch,
-            counter=store,
-            key_prefix=self._dispatch_prefix,
-            partition_ratios=self.elche.partition_ratios,
-            max_chunk_batches=self.chunk_batches,
-            drop_last=dataloader.drop_last,
-            augment=dataset.augment if augmented else 1,  # type: ignore[union-attr]
-            pick_keys=augmented,
-        )
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -406,20 +329,8 @@ class ElCheStrategy(DDPStrategy):
             )
         if len(trainer.fit_loop._combined_loader.flattened) != 1:
             raise TypeError("ElCheStrategy supports exactly one training DataLoader.")
-        self._silence_per_step_sigterm_broadcast(trainer)
+        silence_per_step_sigterm_broadcast(trainer)
         self._install_sigterm_handler(trainer)
-
-    def _silence_per_step_sigterm_broadcast(self, trainer: Trainer) -> None:
-        # Lightning broadcasts a SIGTERM flag before every training batch, which deadlocks as
-        # soon as ranks take different numbers of steps. ElChe carries stop requests in its own
-        # round metadata instead.
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-            raise RuntimeError(
-                "This Lightning version has no TrainingEpochLoop._broadcast_sigterm_tensor; "
-                "lightning-elche supports lightning>=2.6,<2.7."
-            )
-        epoch_loop._broadcast_sigterm_tensor = lambda: None
 
     def _install_sigterm_handler(self, trainer: Trainer) -> None:
         # Lightning's own handler broadcasts on the default group and raises on this rank alone.
@@ -689,9 +600,9 @@ class ElCheStrategy(DDPStrategy):
             self._side_group = None
         self._sampler = None
         self._uneven_phase = False
-        if self._patched_fit_loop is not None:
-            vars(self._patched_fit_loop).pop("setup_data", None)  # back to the class's method
-            self._patched_fit_loop = None
+        if self._undo_cohort_batches is not None:
+            self._undo_cohort_batches()
+            self._undo_cohort_batches = None
         super().teardown()
 
     @classmethod

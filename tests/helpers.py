@@ -332,7 +332,10 @@ CONVERGENCE_ARMS = ("nccl_sync", "cpu_sync", "cpu_cadence", "cpu_async", "nccl_c
 
 # Outer momentum 0.5: ElChe's windows here are ~20 steps, and the 0.9 of DiLoCo's paper (windows of
 # hundreds of steps) amplifies each window's drift about lr / (1 - momentum) times: see docs/benchmarks.md.
-OUTER_FOR_SHORT_WINDOWS = {"slowmo": lambda: SlowMo(lr=1.0, momentum=0.5), "diloco": lambda: DiLoCo(lr=1.0, momentum=0.5)}
+OUTER_FOR_SHORT_WINDOWS = {
+    "slowmo": lambda: SlowMo(lr=1.0, momentum=0.5),
+    "diloco": lambda: DiLoCo(lr=1.0, momentum=0.5),
+}
 
 
 def _convergence_strategy(arm: str) -> Any:

@@ -1,3 +1,4 @@
+import itertools
 import random
 
 import pytest
@@ -204,7 +205,7 @@ def simulate_pool(speeds, shares=None, n=1000, batch=10, chunk=4, prefetch=0):
     queues = [[] for _ in speeds]
 
     def pull(r):
-        got = [x for _, x in zip(range(batch), iters[r])]
+        got = list(itertools.islice(iters[r], batch))
         if got:
             queues[r].append(got)
             out[r] += got

@@ -79,7 +79,8 @@ def test_epoch_callbacks_run_on_the_rank_the_policy_picks(tmp_path, policy):
         assert ends == [f"end-e{e}-rank{r}.json" for e in range(2) for r in range(2)]
         assert asked == [f"asked-e{e}-rank{r}" for e in range(2) for r in range(2)]
     elif policy == "rank0":
-        assert ends == ["end-e0-rank0.json", "end-e1-rank0.json"] and starts == ["start-e0-rank0.json", "start-e1-rank0.json"]
+        assert ends == ["end-e0-rank0.json", "end-e1-rank0.json"]
+        assert starts == ["start-e0-rank0.json", "start-e1-rank0.json"]
         assert asked == ["asked-e0-rank0", "asked-e1-rank0"]
     else:
         # Before any round nobody is timed: rank 0. After the first epoch's rounds: the fastest, rank 1.

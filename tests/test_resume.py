@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import RecordingModel, load_records
 from resume_helpers import RecordSaves, RecordStart
-from test_strategy_distributed import PG_TIMEOUT, assert_exactly_once, elche, fit
+from test_strategy_distributed import assert_exactly_once, elche, fit
 
 from lightning_elche import ElCheCheckpoint, ElCheConfig
 from lightning_elche.testing import Throttle

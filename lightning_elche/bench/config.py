@@ -202,7 +202,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="skip optional passes/seeds that would end later than this (default: the budget's)")
     parser.add_argument("--conv-arms", default=None,
                         help="comma-separated 2-rank arms of the convergence section (default: every arm)")
-    parser.add_argument("--micro-iters", type=int, default=None, help="timed iterations of the all-reduce microbenchmark")
+    parser.add_argument("--micro-iters", type=int, default=None,
+                        help="timed iterations of the all-reduce microbenchmark")
     parser.add_argument("--only-headline", action="store_true", help="skip the rig's other heterogeneity settings")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
     args = parser.parse_args(argv)
