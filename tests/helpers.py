@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
@@ -134,6 +135,13 @@ class RecordingModel(LightningModule):
             record["mean_stall_ms"] = [t.stall_ms_sum / t.stalls if t.stalls else None for t in engine.state.totals]
             record["batch_counts"] = list(engine.controller.batch_counts)
         Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a test's own process group."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def load_records(out_dir: Path, world_size: int = 2) -> list[dict[str, Any]]:

@@ -5,21 +5,14 @@ at equal epochs, on a heterogeneous 2-rank rig, 3 seeds."""
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 
 import pytest
 import torch.multiprocessing as mp
-from helpers import CONVERGENCE_ARMS, digits_convergence
+from helpers import CONVERGENCE_ARMS, digits_convergence, free_port
 
 SEEDS = 3
 EPOCHS = 30
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.distributed

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import GoSilent, fit_and_report_leftovers
+from helpers import GoSilent, fit_and_report_leftovers, free_port
 from test_strategy_distributed import assert_exactly_once, fit
 
 from lightning_elche import ElCheConfig, ElCheStrategy
@@ -97,12 +96,6 @@ def test_a_silent_rank_becomes_a_clear_error_not_a_hang(tmp_path):
                              snapshot_timeout=timedelta(seconds=3))
     with pytest.raises(Exception, match="snapshot_timeout"):
         fit(tmp_path, strategy, callbacks=[GoSilent(rank=1, step=12, seconds=25)], model_kwargs={"val": False})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.distributed
