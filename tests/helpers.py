@@ -305,6 +305,11 @@ def fit_and_report_leftovers(rank: int, out_dir: str, port: int, scenario: str) 
         "side_group_released": strategy._side_group is None,
         "plane_closed": bool(plane is not None and plane.closed),
     }))
+    # Leave as a well-behaved script does: a process that exits with its default group alive can
+    # abort in c10d's destructors at interpreter exit ("terminate called without an active
+    # exception"), which mp.spawn reports as a crash after the report above was written.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def run_command(command: list[str], cwd: Path, timeout_s: float) -> tuple[int, str]:
