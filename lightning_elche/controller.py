@@ -265,6 +265,23 @@ class ElCheController:
             "max_total_batches", value, 0, "expected an integer >= 0 (0 = no cap)"
         )
 
+    def set_epoch_size(self, num_batches: int) -> None:
+        """Batches per epoch over all ranks: no window may plan more (at least one per rank)."""
+        num_batches = _require_int("num_batches", num_batches, 0, "expected an integer >= 0")
+        self.max_total_batches = max(num_batches, self.world_size)
+
+    def planned_batches(self, rank: int) -> int:
+        """Batches ``rank`` runs in the current window.
+
+        ``max_batch_diff = D`` also bounds the lead of any rank over the slowest plan to D batches
+        (0 is strict lockstep), on top of the per-update clamp: the plan may jump to the measured
+        ratio at its first calibration, the lead bound never lets a rank run that far ahead.
+        """
+        counts = self.batch_counts
+        planned = counts[self._checked_rank("rank", rank)]
+        lead = self._max_batch_diff
+        return planned if lead is None else min(planned, min(counts) + lead)
+
     @property
     def pending_callback_slack_ms(self) -> list[float]:
         """Slack staged by :meth:`set_callback_slack` for the next recompute (a copy)."""

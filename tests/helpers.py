@@ -76,6 +76,7 @@ class RecordingModel(LightningModule):
         self.step_schedule = step_schedule
         self.one_cycle = one_cycle
         self.estimated_stepping_batches: Optional[float] = None
+        self.max_steps_in_configure_optimizers: Optional[int] = None
         self.seen: dict[int, list[int]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,6 +96,7 @@ class RecordingModel(LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+        self.max_steps_in_configure_optimizers = self.trainer.max_steps
         if self.one_cycle:
             # The usual recipe: size the schedule from the trainer's estimate.
             self.estimated_stepping_batches = self.trainer.estimated_stepping_batches
@@ -125,6 +127,7 @@ class RecordingModel(LightningModule):
             "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
             "schedule_position": [c.scheduler.last_epoch for c in self.trainer.lr_scheduler_configs],
             "estimated_stepping_batches": self.estimated_stepping_batches,
+            "max_steps_in_configure_optimizers": self.max_steps_in_configure_optimizers,
             "num_training_batches": self.trainer.num_training_batches,
         }
         if engine is not None:

@@ -1051,3 +1051,22 @@ def test_invariant_nudge_down_is_never_overwritten_by_a_later_commit() -> None:
                 for _ in range(5):
                     c.apply_verdict(Stable())
     assert nudged_over_a_proposal > 50, "the scenarios must nudge over pending proposals"
+
+
+def test_epoch_size_caps_the_window_with_at_least_one_batch_per_rank():
+    c = ctl.ElCheController(world_size=3, anchor=10)
+    c.set_epoch_size(120)
+    assert c.max_total_batches == 120
+    c.set_epoch_size(2)  # fewer batches than ranks: every rank still plans one
+    assert c.max_total_batches == 3
+    with pytest.raises(ValueError, match="num_batches=-1"):
+        c.set_epoch_size(-1)
+
+
+def test_planned_batches_bound_the_lead_over_the_slowest_plan():
+    c = ctl.ElCheController(world_size=2, anchor=3, max_batch_diff=2)
+    c.batch_counts = [9, 3]
+    assert [c.planned_batches(0), c.planned_batches(1)] == [5, 3]
+    free = ctl.ElCheController(world_size=2, anchor=3)
+    free.batch_counts = [9, 3]
+    assert [free.planned_batches(0), free.planned_batches(1)] == [9, 3]

@@ -54,7 +54,8 @@ def make_engine(outer=None, non_blocking=False, **config):
     plane = ScriptedPeer(non_blocking)
     param = torch.ones(4)
     engine = ElCheEngine(ElCheConfig(**config), plane, rank=0, world_size=2, device=torch.device("cpu"),
-                         params=[param], signature=42.0, epoch_batches=1000, outer=outer)
+                         params=[param], signature=42.0, outer=outer)
+    engine.set_epoch_size(1000)
     return engine, plane, param
 
 
