@@ -169,6 +169,7 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         self._layout: list[tuple[int, int]] = []
         self._limit = 0
         self._speed_shares: Optional[list[float]] = None
+        self._drainer: Optional[int] = None  # the rank that claims until the pool is dry, this epoch
         self.started_batches: Optional[int] = None
         """Batches this rank has started training in the current epoch, kept by the strategy:
         the batches yielded beyond it are claimed work still ahead of the rank (prefetch)."""
@@ -258,13 +259,14 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         # before it has trained anything; the rest are claimed in order through the counter.
         claim = self.rank
         key = self.counter_key(self.epoch)
+        self._drainer = self._fastest_rank()
         while claim < len(self._layout):
             self.record.chunks.append(claim)
             start, stop = self._chunk_span(claim)
             local = range(start, stop)
             yield from self._yield_positions(order, local if positions is None else [positions[p] for p in local])
             assert self.counter is not None
-            if self._leaves_tail_to_faster_ranks(key, claim):
+            if self.rank != self._drainer and self._leaves_tail_to_faster_ranks(key, claim):
                 return
             claim = self.world_size + self.counter.add(key, 1) - 1
 
@@ -274,9 +276,15 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
 
         Near the end of a pooled epoch a slower rank then stops claiming chunks when the faster
         ranks would finish what is left sooner without it: a slow rank that takes one of the last
-        chunks makes every other rank wait for it at the epoch's end. The fastest rank (largest
-        share, lowest index on ties) always claims, so every chunk is still trained exactly once.
+        chunks makes every other rank wait for it at the epoch's end. One rank, the fastest by the
+        first shares of the epoch, claims until the pool is dry, so every chunk is still trained
+        exactly once, however the shares change during the epoch.
         """
+        # The drainer is the fastest by the first shares this rank holds in the epoch: those of
+        # the round before the epoch (blocking on every rank), or, in a fit's first epoch, of the
+        # epoch's first round. Every rank adopts the rounds in the same order, so it is the same
+        # rank everywhere; shares adopted later differ between ranks at any one moment (cpu_async
+        # adopts at different steps), and a drainer chosen from them could leave on every rank.
         if len(shares) != self.world_size or any(not math.isfinite(s) or s < 0 for s in shares) or sum(shares) <= 0:
             raise ValueError(
                 f"speed shares {list(shares)!r} are invalid: expected {self.world_size} finite values >= 0 "
@@ -284,15 +292,20 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
             )
         total = float(sum(shares))
         self._speed_shares = [s / total for s in shares]
+        if self._drainer is None:
+            self._drainer = self._fastest_rank()
+
+    def _fastest_rank(self) -> Optional[int]:
+        shares = self._speed_shares
+        if shares is None:
+            return None
+        return max(range(self.world_size), key=lambda r: (shares[r], -r))
 
     def _leaves_tail_to_faster_ranks(self, key: str, last_claim: int) -> bool:
         shares = self._speed_shares
         if shares is None:
             return False
         share = shares[self.rank]
-        fastest = max(range(self.world_size), key=lambda r: (shares[r], -r))
-        if self.rank == fastest:
-            return False
         if share <= 0:
             return True
         # Taking a chunk of c batches pays off unless this rank would end it, after the b batches
