@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
+from lightning_elche.checks import require_int
 from lightning_elche.engine import RoundOutcome
 from lightning_elche.loop_glue import monitor_candidates, save_checkpoint_now
 from lightning_elche.strategy import ElCheStrategy
@@ -65,11 +66,10 @@ class ElCheCheckpoint(ModelCheckpoint):
         enable_version_counter: bool = True,
         every_n_syncs: Optional[int] = None,
     ) -> None:
-        if every_n_syncs is not None and (
-            isinstance(every_n_syncs, bool) or not isinstance(every_n_syncs, int) or every_n_syncs < 1
-        ):
-            raise ValueError(
-                f"ElCheCheckpoint(every_n_syncs={every_n_syncs!r}) is invalid: expected an integer >= 1 or None."
+        if every_n_syncs is not None:
+            every_n_syncs = require_int(
+                f"ElCheCheckpoint(every_n_syncs={every_n_syncs!r})", every_n_syncs, 1,
+                "expected an integer >= 1 or None",
             )
         if every_n_syncs is not None and monitor is not None:
             raise ValueError(

@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import enum
 import math
-import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_elche.config import (
-    DEFAULT_MAX_ANCHOR,
-    DEFAULT_OVERHEAD_TARGET,
-    OVERHEAD_TARGET_RANGE,
-)
+from lightning_elche.checks import as_real, require_int
+from lightning_elche.config import DEFAULT_MAX_ANCHOR, clamp_overhead_target
 from lightning_elche.guard import NudgeDown, Stable, SuppressGrowth, Verdict
 
 if TYPE_CHECKING:
@@ -223,7 +219,7 @@ class ElCheController:
             max_anchor=config.resolved_max_anchor,
             overhead_target=config.resolved_overhead_target,
             max_batch_diff=config.max_batch_diff,
-            window_growth_applicable=not config.mode.is_sync,
+            window_growth_applicable=config.run_mode.window_growth,
             initial_anchor_rank=initial_anchor_rank,
         )
 
@@ -713,20 +709,11 @@ class ElCheController:
 
 
 def _require_int(name: str, value: Any, minimum: int, allowed: str) -> int:
-    """``value`` as an int (any integer type, e.g. numpy's; not bool) that is >= ``minimum``."""
-    number: int | None = None
-    if not isinstance(value, bool):
-        try:
-            number = operator.index(value)
-        except TypeError:
-            number = None
-    if number is None or number < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: {allowed}.")
-    return number
+    return require_int(f"{name}={value!r}", value, minimum, allowed)
 
 
 def _is_finite_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    return as_real(value) is not None
 
 
 def _int_or(name: str, value: int | None, default: int) -> int:
@@ -736,12 +723,9 @@ def _int_or(name: str, value: int | None, default: int) -> int:
 
 
 def _clamp_target(target: float | None) -> float:
-    if target is None:
-        return DEFAULT_OVERHEAD_TARGET
-    if not _is_finite_number(target):
+    if target is not None and not _is_finite_number(target):
         raise ValueError(f"overhead_target={target!r} is invalid: expected a finite number.")
-    low, high = OVERHEAD_TARGET_RANGE
-    return min(max(float(target), low), high)
+    return clamp_overhead_target(target)
 
 
 @dataclass(frozen=True)

@@ -133,10 +133,11 @@ class ElCheEngine:
         self.outer: OuterOptimizer = outer if outer is not None else OuterAvg()
         self._divergence: Optional[Tensor] = None
         self._in_flight = False
-        self.alpha = float(config.easgd_alpha) if config.mode.is_async and config.easgd_alpha else 1.0
+        self.run_mode = config.run_mode
+        self.alpha = self.run_mode.blend_alpha
         self.max_overshoot = config.max_overshoot if config.max_overshoot is not None else OVERSHOOT_INITIAL
         self.state = EngineState(totals=[RankTotals() for _ in range(world_size)])
-        self.clock = WindowClock(device, synchronize=not (config.mode.is_async and plane.non_blocking))
+        self.clock = WindowClock(device, synchronize=self.run_mode.blocking or not plane.non_blocking)
         self.last_outcome: Optional[RoundOutcome] = None
         self._consensus_next = False
         self._consensus_round = False
@@ -274,7 +275,7 @@ class ElCheEngine:
         values[Meta.ROUND] = self.state.rounds
         values[Meta.SIGNATURE] = self.signature
         values[Meta.HAS_DIVERGENCE] = float(self._divergence is not None)
-        values[Meta.WIRE] = float(self.config.bf16_wire and self.config.mode.uses_cpu_plane)
+        values[Meta.WIRE] = float(self.run_mode.bf16_wire)
         values[Meta.STALL_MS] = -1.0 if self.clock.last_stall_ms is None else self.clock.last_stall_ms
         # Pinned (PyTorch's caching host allocator) so that the copy below does not synchronize
         # the device: in cpu_async nothing at the boundary may wait for the GPU.

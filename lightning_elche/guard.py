@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
+from lightning_elche.checks import invalid, is_number, require_int, require_real
+
 if TYPE_CHECKING:
     from lightning_elche.config import ElCheConfig
 
@@ -56,11 +58,11 @@ EASGD_DIVERGENCE_THRESHOLD = 0.3
 
 
 def _invalid(owner: str, name: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{owner}.{name}={value!r} is invalid: {allowed}.")
+    return invalid(f"{owner}.{name}={value!r}", allowed)
 
 
 def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
+    return is_number(value)
 
 
 def _float_list(name: str, values: Any) -> list[float]:
@@ -180,15 +182,11 @@ def guard_telemetry(guard: ConvergenceGuard) -> dict[str, float]:
 
 
 def _check_finite(owner: str, name: str, value: Any) -> float:
-    if not _is_number(value) or not math.isfinite(value):
-        raise _invalid(owner, name, value, "expected a finite number")
-    return float(value)
+    return require_real(f"{owner}.{name}={value!r}", value)
 
 
 def _check_count(owner: str, name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _invalid(owner, name, value, f"expected an integer >= {minimum}")
-    return value
+    return require_int(f"{owner}.{name}={value!r}", value, minimum)
 
 
 # -- built-in guards -----------------------------------------------------------------------

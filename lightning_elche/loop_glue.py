@@ -161,7 +161,7 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
             "samples to ranks by speed. Use shuffle=True/False in the DataLoader."
         )
     assert dataloader.batch_size is not None
-    dispatch = "fixed" if config.partition_ratios else ("pool" if config.mode.progressive_dispatch else "equal")
+    dispatch = config.run_mode.dispatch.value
     store = dist.distributed_c10d._get_default_store() if dispatch == "pool" else None
     dataset = dataloader.dataset
     augmented = isinstance(dataset, AugmentedDataset)

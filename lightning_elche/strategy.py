@@ -39,7 +39,8 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_elche.averaging import averaged_state
-from lightning_elche.config import ElCheConfig, ElCheMode
+from lightning_elche.checks import require_int
+from lightning_elche.config import ElCheConfig, ElCheMode, Transport
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.data import ElCheSampler
 from lightning_elche.engine import ElCheEngine, FitProgress, RoundOutcome
@@ -143,9 +144,8 @@ class ElCheStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.elche = resolve_config(mode, elche)
-        for name, value in (("chunk_batches", chunk_batches), ("log_every_n_syncs", log_every_n_syncs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ElCheStrategy({name}={value!r}) is invalid: expected an integer >= 1.")
+        chunk_batches = require_int(f"ElCheStrategy(chunk_batches={chunk_batches!r})", chunk_batches, 1)
+        log_every_n_syncs = require_int(f"ElCheStrategy(log_every_n_syncs={log_every_n_syncs!r})", log_every_n_syncs, 1)
         if outer_optimizer is not None and not isinstance(outer_optimizer, OuterOptimizer):
             raise TypeError(
                 f"ElCheStrategy(outer_optimizer={outer_optimizer!r}) is invalid: expected an OuterOptimizer "
@@ -259,20 +259,12 @@ class ElCheStrategy(DDPStrategy):
             return
         self._patches.take_over_max_steps(trainer)
         check_trainer(trainer)
-        self._warn_ignored_knobs()
         if self._restored is not None:
             state, _ = self._restored
             assert self._engine is not None
             self._engine.load_state_dict(state)
             self._session.callback_role.load_state_dict(state.get("callback_role", {}))
         check_step_schedulers(trainer)
-
-    def _warn_ignored_knobs(self) -> None:
-        if self.elche.bf16_wire and not self.elche.mode.uses_cpu_plane:
-            rank_zero_warn(
-                f"ElCheConfig.bf16_wire=True is ignored by mode {self.elche.mode.value!r}: its reduce "
-                "never leaves the devices. bf16_wire applies to the cpu_* modes."
-            )
 
     def configure_ddp(self) -> None:
         # No DistributedDataParallel: replicas train independently between syncs. Start them
@@ -287,13 +279,14 @@ class ElCheStrategy(DDPStrategy):
         params, buffers = averaged_state(self.lightning_module)
         outer = copy.deepcopy(self.outer_optimizer) if self.outer_optimizer is not None else OuterAvg()
         plane_outer = None if isinstance(outer, OuterAvg) else outer
+        run_mode = self.elche.run_mode
         plane: AveragingPlane
-        if self.elche.mode.uses_cpu_plane:
+        if run_mode.transport is Transport.HOST:
             # Every rank creates the side group here, in the same order; only the plane's thread uses it.
             self._side_group = dist.new_group(backend="gloo", timeout=self.snapshot_timeout)
             plane = CpuPlane(
                 params, buffers, self.global_rank, self.world_size, gamma=self.elche.gamma, outer=plane_outer,
-                bf16_wire=self.elche.bf16_wire, non_blocking=self.elche.mode.is_async,
+                bf16_wire=run_mode.bf16_wire, non_blocking=not run_mode.blocking,
                 snapshot_timeout=self.snapshot_timeout, group=self._side_group,
             )
         else:
@@ -402,7 +395,7 @@ class ElCheStrategy(DDPStrategy):
         assert self._engine is not None
         # cpu_async trains on while a round is in flight, except when out of data: a draining
         # rank waits for every round, so that it sees the one that ends the epoch.
-        blocking = out_of_data or not self.elche.mode.is_async
+        blocking = out_of_data or self._engine.run_mode.blocking
         while not self._session.leaving:
             request = self._session.take_stop_request()
             for outcome in self._engine.run_round(trainer.current_epoch, out_of_data, request, blocking):

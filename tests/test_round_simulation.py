@@ -193,7 +193,8 @@ def simulate(mode: str, world: int, seed: int, epochs: int = 3, batches: int = 4
         )
         plane = BoardPlane(board, r, non_blocking=config.mode.is_async)
         engine = ElCheEngine(config=config, plane=plane, rank=r, world_size=world, device=torch.device("cpu"),
-                             params=[], signature=1.0, epoch_batches=sampler.num_batches)
+                             params=[], signature=1.0)
+        engine.set_epoch_size(sampler.num_batches)
         ranks.append(SimulatedRank(r, sampler, engine, prefetch=rng.choice((0, 1, 2, 4, 8)),
                                    rng=random.Random(seed * 97 + r),
                                    mean_step_s=rng.choice((0.0002, 0.0005, 0.001, 0.002))))

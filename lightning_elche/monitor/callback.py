@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_elche.checks import require_int
 from lightning_elche.engine import RoundOutcome
 from lightning_elche.loop_glue import logged_callback_metrics
 from lightning_elche.monitor.dashboard import dashboard_data, validate_theme, write_dashboard
@@ -96,17 +97,15 @@ class ElCheMonitor(Callback):
         super().__init__()
         if max_log_size in (None, 0):
             max_log_size = DEFAULT_MAX_LOG_BYTES
-        if isinstance(max_log_size, bool) or not isinstance(max_log_size, int) or max_log_size < MIN_LOG_BYTES:
-            raise ValueError(
-                f"ElCheMonitor(max_log_size={max_log_size!r}) is invalid: expected an integer number of bytes "
-                f">= {MIN_LOG_BYTES}, or 0/None for the default {DEFAULT_MAX_LOG_BYTES}."
-            )
-        if reports_per_epoch is not None and (
-            isinstance(reports_per_epoch, bool) or not isinstance(reports_per_epoch, int) or reports_per_epoch < 0
-        ):
-            raise ValueError(
-                f"ElCheMonitor(reports_per_epoch={reports_per_epoch!r}) is invalid: expected an integer >= 0 "
-                "(0 or None: off)."
+        max_log_size = require_int(
+            f"ElCheMonitor(max_log_size={max_log_size!r})", max_log_size, MIN_LOG_BYTES,
+            f"expected an integer number of bytes >= {MIN_LOG_BYTES}, or 0/None for the default "
+            f"{DEFAULT_MAX_LOG_BYTES}",
+        )
+        if reports_per_epoch is not None:
+            reports_per_epoch = require_int(
+                f"ElCheMonitor(reports_per_epoch={reports_per_epoch!r})", reports_per_epoch, 0,
+                "expected an integer >= 0 (0 or None: off)",
             )
         for name, value in (("record_log_dir", record_log_dir), ("dashboard_html", dashboard_html),
                             ("timeline", timeline)):
