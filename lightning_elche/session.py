@@ -125,9 +125,7 @@ class Session:
         self.single_rank_policy: Optional[str] = None
         """Set while epoch callbacks run on one rank alone (collectives are then refused)."""
         self.epoch: Optional[int] = None
-        """The epoch of the last training batch of this fit."""
-        self.epoch_batches = 0
-        """Batches this rank started in that epoch, in this fit (the one counter of started batches)."""
+        """The epoch of the last training batch of this fit (the sampler counts its batches)."""
         self.pending_samples = 0
         self.warned_rank_local_reduce = False
         self._stop = StopRequest.NONE
@@ -158,10 +156,7 @@ class Session:
         By epoch number, not batch index: an epoch resumed mid-way starts at a later index.
         """
         new_epoch = epoch != self.epoch
-        if new_epoch:
-            self.epoch = epoch
-            self.epoch_batches = 0
-        self.epoch_batches += 1
+        self.epoch = epoch
         self.pending_samples += samples
         if new_epoch or not self.leaving:
             self.phase = Phase.IN_WINDOW

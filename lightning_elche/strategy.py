@@ -355,7 +355,7 @@ class ElCheStrategy(DDPStrategy):
         if self._session.start_batch(self.lightning_module.trainer.current_epoch, self._batch_samples(batch)):
             self._engine.start_epoch()
         if self._sampler is not None:
-            self._sampler.started_batches = self._session.epoch_batches
+            self._sampler.batch_started()
 
     def _batch_samples(self, batch: Any) -> int:
         try:
@@ -410,8 +410,8 @@ class ElCheStrategy(DDPStrategy):
         assert self._engine is not None
         self._publish_round(trainer, outcome)
         self._session.callback_role.observe(self._engine.controller)
-        if self._sampler is not None and self._sampler.dispatch == "pool" and sum(outcome.planned) > 0:
-            self._sampler.set_speed_shares(outcome.planned)
+        if self._sampler is not None:
+            self._sampler.on_round(outcome.planned)
         if outcome.reset_inner:
             for optimizer in self.optimizers:
                 optimizer.state.clear()
@@ -499,7 +499,7 @@ class ElCheStrategy(DDPStrategy):
         # Every rank knows only which chunks it claimed itself; one gather at the sync point
         # (all ranks are there, in the same order) assembles the epoch's untrained remainder.
         assert self._sampler is not None
-        local = self._sampler.local_coverage(self._session.epoch_batches)
+        local = self._sampler.local_coverage(self._sampler.started_batches or 0)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
         return self._sampler.coverage(gathered)

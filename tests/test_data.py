@@ -321,3 +321,28 @@ def test_random_round_plans_adopted_at_random_times_keep_exactly_once(world):
         times = [sorted(rng.uniform(0, 500 / world) for _ in plans) for _ in range(world)]
         out = simulate_pool_with_rounds(speeds, plans, times, n=2000, batch=8, seed=seed)
         assert sorted(x for o in out for x in o) == list(range(2000)), f"seed {seed}, speeds {speeds}"
+
+
+def test_each_dispatch_policy_is_its_own_class():
+    from lightning_elche.data import EqualDispatch, FixedDispatch, PoolDispatch
+
+    common = {"shuffle": False, "seed": 0}
+    assert type(ElCheSampler(40, 4, 0, 2, dispatch="equal", **common)) is EqualDispatch
+    assert type(ElCheSampler(40, 4, 0, 2, dispatch="fixed", partition_ratios=[0.5, 0.5], **common)) is FixedDispatch
+    assert type(ElCheSampler(40, 4, 0, 2, dispatch="pool", counter=SharedCounter(), **common)) is PoolDispatch
+    assert type(PoolDispatch(40, 4, 0, 2, counter=SharedCounter(), **common)) is PoolDispatch
+    with pytest.raises(ValueError, match="dispatch='round_robin' is invalid: expected 'equal', 'pool' or 'fixed'"):
+        ElCheSampler(40, 4, 0, 2, dispatch="round_robin", **common)
+    with pytest.raises(ValueError, match="EqualDispatch dispatches 'equal', not dispatch='pool'"):
+        EqualDispatch(40, 4, 0, 2, dispatch="pool", **common)
+
+
+def test_only_the_pool_follows_the_round_plan():
+    equal = ElCheSampler(40, 4, 1, 2, shuffle=False, seed=0, dispatch="equal")
+    equal.on_round([3, 1])  # nothing to adapt: the split is fixed
+    assert list(equal) == list(range(1, 40, 2))
+    pool = ElCheSampler(40, 4, 1, 2, shuffle=False, seed=0, dispatch="pool", counter=SharedCounter())
+    pool.on_round([0, 0])  # a plan without work carries no speed information
+    assert pool._speed_shares is None
+    pool.on_round([3, 1])
+    assert pool._speed_shares == [0.75, 0.25]

@@ -23,10 +23,10 @@ def test_batches_open_windows_and_count_per_epoch():
     assert session.phase is Phase.IDLE and not session.in_window
     assert session.start_batch(epoch=0, samples=8) is True
     assert session.start_batch(epoch=0, samples=8) is False
-    assert session.in_window and session.epoch_batches == 2
+    assert session.in_window and session.epoch == 0
     assert session.take_pending_samples() == 16 and session.take_pending_samples() == 0
     assert session.start_batch(epoch=1, samples=4) is True
-    assert session.epoch_batches == 1
+    assert session.epoch == 1
     session.end_training()
     assert session.phase is Phase.IDLE
 
