@@ -178,6 +178,11 @@ class ElCheEngine:
         """Exclude the time between epochs (validation, checkpoints) from the next window."""
         self.clock.restart_window(after_sync=False)
 
+    def exclude_from_window(self, seconds: float) -> None:
+        """Time this rank spent outside training inside the current window (a checkpoint at a sync
+        point): not compute, so it must not make the rank look slower."""
+        self.clock.exclude(seconds)
+
     def request_consensus(self) -> None:
         """Every replica must hold the consensus after the next round (a checkpoint follows): that
         round is then blocking and adopted with alpha 1, in every mode, and consumes the request.

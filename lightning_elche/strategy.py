@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -475,8 +476,13 @@ class ElCheStrategy(DDPStrategy):
                 "ElCheStrategy.sync_point() is only valid right after a consensus round at which every rank "
                 "still has data in the epoch (ElCheCheckpoint(every_n_syncs=...) arranges that)."
             )
-        with self._session.at_sync_point():
-            yield
+        started = time.perf_counter()
+        try:
+            with self._session.at_sync_point():
+                yield
+        finally:
+            # The save runs inside the next window: its time is not compute (spec §5.11, time exclusion).
+            engine.exclude_from_window(time.perf_counter() - started)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -135,3 +136,19 @@ def test_sigterm_handler_installed_after_lightnings_still_runs(restore_sigterm):
     patches.undo()
     os.kill(os.getpid(), signal.SIGTERM)
     assert calls == ["elche", "later", "later"]
+
+
+def test_time_inside_a_sync_point_is_excluded_from_the_window():
+    from lightning_elche import ElCheStrategy
+
+    excluded: list[float] = []
+    consensus = SimpleNamespace(consensus=True, ends_window_sequence=False,
+                                reports=(SimpleNamespace(out_of_data=False),))
+    strategy = ElCheStrategy()
+    strategy._engine = SimpleNamespace(last_outcome=consensus, steps_in_window=0, in_flight=False,
+                                       exclude_from_window=excluded.append)
+    with strategy.sync_point():
+        assert strategy.session.at_sync_point_now
+        time.sleep(0.05)
+    assert len(excluded) == 1 and excluded[0] >= 0.05
+    assert not strategy.session.at_sync_point_now
