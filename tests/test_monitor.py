@@ -21,8 +21,9 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import RecordingModel, load_records
 from lightning.pytorch.loggers import CSVLogger
+from model_helpers import RecordingModel
+from process_helpers import load_records
 
 from lightning_elche import ElCheConfig, ElCheStrategy
 from lightning_elche.monitor import (

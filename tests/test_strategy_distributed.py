@@ -11,10 +11,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import CountCollectives, RecordingModel, StopAtStep, inverse_decay, load_records, run_command
+from callback_helpers import CountCollectives, StopAtStep
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from model_helpers import RecordingModel, inverse_decay
+from process_helpers import load_records, run_command
 
 from lightning_elche import DiLoCo, ElCheConfig, ElCheStrategy
 from lightning_elche.data import epoch_permutation
