@@ -286,7 +286,14 @@ class LightningPatches:
             signal.signal(signal.SIGTERM, handle)
         except ValueError:  # not the main thread
             return False
-        self._undo.append(lambda: signal.signal(signal.SIGTERM, previous))
+
+        def restore() -> None:
+            try:
+                signal.signal(signal.SIGTERM, previous)
+            except ValueError:  # torn down outside the main thread: Lightning restores its own later
+                pass
+
+        self._undo.append(restore)
         return True
 
 

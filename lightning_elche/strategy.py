@@ -168,7 +168,10 @@ class ElCheStrategy(DDPStrategy):
         self._sampler: Optional[ElCheSampler] = None
         self._side_group: Optional[Any] = None
         self._patches = LightningPatches()
-        self._restored: Optional[tuple[dict[str, Any], Optional[EpochCoverage]]] = None
+        # From a checkpoint, until setup applies the state and the sampler the coverage (the
+        # sampler may be built inside setup, by configure_optimizers, or after it).
+        self._restored_state: Optional[dict[str, Any]] = None
+        self._restored_coverage: Optional[EpochCoverage] = None
         self._round_listeners: list[RoundListener] = []
 
     def __getstate__(self) -> dict[str, Any]:
@@ -239,9 +242,9 @@ class ElCheStrategy(DDPStrategy):
         # Read before setup builds the engine and the sampler; applied there so the cadence (and
         # a sync checkpoint's epoch) continues.
         state = checkpoint.get("elche")
-        if isinstance(state, dict):
-            coverage = state.get("coverage")
-            self._restored = (state, EpochCoverage.from_state_dict(coverage) if coverage is not None else None)
+        self._restored_state = state if isinstance(state, dict) else None
+        coverage = self._restored_state.get("coverage") if self._restored_state is not None else None
+        self._restored_coverage = EpochCoverage.from_state_dict(coverage) if coverage is not None else None
         return checkpoint
 
     def setup(self, trainer: Trainer) -> None:
@@ -260,11 +263,11 @@ class ElCheStrategy(DDPStrategy):
             return
         self._patches.take_over_max_steps(trainer)
         check_trainer(trainer)
-        if self._restored is not None:
-            state, _ = self._restored
+        if self._restored_state is not None:
             assert self._engine is not None
-            self._engine.load_state_dict(state)
-            self._session.callback_role.load_state_dict(state.get("callback_role", {}))
+            self._engine.load_state_dict(self._restored_state)
+            self._session.callback_role.load_state_dict(self._restored_state.get("callback_role", {}))
+            self._restored_state = None
         check_step_schedulers(trainer)
 
     def configure_ddp(self) -> None:
@@ -326,9 +329,9 @@ class ElCheStrategy(DDPStrategy):
         # set_epoch: a resumed fit would dispatch its first epoch with epoch 0's order and counter.
         # ``processed`` is the epoch the loop runs next (set_epoch uses the same counter).
         self._sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
-        if self._restored is not None and self._restored[1] is not None:
-            self._sampler.resume(self._restored[1])
-        self._restored = None
+        if self._restored_coverage is not None:
+            self._sampler.resume(self._restored_coverage)
+            self._restored_coverage = None
         self._engine.set_epoch_size(self._sampler.num_batches)
         return with_training_sampler(dataloader, self._sampler)
 
