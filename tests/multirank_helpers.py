@@ -188,7 +188,7 @@ def assert_same_parameters(records: Sequence[dict[str, Any]]) -> None:
 
 @dataclass
 class Launched:
-    """A process started in its own session (so that it can be killed with all it started)."""
+    """A started command and the file its output goes to."""
 
     proc: subprocess.Popen
     log: Path
@@ -198,8 +198,9 @@ def clean_environment() -> dict[str, str]:
     """This process's environment without any launcher's or cluster's variables (the test may
     itself run under one), with this checkout first on the import path."""
     inherited = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in inherited and not k.startswith(("SLURM_", "PMI_", "LSB_"))}
+                 "MASTER_PORT", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK")
+    prefixes = ("SLURM_", "PMI_", "LSB_", "TORCHELASTIC_")
+    env = {k: v for k, v in os.environ.items() if k not in inherited and not k.startswith(prefixes)}
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     # Small CPU ops: one thread per process keeps N ranks from fighting over the cores.

@@ -23,7 +23,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger, Logger  # noqa: E402
 from multirank_helpers import MODES, CallRecordingLogger, CoverageModel, RankIdentity, StepDelay  # noqa: E402
 
 from lightning_elche import ElCheStrategy  # noqa: E402
@@ -33,7 +33,7 @@ BATCH_SIZE = 16
 
 
 def fit(args: argparse.Namespace, out_dir: Path, max_epochs: int, extra_callbacks: list[pl.Callback],
-        extra_loggers: list, ckpt_path: str | None = None) -> None:
+        extra_loggers: list[Logger], ckpt_path: str | None = None) -> None:
     timeout = timedelta(seconds=args.pg_timeout)
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
