@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import secrets
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -497,11 +498,11 @@ class ElCheStrategy(DDPStrategy):
         """A stop signal was acted on at the last round: save the consensus with the epoch's coverage
         on every rank (all are at this batch start, holding the same weights), then end the fit."""
         request = self._session.pending_save
+        signum = slurm_requeue_signal(trainer) if request is StopRequest.REQUEUE else int(signal.SIGTERM)
+        assert signum is not None
         started = time.perf_counter()
         with self._session.at_sync_point():
             if request is StopRequest.REQUEUE:
-                signum = slurm_requeue_signal(trainer)
-                assert signum is not None
                 path = save_and_requeue_slurm_job(trainer, signum)
             else:
                 path = stop_checkpoint_path(trainer)
@@ -509,9 +510,11 @@ class ElCheStrategy(DDPStrategy):
         rank_zero_info(
             f"ElCheStrategy: stopped by {request.name} at sync {self._engine.state.rounds if self._engine else 0}; "
             f"saved the consensus checkpoint {path} in {time.perf_counter() - started:.2f} s. "
-            "Resume with Trainer.fit(ckpt_path=...) (any number of ranks)."
+            "Resume with Trainer.fit(ckpt_path=...)."
         )
-        raise SIGTERMException()
+        # Lightning's exception for a SIGTERM, with the shell's status for a signalled process: the
+        # job stopped before its end, which launchers and retry loops must not take for success.
+        raise SIGTERMException(128 + signum)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
