@@ -1,11 +1,11 @@
 """One process of a 2-rank CPU job that is stopped by a signal (or killed) and resumed.
 
-    python preempt_fit.py OUT_DIR --mode M --tag first --signal TERM --signal-rank 1 --signal-step 20
+    python preempt_fit.py OUT_DIR --mode M --tag first --fault TERM --fault-rank 1 --fault-step 20
     python preempt_fit.py OUT_DIR --mode M --tag resumed --ckpt last
 
 Under Lightning's popen launcher (``--devices 2``), torchrun or an emulated SLURM step. Checkpoints
 go to ``OUT_DIR/ckpt`` (an ``ElCheCheckpoint`` with ``every_n_syncs`` when given, saving ``last``);
-each rank logs every step it trained (see ``preemption_helpers``). ``--signal KILL`` kills the rank
+each rank logs every step it trained (see ``preemption_helpers``). ``--fault KILL`` kills the rank
 only in the first attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT=0``).
 """
 
@@ -46,9 +46,9 @@ def main(args: argparse.Namespace) -> None:
         ElCheCheckpoint(dirpath=str(out / "ckpt"), save_last=True, every_n_syncs=args.every_n_syncs,
                         every_n_epochs=1, save_top_k=0 if args.every_n_syncs else 1),
     ]
-    if args.signal and (args.signal != "KILL" or attempt == 0):
-        callbacks.append(SignalAtStep(str(out), args.signal_rank, args.signal_step,
-                                      getattr(signal, f"SIG{args.signal}")))
+    if args.fault and (args.fault != "KILL" or attempt == 0):
+        callbacks.append(SignalAtStep(str(out), args.fault_rank, args.fault_step,
+                                      getattr(signal, f"SIG{args.fault}")))
     if args.repeat_signal:
         callbacks.append(SignalWhileSaving(signal.SIGTERM))
     ckpt_path = args.ckpt
@@ -84,9 +84,9 @@ if __name__ == "__main__":
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--every-n-syncs", type=int, default=None)
-    parser.add_argument("--signal", choices=("TERM", "INT", "USR1", "KILL"), default=None)
-    parser.add_argument("--signal-rank", type=int, default=1)
-    parser.add_argument("--signal-step", type=int, default=20)
+    parser.add_argument("--fault", choices=("TERM", "INT", "USR1", "KILL"), default=None)
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--fault-step", type=int, default=20)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--repeat-signal", action="store_true", help="SIGTERM again while the checkpoint is saved")
     main(parser.parse_args())
