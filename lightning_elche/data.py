@@ -558,7 +558,6 @@ class PoolDispatch(ElCheSampler):
             return merge(local)
         return compress(self._positions[p] for start, stop in local for p in range(start, stop))
 
-
     def _untrained(self, gathered: Sequence[Union[list[Range], int]]) -> list[Range]:
         resume = self._resumed_epoch()
         universe = [(0, self.samples_per_epoch)] if resume is None else list(resume.remaining or [])

@@ -206,6 +206,8 @@ def test_a_legacy_per_rank_record_converts_to_positions_and_resumes_on_another_w
     rest = [list(s) for s in resumed]
     assert sorted(trained[0] + trained[1] + [i for r in rest for i in r]) == list(range(1003))
     assert max(map(len, rest)) - min(map(len, rest)) <= 1
+    with pytest.raises(ValueError, match="Rank 1 reports 600 trained picks of epoch 2; its stream has 501"):
+        make("equal", 0, None, n=1003).resume(EpochCoverage.from_state_dict({**legacy, "offsets": [10, 600]}))
 
 
 def test_a_legacy_fixed_share_record_resumes_only_on_its_world_size():
