@@ -519,16 +519,24 @@ class PoolDispatch(ElCheSampler):
         held = 0
         if self.started_batches is not None:
             held = max(0, math.ceil(self.record.samples / self.batch_size) - self.started_batches + 1)
-        upper_bound = sum(count for _, count in self._layout[last_claim + 1 :])
+        upper_bound = self._batches_from(last_claim + 1)
         if held + upper_bound >= (held + self.max_chunk_batches) * patience:
             return False  # far from the tail: no need to look at the shared counter
         assert self.counter is not None
         next_claim = self.world_size + self.counter.add(key, 0)
         if next_claim >= len(self._layout):
             return False  # the pool is dry: the claim below ends the epoch for this rank
-        remaining = sum(count for _, count in self._layout[next_claim:])
+        remaining = self._batches_from(next_claim)
         # Strict: on a tie the others are still busy with chunks in flight, so taking it is no worse.
         return (held + self._layout[next_claim][1]) * patience > held + remaining
+
+    def _batches_from(self, chunk: int) -> int:
+        """Batches in the layout's chunks ``chunk`` to the end, in O(1) (chunks are contiguous):
+        it runs at every claim, and an epoch may have tens of thousands of chunks."""
+        if chunk >= len(self._layout):
+            return 0
+        last_first, last_count = self._layout[-1]
+        return last_first + last_count - self._layout[chunk][0]
 
     def _chunk_span(self, chunk: int) -> tuple[int, int]:
         first_batch, batch_count = self._layout[chunk]

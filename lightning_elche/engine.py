@@ -141,6 +141,7 @@ class ElCheEngine:
         self.last_outcome: Optional[RoundOutcome] = None
         self._consensus_next = False
         self._consensus_round = False
+        self._carried_stop = StopRequest.NONE
         self._steps = 0
         self._samples = 0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -275,7 +276,8 @@ class ElCheEngine:
         values[Meta.LAST_SYNC_S] = self._last_sync_s
         values[Meta.LR] = self._lr
         values[Meta.OUT_OF_DATA] = float(out_of_data)
-        values[Meta.STOP_REQUESTED] = float(stop_level)
+        values[Meta.STOP_REQUESTED] = float(max(stop_level, self._carried_stop))
+        self._carried_stop = StopRequest.NONE
         values[Meta.EPOCH] = epoch
         values[Meta.ROUND] = self.state.rounds
         values[Meta.SIGNATURE] = self.signature
@@ -324,6 +326,11 @@ class ElCheEngine:
         lr = reports[0].lr if reports[0].lr > 0 else None
         feedback = self.convergence.after_round(divergence, sum(steps), max(steps), lr)
         budget_reached = self.step_budget is not None and state.cohort_step >= self.step_budget
+        epoch_over = all(r.out_of_data for r in reports)
+        # In-flight rounds are never consensus rounds (those block), so the flag set at the start
+        # of the round being finished is this round's.
+        consensus = self._consensus_round or not self.plane.non_blocking
+        stop_level = self._stop_to_act_on(StopRequest(max(r.stop_level for r in reports)), reports, consensus)
         outcome = RoundOutcome(
             index=state.rounds,
             reports=reports,
@@ -332,18 +339,34 @@ class ElCheEngine:
             anchor=self.controller.anchor,
             overhead=self.controller.last_overhead,
             cohort_step=state.cohort_step,
-            epoch_over=all(r.out_of_data for r in reports),
-            stop_level=max(r.stop_level for r in reports),
+            epoch_over=epoch_over,
+            stop_level=stop_level,
             budget_reached=budget_reached,
             divergence=divergence,
             feedback=feedback,
             reset_inner=weights.realized and self.outer.resets_inner,
-            # In-flight rounds are never consensus rounds (those block), so the flag set at
-            # the start of the round being finished is this round's.
-            consensus=self._consensus_round or not self.plane.non_blocking,
+            consensus=consensus,
         )
         self.last_outcome = outcome
         return outcome
+
+    def _stop_to_act_on(self, requested: StopRequest, reports: tuple[RankReport, ...], consensus: bool) -> StopRequest:
+        """The stop this round acts on; a saving stop may be carried to a later round.
+
+        A save needs every replica at the consensus with no step past it, and a point where every
+        rank still reaches the same code: either every rank still has data in the epoch, or the
+        epoch is over. Otherwise (a non-blocking ``cpu_async`` round, or ranks already draining the
+        epoch's end) every rank carries the request to its next round, which is made a consensus
+        round; the same outcome on every rank takes the same decision.
+        """
+        if not requested.saves:
+            return requested
+        epoch_over = all(r.out_of_data for r in reports)
+        if epoch_over or (consensus and not any(r.out_of_data for r in reports)):
+            return requested  # an epoch-end round blocks on every rank and is adopted with alpha 1
+        self._carried_stop = requested
+        self._consensus_next = True
+        return StopRequest.NONE
 
     @staticmethod
     def _divergence_report(reports: tuple[RankReport, ...]) -> Optional[DivergenceReport]:

@@ -13,6 +13,7 @@ refuses to fit under any other version.
 from __future__ import annotations
 
 import math
+import os
 import re
 import signal
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from typing import Any, Optional, Union
 
 import lightning
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
@@ -35,6 +37,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from lightning_elche.augment import AugmentedDataset
 from lightning_elche.config import ElCheConfig
 from lightning_elche.data import ElCheSampler
+from lightning_elche.rounds import StopRequest
 
 SUPPORTED_LIGHTNING = ">=2.6,<2.7"
 """The Lightning versions whose internals this module is written against (as in pyproject.toml)."""
@@ -264,32 +267,53 @@ class LightningPatches:
         epoch_loop._broadcast_sigterm_tensor = lambda: None
         self._undo.append(lambda: vars(epoch_loop).pop("_broadcast_sigterm_tensor", None))
 
-    def route_sigterm(self, trainer: Trainer, on_sigterm: Callable[[int], None]) -> bool:
-        """Install a SIGTERM handler that calls ``on_sigterm(signum)``, then the handler chained before.
+    def route_stop_signals(self, trainer: Trainer, on_stop: Callable[[StopRequest, int], None]) -> bool:
+        """Turn the signals that stop a job into ElChe stop requests: ``on_stop(request, signum)``.
 
-        Lightning's own SIGTERM handler broadcasts on the default group and makes this rank alone
-        raise at its next batch, which deadlocks uneven ranks; ``on_sigterm`` only records the
-        request (the next round stops every rank). Whatever handler Lightning had chained (one the
-        user installed before the fit), or whatever handler was installed after Lightning's,
-        still runs after ``on_sigterm``. Returns False outside the main thread, where Python
-        cannot install handlers (Lightning's stays, and SIGTERM is then not graceful).
+        * SIGTERM (a launcher, a scheduler or a user stopping the job): ``StopRequest.SIGTERM``.
+          Lightning's own handler broadcasts on the default group and makes this rank alone raise
+          at its next batch, which deadlocks uneven ranks. Whatever handler Lightning had chained
+          (one the user installed before the fit), or whatever handler was installed after
+          Lightning's, still runs after ``on_stop``.
+        * SIGINT under torchrun or SLURM (Ctrl-C reaches every process of the job):
+          ``StopRequest.SIGTERM``; run interactively, Ctrl-C keeps Lightning's behaviour.
+        * SLURM's requeue signal with ``SLURMEnvironment(auto_requeue=True)`` (SIGUSR1 unless
+          configured): ``StopRequest.REQUEUE``. Lightning's handler would save in the middle of a
+          window at once; the save and the requeue come at the next round instead.
+
+        Returns False outside the main thread, where Python cannot install handlers (Lightning's
+        stay, and a stop signal is then not graceful).
         """
-        previous = signal.getsignal(signal.SIGTERM)
-        chained = _chained_sigterm_handler(trainer, previous)
+        routes: list[tuple[int, StopRequest]] = [(signal.SIGTERM, StopRequest.SIGTERM)]
+        if _under_job_launcher():
+            routes.append((signal.SIGINT, StopRequest.SIGTERM))
+        requeue = slurm_requeue_signal(trainer)
+        if requeue is not None:
+            routes.append((requeue, StopRequest.REQUEUE))
+        for signum, request in routes:
+            if not self._route(trainer, signum, request, on_stop):
+                return False
+        return True
 
-        def handle(signum: int, frame: Optional[FrameType]) -> None:
-            on_sigterm(signum)
+    def _route(
+        self, trainer: Trainer, signum: int, request: StopRequest, on_stop: Callable[[StopRequest, int], None]
+    ) -> bool:
+        previous = signal.getsignal(signum)
+        chained = _chained_handler(trainer, signum, previous) if request is StopRequest.SIGTERM else None
+
+        def handle(received: int, frame: Optional[FrameType]) -> None:
+            on_stop(request, received)
             if chained is not None:
-                chained(signum, frame)
+                chained(received, frame)
 
         try:
-            signal.signal(signal.SIGTERM, handle)
+            signal.signal(signum, handle)
         except ValueError:  # not the main thread
             return False
 
         def restore() -> None:
             try:
-                signal.signal(signal.SIGTERM, previous)
+                signal.signal(signum, previous)
             except ValueError:  # torn down outside the main thread: Lightning restores its own later
                 pass
 
@@ -297,12 +321,35 @@ class LightningPatches:
         return True
 
 
-def _chained_sigterm_handler(trainer: Trainer, current: Union[SigtermHandler, int, None]) -> Optional[SigtermHandler]:
+def _under_job_launcher() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_JOB_ID" in os.environ
+
+
+def slurm_requeue_signal(trainer: Trainer) -> Optional[int]:
+    """The signal of ``SLURMEnvironment(auto_requeue=True)``, or None when the job does not requeue."""
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        return int(environment.requeue_signal) if environment.requeue_signal is not None else None
+    return None
+
+
+def save_and_requeue_slurm_job(trainer: Trainer, signum: int) -> str:
+    """Lightning's own requeue: finalize the loggers, save the HPC checkpoint (which a requeued job
+    resumes from by itself) and, on global rank 0, ``scontrol requeue`` the job. Returns the path.
+    Every rank calls it, at the same point."""
+    path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+    trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
+    return path
+
+
+def _chained_handler(
+    trainer: Trainer, signum: int, current: Union[SigtermHandler, int, None]
+) -> Optional[SigtermHandler]:
     # Lightning's composite handler: keep what it chained (the handler from before the fit), not
     # its own notifier (the per-rank broadcast and flag that ElChe replaces).
     if isinstance(current, _HandlersCompose):
         connector = getattr(trainer, "_signal_connector", None)
-        original = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)
+        original = getattr(connector, "_original_handlers", {}).get(signum)
         return original if callable(original) and not isinstance(original, _HandlersCompose) else None
     if callable(current) and current is not signal.default_int_handler:
         return current  # type: ignore[return-value]

@@ -44,7 +44,13 @@ class StopRequest(IntEnum):
 
     NONE = 0
     GRACEFUL = 1  # Trainer.should_stop set on one rank (EarlyStopping, a user callback)
-    SIGTERM = 2  # the process was asked to terminate: every rank raises after the round
+    SIGTERM = 2  # the process was asked to terminate: every rank saves a consensus checkpoint and exits
+    REQUEUE = 3  # SLURM's requeue signal: as SIGTERM, saved as Lightning's HPC checkpoint, then requeued
+
+    @property
+    def saves(self) -> bool:
+        """Every rank saves a consensus checkpoint with the epoch's coverage, then the fit ends."""
+        return self >= StopRequest.SIGTERM
 
 
 class RanksOutOfStep(RuntimeError):

@@ -13,8 +13,11 @@ this one file:
   the same round;
 * **a round completes** (:meth:`Session.after_round`): the round's outcome (identical on every
   rank) becomes the same :class:`RoundAction` on every rank: train on, leave the epoch, stop the
-  fit, or abort it on SIGTERM. A checkpoint-on-stop would be taken where the strategy applies
-  ``ABORT_FIT`` / ``STOP_FIT``;
+  fit, or save and exit (a stop signal);
+* **a stop signal was acted on** (:attr:`Session.pending_save`): every rank saves the consensus
+  checkpoint at its next batch start (right after the round, or at the next epoch's first batch
+  when the round ended an epoch), where every rank reaches the same code with the same weights,
+  then the fit ends;
 * **a checkpoint inside an epoch** (:meth:`Session.at_sync_point`): every rank is at the same round;
 * **a peer is lost** (:meth:`Session.peer_lost`): the entry point for failure handling; today a
   lost peer ends the fit with a clear error on every rank that notices.
@@ -92,8 +95,10 @@ class Phase(enum.Enum):
     """A round decided that every rank leaves the epoch after its current batch."""
     AT_SYNC_POINT = "at_sync_point"
     """Inside ``sync_point()`` right after a consensus round: every rank at the same code."""
+    SAVING = "saving"
+    """A stop signal was acted on: no more steps or rounds; the save comes at the next batch start."""
     ABORTED = "aborted"
-    """A SIGTERM round ended the fit; every rank raises."""
+    """The fit ended on a stop signal or a lost peer; every rank raises."""
 
 
 class RoundAction(enum.Enum):
@@ -102,7 +107,7 @@ class RoundAction(enum.Enum):
     CONTINUE = "continue"
     LEAVE_EPOCH = "leave_epoch"  # every rank is out of data: the epoch ends after this batch
     STOP_FIT = "stop_fit"  # a stop request or the step budget: set trainer.should_stop
-    ABORT_FIT = "abort_fit"  # SIGTERM on some rank: raise SIGTERMException on every rank
+    SAVE_AND_EXIT = "save_and_exit"  # a stop signal: save at the next batch start, then raise
 
 
 class PeerLost(RuntimeError):
@@ -129,6 +134,8 @@ class Session:
         self.epoch: Optional[int] = None
         """The epoch of the last training batch of this fit (the sampler counts its batches)."""
         self.pending_samples = 0
+        self.pending_save = StopRequest.NONE
+        """The stop signal a round acted on: the strategy saves the consensus, then ends the fit."""
         self.warned_rank_local_reduce = False
         self._stop = StopRequest.NONE
         self._should_stop_seen = False
@@ -147,8 +154,9 @@ class Session:
 
     @property
     def leaving(self) -> bool:
-        """A round decided that every rank leaves the epoch after the current batch."""
-        return self.phase is Phase.LEAVING
+        """A round decided that every rank leaves the epoch (or, on a stop signal, the fit) after
+        the current batch: no more rounds now."""
+        return self.phase in (Phase.LEAVING, Phase.SAVING)
 
     # -- per batch -----------------------------------------------------------------------------
 
@@ -160,7 +168,7 @@ class Session:
         new_epoch = epoch != self.epoch
         self.epoch = epoch
         self.pending_samples += samples
-        if new_epoch or not self.leaving:
+        if self.phase is not Phase.SAVING and (new_epoch or not self.leaving):
             self.phase = Phase.IN_WINDOW
         return new_epoch
 
@@ -206,9 +214,10 @@ class Session:
         identical on every rank and only changes at epoch ends, which all ranks cross together:
         until it allows stopping, the request is kept for later rounds.
         """
-        if outcome.stop_level >= StopRequest.SIGTERM:
-            self.phase = Phase.ABORTED
-            return RoundAction.ABORT_FIT
+        if outcome.stop_level.saves:
+            self.pending_save = outcome.stop_level
+            self.phase = Phase.SAVING
+            return RoundAction.SAVE_AND_EXIT
         action = RoundAction.LEAVE_EPOCH if outcome.epoch_over else RoundAction.CONTINUE
         if outcome.budget_reached or outcome.stop_level == StopRequest.GRACEFUL:
             if can_stop_early():

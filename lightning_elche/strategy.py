@@ -16,11 +16,12 @@ from __future__ import annotations
 import copy
 import logging
 import secrets
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, NoReturn, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,8 @@ from lightning_elche.loop_glue import (
     check_step_schedulers,
     distributed_is_initialized,
     sampler_for,
+    save_and_requeue_slurm_job,
+    slurm_requeue_signal,
     sync_module_states,
     train_dataloader_count,
     with_training_sampler,
@@ -60,6 +63,7 @@ from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import AveragingPlane, CollectivePlane, CpuPlane
 from lightning_elche.rounds import StopRequest
 from lightning_elche.session import EpochCallbackPolicy, RoundAction, Session, check_policy
+from lightning_elche.stop_checkpoint import stop_checkpoint_path, written_whole
 from lightning_elche.summary import format_summary
 from lightning_elche.trainer_checks import check_trainer
 
@@ -346,16 +350,20 @@ class ElCheStrategy(DDPStrategy):
         if train_dataloader_count(trainer) != 1:
             raise TypeError("ElCheStrategy supports exactly one training DataLoader.")
         self._patches.silence_per_step_sigterm_broadcast(trainer)
-        if not self._patches.route_sigterm(trainer, self._on_sigterm):
-            rank_zero_warn("ElCheStrategy could not install its SIGTERM handler outside the main thread.")
+        if not self._patches.route_stop_signals(trainer, self._on_stop_signal):
+            rank_zero_warn("ElCheStrategy could not install its stop-signal handlers outside the main thread.")
 
-    def _on_sigterm(self, signum: int) -> None:
-        # Only recorded: every rank stops after the next round. The launcher's children are told once.
-        if self._session.request_stop(StopRequest.SIGTERM) and self.launcher is not None:
+    def _on_stop_signal(self, request: StopRequest, signum: int) -> None:
+        # Only recorded: every rank saves and stops after the next round. Lightning's launcher
+        # passes a SIGTERM on to the ranks it started, once.
+        raised = self._session.request_stop(request)
+        if raised and request is StopRequest.SIGTERM and self.launcher is not None:
             self.launcher.kill(signum)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         assert self._engine is not None
+        if self._session.pending_save.saves:
+            self._save_and_exit(self.lightning_module.trainer)
         if self._session.start_batch(self.lightning_module.trainer.current_epoch, self._batch_samples(batch)):
             self._engine.start_epoch()
         if self._sampler is not None:
@@ -421,8 +429,7 @@ class ElCheStrategy(DDPStrategy):
                 optimizer.state.clear()
         self._follow_cohort_step(trainer, outcome)
         action = self._session.after_round(outcome, lambda: can_stop_early(trainer))
-        if action is RoundAction.ABORT_FIT:  # a save-on-stop checkpoint would go here
-            raise SIGTERMException()
+        # SAVE_AND_EXIT: no more steps in this batch; every rank saves at its next batch start.
         if action is RoundAction.STOP_FIT:
             trainer.should_stop = True
         self._session.saw_should_stop(trainer.should_stop)
@@ -487,6 +494,28 @@ class ElCheStrategy(DDPStrategy):
             # The save runs inside the next window: its time is not compute (spec §5.11, time exclusion).
             engine.exclude_from_window(time.perf_counter() - started)
 
+    def _save_and_exit(self, trainer: Trainer) -> NoReturn:
+        """A stop signal was acted on at the last round: save the consensus with the epoch's coverage
+        on every rank (all are at this batch start, holding the same weights), then end the fit."""
+        request = self._session.pending_save
+        signum = slurm_requeue_signal(trainer) if request is StopRequest.REQUEUE else int(signal.SIGTERM)
+        assert signum is not None
+        started = time.perf_counter()
+        with self._session.at_sync_point():
+            if request is StopRequest.REQUEUE:
+                path = save_and_requeue_slurm_job(trainer, signum)
+            else:
+                path = stop_checkpoint_path(trainer)
+                trainer.save_checkpoint(path)
+        rank_zero_info(
+            f"ElCheStrategy: stopped by {request.name} at sync {self._engine.state.rounds if self._engine else 0}; "
+            f"saved the consensus checkpoint {path} in {time.perf_counter() - started:.2f} s. "
+            "Resume with Trainer.fit(ckpt_path=...)."
+        )
+        # Lightning's exception for a SIGTERM, with the shell's status for a signalled process: the
+        # job stopped before its end, which launchers and retry loops must not take for success.
+        raise SIGTERMException(128 + signum)
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
     ) -> None:
@@ -502,7 +531,8 @@ class ElCheStrategy(DDPStrategy):
             if self._session.at_sync_point_now:
                 state["coverage"] = self._epoch_coverage().state_dict()
             checkpoint["elche"] = state
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        with written_whole(filepath) as partial:
+            super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
 
     def _epoch_coverage(self) -> EpochCoverage:
         # Every rank knows only which chunks it claimed itself; one gather at the sync point

@@ -42,8 +42,20 @@ def test_rounds_turn_outcomes_into_one_action():
     assert session.in_window
     assert session.after_round(outcome(budget=True), lambda: True) is RoundAction.STOP_FIT and session.leaving
     session.start_batch(2, 8)
-    assert session.after_round(outcome(stop=StopRequest.SIGTERM), lambda: True) is RoundAction.ABORT_FIT
-    assert session.phase is Phase.ABORTED
+    assert session.after_round(outcome(stop=StopRequest.SIGTERM), lambda: True) is RoundAction.SAVE_AND_EXIT
+    assert session.phase is Phase.SAVING and session.leaving and session.pending_save is StopRequest.SIGTERM
+    session.start_batch(3, 8)  # a stop signal is not cleared by a new epoch: the save comes first
+    assert session.phase is Phase.SAVING and not session.in_window
+
+
+def test_a_requeue_signal_saves_like_sigterm_and_outranks_it():
+    session = Session(world_size=2)
+    session.start_batch(0, 8)
+    assert session.request_stop(StopRequest.SIGTERM) and session.request_stop(StopRequest.REQUEUE)
+    assert session.take_stop_request() is StopRequest.REQUEUE
+    assert session.after_round(outcome(stop=StopRequest.REQUEUE), lambda: False) is RoundAction.SAVE_AND_EXIT
+    assert session.pending_save is StopRequest.REQUEUE
+    assert not StopRequest.GRACEFUL.saves and StopRequest.SIGTERM.saves and StopRequest.REQUEUE.saves
 
 
 def test_a_stop_before_min_epochs_is_kept_for_a_later_round():
@@ -115,7 +127,7 @@ def test_sigterm_reaches_elche_then_the_handler_lightning_had_chained(restore_si
     connector = trainer._signal_connector
     connector.register_signal_handlers()  # as Trainer.fit does: Lightning's composite, chaining the user's
     patches = LightningPatches()
-    assert patches.route_sigterm(trainer, lambda signum: calls.append("elche"))
+    assert patches.route_stop_signals(trainer, lambda request, signum: calls.append("elche"))
     os.kill(os.getpid(), signal.SIGTERM)
     assert calls == ["elche", "user"]
     # Lightning's own notifier (a broadcast and a rank-local flag) is not chained.
@@ -130,7 +142,7 @@ def test_sigterm_handler_installed_after_lightnings_still_runs(restore_sigterm):
     calls: list[str] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: calls.append("later"))
     patches = LightningPatches()
-    assert patches.route_sigterm(SimpleNamespace(), lambda signum: calls.append("elche"))
+    assert patches.route_stop_signals(SimpleNamespace(strategy=None), lambda request, signum: calls.append("elche"))
     os.kill(os.getpid(), signal.SIGTERM)
     assert calls == ["elche", "later"]
     patches.undo()
