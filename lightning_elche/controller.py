@@ -153,6 +153,7 @@ class ElCheController:
 
         if initial_anchor_rank is not None:
             self.anchor_rank = self._checked_rank("initial_anchor_rank", initial_anchor_rank)
+        self._initial_anchor_rank = self.anchor_rank  # the pin a resized resume starts from
 
     @classmethod
     def from_config(cls, config: ElCheConfig, world_size: int) -> ElCheController:
@@ -532,24 +533,38 @@ class ElCheController:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`. Each rank's readings restart as one sample equal to
-        the saved mean; knobs stay as constructed.
+        """Resume from :meth:`state_dict`; knobs stay as constructed.
+
+        With the saved world size, each rank's readings restart as one sample equal to the saved
+        mean. A state saved with another number of ranks (a restart on fewer or more devices)
+        keeps what describes the run rather than its ranks (anchor, phase, calibration count,
+        growth latch and stable streak) and recalibrates the per-rank part: speeds are cleared,
+        every rank plans ``anchor`` batches until the first report, and the anchor rank is the
+        constructed one (the ``partition_ratios`` pin, or elected from the first report). Rank
+        numbers of a resized run need not name the same devices, so no per-rank value is carried.
 
         Raises:
-            ValueError: on a world-size mismatch or a malformed entry, naming the key.
+            ValueError: on a malformed entry, naming the key.
         """
-        saved = _SavedState.parse(state, self.world_size)
+        saved = _SavedState.parse(state)
         self.anchor = saved.anchor
-        self.anchor_rank = saved.anchor_rank
         self.phase = saved.phase
         self.calibration_count = saved.calibration_count
-        self.batch_counts = list(saved.batch_counts)
         self.growth_enabled = saved.growth_enabled
         self.consecutive_stable = saved.consecutive_stable
         self.proposed_anchor = None
         self._zero_reports = [0] * self.world_size
-        for window, mean in zip(self._ms_windows, saved.smoothed_ms, strict=True):
+        for window in self._ms_windows:
             window.clear()
+        if saved.world_size != self.world_size:
+            self.anchor_rank = self._initial_anchor_rank
+            self.batch_counts = [self.anchor] * self.world_size
+            self.window_cap_binding = False
+            self.calibrated = False  # the first report sets the counts from the new ranks' speeds
+            return
+        self.anchor_rank = saved.anchor_rank
+        self.batch_counts = list(saved.batch_counts)
+        for window, mean in zip(self._ms_windows, saved.smoothed_ms, strict=True):
             if mean is not None and mean > 0.0:
                 window.append(mean)
         self.calibrated = any(self._ms_windows)
@@ -592,8 +607,9 @@ def _clamp_target(target: float | None) -> float:
 
 @dataclass(frozen=True)
 class _SavedState:
-    """A checked :meth:`ElCheController.state_dict`."""
+    """A checked :meth:`ElCheController.state_dict`: per-rank entries fit its own ``world_size``."""
 
+    world_size: int
     anchor: int
     anchor_rank: int | None
     smoothed_ms: tuple[float | None, ...]
@@ -604,18 +620,14 @@ class _SavedState:
     consecutive_stable: int
 
     @classmethod
-    def parse(cls, state: dict[str, Any], world_size: int) -> _SavedState:
-        """Raise ValueError naming the first entry that does not fit a ``world_size`` run."""
-        saved_world = state.get("world_size")
+    def parse(cls, state: dict[str, Any]) -> _SavedState:
+        """Raise ValueError naming the first entry that is malformed or disagrees with the state's
+        own ``world_size``."""
+        world_size = _require_int("state['world_size']", state.get("world_size"), 2, "expected an integer >= 2")
         smoothed = state.get("smoothed_ms")
-        if (
-            saved_world != world_size
-            or not isinstance(smoothed, list)
-            or len(smoothed) != world_size
-        ):
+        if not isinstance(smoothed, list) or len(smoothed) != world_size:
             raise ValueError(
-                f"state world_size={saved_world!r} does not match this run's world_size="
-                f"{world_size}: resume with the same number of ranks as the saved run."
+                f"state['smoothed_ms']={smoothed!r} is invalid: expected one entry per saved rank ({world_size})."
             )
         anchor_rank = state.get("anchor_rank")
         if anchor_rank is not None:
@@ -633,6 +645,7 @@ class _SavedState:
                 f"state['batch_counts']={counts!r} is invalid: expected {world_size} integers >= 1."
             )
         return cls(
+            world_size=world_size,
             anchor=_require_int("state['anchor']", state.get("anchor"), 1, "expected an int >= 1"),
             anchor_rank=anchor_rank,
             smoothed_ms=tuple(_saved_mean(value) for value in smoothed),

@@ -4,18 +4,20 @@ Positions are indices into the epoch's pick order (the ``(seed, epoch)`` permuta
 indices: with the seed, the shuffle flag and the pick count the order is rebuilt on resume, so a
 position names the same sample there.
 
-Two shapes, by dispatch:
+The record is rank-agnostic: the epoch's *remaining positions* as ``[start, stop)`` ranges,
+whatever the dispatch, so a resumed run may have another number of ranks. The resumed epoch
+dispatches only those positions over its own ranks, by its policy (pooled chunks, the equal
+interleaved split or the fixed shares).
 
-* pooled dispatch: ranks train chunks claimed in an order nobody can replay, so the record keeps
-  the epoch's *remaining positions* as ``[start, stop)`` ranges; the resumed epoch pools only those;
-* equal and fixed dispatch: each rank's stream of positions is fixed by its rank, so the record
-  keeps how far each rank's stream was trained (``offsets``); each rank resumes its own stream.
+Records written before the resize support kept per-rank ``offsets`` for the equal and fixed
+dispatch (how far each rank's stream of the whole epoch was trained); the sampler converts them
+to remaining positions when it resumes (:meth:`~lightning_elche.data.ElCheSampler.resume`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 Range = tuple[int, int]
@@ -52,6 +54,22 @@ def subtract(universe: Sequence[Range], taken: Sequence[Range]) -> list[Range]:
     return out
 
 
+def runs(sorted_positions: Iterable[int]) -> list[Range]:
+    """Ranges of increasing, distinct positions, in one pass (no sort, unlike :func:`compress`)."""
+    out: list[Range] = []
+    start = stop = None
+    for position in sorted_positions:
+        if stop is not None and position == stop:
+            stop += 1
+            continue
+        if start is not None and stop is not None:
+            out.append((start, stop))
+        start, stop = position, position + 1
+    if start is not None and stop is not None:
+        out.append((start, stop))
+    return out
+
+
 def compress(positions: Iterable[int]) -> list[Range]:
     """Ranges of a sequence of positions (runs of consecutive values become one range)."""
     return merge((p, p + 1) for p in positions)
@@ -70,8 +88,10 @@ def size(ranges: Iterable[Sequence[int]]) -> int:
 class EpochCoverage:
     """The untrained part of one epoch, as saved in a mid-epoch checkpoint.
 
-    ``picks``, ``seed``, ``shuffle``, ``batch_size``, ``drop_last``, ``dispatch`` and
-    ``world_size`` identify the epoch's order and dispatch; a resumed run must match them.
+    ``picks``, ``seed``, ``shuffle``, ``batch_size``, ``drop_last`` and ``dispatch`` identify the
+    epoch's order and dispatch; a resumed run must match them. ``world_size`` is the number of
+    ranks that wrote the record: a resumed run may have another (``remaining`` names positions,
+    not ranks); only a legacy ``offsets`` record needs it, to rebuild the ranks' streams.
     """
 
     epoch: int
@@ -84,10 +104,11 @@ class EpochCoverage:
     world_size: int
     remaining: Optional[list[Range]] = None
     offsets: Optional[list[int]] = None
+    """Legacy records only (equal and fixed dispatch): picks each rank had trained of its stream."""
 
     @property
     def remaining_samples(self) -> Optional[int]:
-        """Picks left for the pooled dispatch (None for per-rank offsets)."""
+        """Picks left untrained (None for a legacy ``offsets`` record)."""
         return None if self.remaining is None else size(self.remaining)
 
     def state_dict(self) -> dict[str, Any]:
@@ -115,18 +136,29 @@ class EpochCoverage:
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"The checkpoint's ElChe data coverage is malformed ({error!r}).") from None
-        if (coverage.remaining is None) == (coverage.offsets is None):
+        if coverage.remaining is None and coverage.offsets is None:
             raise ValueError("The checkpoint's ElChe data coverage needs either 'remaining' or 'offsets'.")
+        if coverage.remaining is not None:
+            merged = merge(coverage.remaining)
+            if size(merged) != size(coverage.remaining) or (
+                merged and (merged[0][0] < 0 or merged[-1][1] > coverage.picks)
+            ):
+                raise ValueError(
+                    "The checkpoint's ElChe data coverage is malformed: 'remaining' must be disjoint "
+                    f"[start, stop) ranges inside 0..{coverage.picks}."
+                )
+            coverage = replace(coverage, remaining=merged)
         return coverage
 
     def check_matches(self, current: EpochCoverage) -> None:
-        """Refuse to resume into a different epoch order or dispatch (the positions would name other samples)."""
-        for name in ("picks", "seed", "shuffle", "batch_size", "drop_last", "dispatch", "world_size"):
+        """Refuse to resume into a different epoch order or dispatch (the positions would name other
+        samples). The number of ranks may differ: the remainder is split over the resumed run's."""
+        for name in ("picks", "seed", "shuffle", "batch_size", "drop_last", "dispatch"):
             saved, now = getattr(self, name), getattr(current, name)
             if saved != now:
                 raise ValueError(
                     f"Cannot resume mid-epoch {self.epoch}: the checkpoint's data coverage was taken with "
                     f"{name}={saved!r}, this run has {name}={now!r}. Resume with the same dataset, DataLoader "
-                    "(batch_size, shuffle, drop_last), sampler seed, ElChe mode and world size, or resume "
-                    "from an epoch-end checkpoint."
+                    "(batch_size, shuffle, drop_last), sampler seed and ElChe mode (the number of ranks may "
+                    "change), or resume from an epoch-end checkpoint."
                 )

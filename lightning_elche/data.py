@@ -20,8 +20,9 @@ and syncs never change which indices a rank reads.
 With ``augment = k`` (an :class:`~lightning_elche.AugmentedDataset`) the epoch is ``k`` picks per
 sample, permuted together, and the sampler yields :class:`~lightning_elche.augment.PickKey`
 objects; each pick is still dispatched exactly once. A mid-epoch checkpoint records the epoch's
-untrained part (:mod:`lightning_elche.coverage`); :meth:`ElCheSampler.resume` dispatches only that
-part in the resumed epoch.
+untrained part as positions, not per rank (:mod:`lightning_elche.coverage`);
+:meth:`ElCheSampler.resume` dispatches only that part in the resumed epoch, split by the policy
+over however many ranks the resumed run has.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch.utils.data import Sampler
 
 from lightning_elche.augment import PickKey
 from lightning_elche.checks import require_int
-from lightning_elche.coverage import EpochCoverage, Range, compress, expand, merge, subtract
+from lightning_elche.coverage import EpochCoverage, Range, compress, expand, merge, runs, size, subtract
 
 CHUNK_KEY_PREFIX = "lightning_elche/dispatch"
 
@@ -236,21 +237,34 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         """The fields that fix an epoch's order and dispatch, with nothing covered yet."""
         return EpochCoverage(
             epoch=epoch, picks=self.num_samples, seed=self.seed, shuffle=self.shuffle, batch_size=self.batch_size,
-            drop_last=self.drop_last, dispatch=self.dispatch, world_size=self.world_size,
-            remaining=self._empty_remaining(), offsets=None if self._empty_remaining() is not None else [],
+            drop_last=self.drop_last, dispatch=self.dispatch, world_size=self.world_size, remaining=[],
         )
 
     def coverage(self, gathered: Sequence[Union[list[Range], int]]) -> EpochCoverage:
-        """The current epoch's untrained part, from every rank's :meth:`local_coverage` (rank order)."""
+        """The current epoch's untrained part, from every rank's :meth:`local_coverage` (rank order).
+
+        Rank-agnostic: the positions of the epoch (or of a resumed epoch's remainder) that no rank
+        has trained, so that the record resumes on any number of ranks."""
         if len(gathered) != self.world_size:
             raise ValueError(f"Coverage needs one entry per rank ({self.world_size}), got {len(gathered)}.")
-        return self._untrained(self.identity(self.epoch), gathered)
+        return replace(self.identity(self.epoch), remaining=self._untrained(gathered))
 
     def resume(self, coverage: EpochCoverage) -> None:
-        """Dispatch only ``coverage``'s untrained part when its epoch comes (the resumed epoch)."""
+        """Dispatch only ``coverage``'s untrained part when its epoch comes (the resumed epoch),
+        split over this run's ranks: the record may come from a run with another world size."""
         coverage.check_matches(self.identity(coverage.epoch))
-        self._check_resumable(coverage)
+        if coverage.remaining is None:
+            coverage = replace(coverage, remaining=self._legacy_remaining(coverage), offsets=None)
+        assert coverage.remaining is not None
+        self._check_resumable(coverage.remaining, coverage.epoch)
         self._resume = coverage
+
+    def _epoch_universe(self) -> Sequence[int]:
+        """The positions the current epoch dispatches: all of them, or a resumed epoch's remainder."""
+        resume = self._resumed_epoch()
+        if resume is None or resume.remaining is None:
+            return range(self.samples_per_epoch)
+        return expand(resume.remaining)
 
     # -- what each policy decides ------------------------------------------------------------
 
@@ -274,58 +288,88 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         batches: epoch positions (pooled dispatch) or a pick count (equal, fixed)."""
         raise NotImplementedError
 
-    def _empty_remaining(self) -> Optional[list[Range]]:
+    def _untrained(self, gathered: Sequence[Union[list[Range], int]]) -> list[Range]:
+        """The current epoch's positions that no rank trained, from every rank's local coverage."""
         raise NotImplementedError
 
-    def _untrained(self, base: EpochCoverage, gathered: Sequence[Union[list[Range], int]]) -> EpochCoverage:
-        raise NotImplementedError
+    def _legacy_remaining(self, coverage: EpochCoverage) -> list[Range]:
+        """The remaining positions of a record that kept per-rank ``offsets`` (before resizing)."""
+        raise ValueError(
+            f"The checkpoint's ElChe data coverage of epoch {coverage.epoch} has no remaining positions "
+            f"(dispatch={coverage.dispatch!r}): it is malformed."
+        )
 
-    def _check_resumable(self, coverage: EpochCoverage) -> None:
+    def _check_resumable(self, remaining: list[Range], epoch: int) -> None:
+        """Refuse a remainder that leaves a rank of this run without a batch (it would deadlock)."""
         raise NotImplementedError
 
 
 class _OwnStreamDispatch(ElCheSampler):
-    """A policy that gives every rank a fixed stream of epoch positions (equal or fixed shares);
-    coverage is a count of trained picks per rank."""
+    """A policy that splits the epoch's positions (or a resumed epoch's remainder) into one fixed
+    stream per rank, trained in order; what a rank trained is therefore a count of picks."""
 
-    def own_stream(self) -> list[int]:
-        """This rank's positions in the epoch order."""
+    def stream_indices(self, count: int, rank: int, world_size: int) -> range:
+        """Indices, into a sequence of ``count`` positions, of ``rank``'s stream among ``world_size``."""
         raise NotImplementedError
 
-    def _offset(self) -> int:
-        resume = self._resumed_epoch()
-        return resume.offsets[self.rank] if resume is not None and resume.offsets is not None else 0
+    def own_stream(self) -> Sequence[int]:
+        """This rank's positions in the epoch order (in a resumed epoch: of its remainder)."""
+        universe = self._epoch_universe()
+        indices = self.stream_indices(len(universe), self.rank, self.world_size)
+        return universe[indices.start : indices.stop : indices.step]
 
     def _iter_epoch(self, order: list[int], resume: Optional[EpochCoverage]) -> Iterator[Union[int, PickKey]]:
-        yield from self._yield_positions(order, self.own_stream()[self._offset():])
+        yield from self._yield_positions(order, self.own_stream())
 
     def local_coverage(self, batches: int) -> Union[list[Range], int]:
-        return min(batches * self.batch_size, len(self.own_stream()) - self._offset())
+        return min(batches * self.batch_size, len(self.own_stream()))
 
-    def _empty_remaining(self) -> Optional[list[Range]]:
-        return None
+    def _untrained(self, gathered: Sequence[Union[list[Range], int]]) -> list[Range]:
+        universe = self._epoch_universe()
+        return self._remaining_after(universe, [int(t) for t in gathered], self.world_size)  # type: ignore[arg-type]
 
-    def _untrained(self, base: EpochCoverage, gathered: Sequence[Union[list[Range], int]]) -> EpochCoverage:
-        resume = self._resumed_epoch()
-        previous = resume.offsets if resume is not None and resume.offsets is not None else [0] * self.world_size
-        return replace(base, offsets=[p + int(t) for p, t in zip(previous, gathered, strict=True)])  # type: ignore[arg-type]
+    def _remaining_after(self, universe: Sequence[int], trained: Sequence[int], world_size: int) -> list[Range]:
+        """``universe`` less the first ``trained[r]`` picks of every rank's stream (``world_size`` ranks)."""
+        untrained = [True] * len(universe)
+        for rank, count in enumerate(trained):
+            stream = self.stream_indices(len(universe), rank, world_size)
+            if not 0 <= count <= len(stream):
+                raise ValueError(
+                    f"Rank {rank} reports {count} trained picks of epoch {self.epoch}; its stream has {len(stream)}."
+                )
+            done = stream[:count]
+            untrained[done.start : done.stop : done.step] = [False] * len(done)
+        return runs(p for p, left in zip(universe, untrained, strict=True) if left)
 
-    def _check_resumable(self, coverage: EpochCoverage) -> None:
+    def _legacy_remaining(self, coverage: EpochCoverage) -> list[Range]:
+        # Such records counted each rank's progress through its stream of the whole epoch.
         assert coverage.offsets is not None
-        if len(coverage.offsets) != self.world_size:
+        if len(coverage.offsets) != coverage.world_size:
             raise ValueError(
-                f"The checkpoint's coverage has {len(coverage.offsets)} rank offsets, expected {self.world_size}."
+                f"The checkpoint's coverage has {len(coverage.offsets)} rank offsets for world_size="
+                f"{coverage.world_size}: it is malformed."
             )
-        left = len(self.own_stream()) - coverage.offsets[self.rank]
-        if left < 1:
-            raise ValueError(
-                f"The checkpoint leaves rank {self.rank} no data of epoch {coverage.epoch}; every rank needs "
-                "at least one batch. Resume from the epoch-end checkpoint instead."
-            )
+        self._check_legacy_layout(coverage.world_size)
+        return self._remaining_after(range(self.samples_per_epoch), coverage.offsets, coverage.world_size)
+
+    def _check_legacy_layout(self, world_size: int) -> None:
+        """Refuse a legacy record whose ranks' streams this run cannot rebuild."""
+
+    def _check_resumable(self, remaining: list[Range], epoch: int) -> None:
+        count = size(remaining)
+        needed = self.batch_size if self.drop_last else 1  # the DataLoader drops a partial batch
+        for rank in range(self.world_size):
+            if len(self.stream_indices(count, rank, self.world_size)) < needed:
+                raise ValueError(
+                    f"The checkpoint leaves {count} pick(s) of epoch {epoch}, which give rank {rank} of "
+                    f"{self.world_size} no batch; every rank needs at least one. Resume from the epoch-end "
+                    "checkpoint instead."
+                )
 
 
 class EqualDispatch(_OwnStreamDispatch):
-    """Sync modes: the epoch split equally, interleaved like ``DistributedSampler`` (no padding)."""
+    """Sync modes: the epoch split equally, interleaved like ``DistributedSampler`` (no padding);
+    a resumed epoch's remainder is interleaved over the resumed run's ranks the same way."""
 
     dispatch = "equal"
 
@@ -333,12 +377,13 @@ class EqualDispatch(_OwnStreamDispatch):
     def samples_per_epoch(self) -> int:
         return self.num_samples  # each rank's own partial batch is left to the DataLoader, as under DDP
 
-    def own_stream(self) -> list[int]:
-        return list(range(self.rank, self.num_samples, self.world_size))
+    def stream_indices(self, count: int, rank: int, world_size: int) -> range:
+        return range(rank, count, world_size)
 
 
 class FixedDispatch(_OwnStreamDispatch):
-    """``partition_ratios``: each rank a fixed contiguous share of whole batches."""
+    """``partition_ratios``: each rank a fixed contiguous share of whole batches (of the epoch, or
+    of a resumed epoch's remainder)."""
 
     dispatch = "fixed"
 
@@ -354,10 +399,21 @@ class FixedDispatch(_OwnStreamDispatch):
                 f"batch of the {self.num_batches} in an epoch: every rank needs at least one."
             )
 
-    def own_stream(self) -> list[int]:
-        shares = fixed_share_batches(self.num_batches, self.partition_ratios or [])
-        first = sum(shares[: self.rank]) * self.batch_size
-        return list(range(first, min(first + shares[self.rank] * self.batch_size, self.samples_per_epoch)))
+    def stream_indices(self, count: int, rank: int, world_size: int) -> range:
+        ratios = self.partition_ratios or []
+        if world_size != len(ratios):
+            raise ValueError(f"partition_ratios={ratios} describe {len(ratios)} ranks, not {world_size}.")
+        shares = fixed_share_batches(math.ceil(count / self.batch_size), ratios)
+        first = sum(shares[:rank]) * self.batch_size
+        return range(first, min(first + shares[rank] * self.batch_size, count))
+
+    def _check_legacy_layout(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise ValueError(
+                f"The checkpoint's data coverage (an older per-rank record of partition_ratios for {world_size} "
+                f"ranks) cannot be split over {self.world_size} ranks: resume it with {world_size} ranks, or "
+                "resume from an epoch-end checkpoint."
+            )
 
 
 class PoolDispatch(ElCheSampler):
@@ -510,21 +566,16 @@ class PoolDispatch(ElCheSampler):
             return merge(local)
         return compress(self._positions[p] for start, stop in local for p in range(start, stop))
 
-
-    def _empty_remaining(self) -> Optional[list[Range]]:
-        return []
-
-    def _untrained(self, base: EpochCoverage, gathered: Sequence[Union[list[Range], int]]) -> EpochCoverage:
+    def _untrained(self, gathered: Sequence[Union[list[Range], int]]) -> list[Range]:
         resume = self._resumed_epoch()
         universe = [(0, self.samples_per_epoch)] if resume is None else list(resume.remaining or [])
         taken = [r for ranges in gathered for r in ranges]  # type: ignore[union-attr]
-        return replace(base, remaining=subtract(universe, taken))
+        return subtract(universe, taken)
 
-    def _check_resumable(self, coverage: EpochCoverage) -> None:
-        assert coverage.remaining is not None
-        batches = math.ceil(len(expand(coverage.remaining)) / self.batch_size)
+    def _check_resumable(self, remaining: list[Range], epoch: int) -> None:
+        batches = math.ceil(size(remaining) / self.batch_size)
         if batches < self.world_size:
             raise ValueError(
-                f"The checkpoint leaves {batches} batch(es) of epoch {coverage.epoch} for {self.world_size} "
+                f"The checkpoint leaves {batches} batch(es) of epoch {epoch} for {self.world_size} "
                 "ranks; every rank needs at least one. Resume from the epoch-end checkpoint instead."
             )

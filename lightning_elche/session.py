@@ -73,12 +73,14 @@ class CallbackRole:
         return {"fastest": self.fastest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the chosen rank; a rank that no longer exists (a resume on fewer ranks) is
+        forgotten, and the role is chosen again from the new ranks' timings."""
         fastest = state.get("fastest")
-        if fastest is not None and not (isinstance(fastest, int) and 0 <= fastest < self.world_size):
+        if fastest is not None and not (isinstance(fastest, int) and not isinstance(fastest, bool) and fastest >= 0):
             raise ValueError(
-                f"The checkpoint's epoch callback role names rank {fastest!r}; world size is {self.world_size}."
+                f"The checkpoint's epoch callback role names rank {fastest!r}: expected None or a rank >= 0."
             )
-        self.fastest = fastest
+        self.fastest = fastest if fastest is not None and fastest < self.world_size else None
 
 
 class Phase(enum.Enum):

@@ -797,10 +797,33 @@ def test_state_dict_round_trip() -> None:
     assert resumed.smoothed_ms(0) == pytest.approx((30.0 + 30.0 + 20.0) / 3)
 
 
-def test_load_state_dict_rejects_world_size_mismatch() -> None:
-    state = _trained_controller().state_dict()
-    with pytest.raises(ValueError, match="world_size"):
-        ElCheController(2, 10).load_state_dict(state)
+@pytest.mark.parametrize("new_world", [2, 4])
+def test_load_state_dict_at_another_world_size_keeps_the_run_and_recalibrates_the_ranks(new_world) -> None:
+    state = _trained_controller().state_dict()  # 3 ranks, anchor 34, Stable, growth latched off
+    resumed = ElCheController(new_world, 10, max_batch_diff=2)
+    resumed.load_state_dict(state)
+    # What describes the run, not its ranks, is kept.
+    assert resumed.anchor == 34
+    assert resumed.phase is Phase.STABLE and resumed.calibration_count == 6
+    assert (resumed.growth_enabled, resumed.consecutive_stable) == (False, 1)
+    # The per-rank part starts over: no speeds, every rank at the anchor, no anchor rank.
+    assert resumed.batch_counts == [34] * new_world
+    assert [resumed.smoothed_ms_or_none(r) for r in range(new_world)] == [None] * new_world
+    assert resumed.anchor_rank is None and not resumed.calibrated
+    assert resumed.state_dict()["world_size"] == new_world
+    # The first report calibrates the new ranks at once (not limited by max_batch_diff=2 per update).
+    walls = [1000.0] + [250.0] * (new_world - 1)
+    resumed.report_timing(walls, [10] * new_world, 1.0)
+    assert resumed.anchor_rank == 0 and resumed.anchor == 34
+    assert resumed.batch_counts == [34] + [136] * (new_world - 1)
+
+
+def test_load_state_dict_at_another_world_size_restores_the_partition_pin() -> None:
+    state = _trained_controller().state_dict()  # its anchor rank is 1
+    pinned = ElCheController(2, 10, initial_anchor_rank=0)
+    pinned.anchor_rank = 1  # a controller that already ran: the constructed pin is what comes back
+    pinned.load_state_dict(state)
+    assert pinned.anchor_rank == 0
 
 
 def test_load_state_dict_rejects_malformed_entries() -> None:
@@ -813,6 +836,13 @@ def test_load_state_dict_rejects_malformed_entries() -> None:
         ElCheController(3, 10).load_state_dict({**state, "batch_counts": [1, 2]})
     with pytest.raises(ValueError, match="smoothed_ms"):
         ElCheController(3, 10).load_state_dict({**state, "smoothed_ms": [1.0, "x", None]})
+    # Per-rank entries must fit the state's own world size (whatever the resuming run's is).
+    with pytest.raises(ValueError, match=r"state\['world_size'\]=None"):
+        ElCheController(3, 10).load_state_dict({k: v for k, v in state.items() if k != "world_size"})
+    with pytest.raises(ValueError, match=r"smoothed_ms.*one entry per saved rank \(3\)"):
+        ElCheController(2, 10).load_state_dict({**state, "smoothed_ms": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="batch_counts"):
+        ElCheController(4, 10).load_state_dict({**state, "batch_counts": [1, 2, 3, 4]})
 
 
 # -- invariants (property style, seeded) ----------------------------------------------------

@@ -1,12 +1,13 @@
 """Unit tests of the data coverage a mid-epoch checkpoint keeps, and of resuming the dispatch from it."""
 
 import random
+from dataclasses import replace
 
 import pytest
 from test_data import SharedCounter
 
-from lightning_elche.coverage import EpochCoverage, compress, expand, merge, subtract
-from lightning_elche.data import ElCheSampler
+from lightning_elche.coverage import EpochCoverage, compress, expand, merge, runs, subtract
+from lightning_elche.data import ElCheSampler, epoch_permutation
 
 
 def test_range_helpers():
@@ -16,11 +17,14 @@ def test_range_helpers():
     assert subtract([(0, 4)], []) == [(0, 4)]
     assert compress([3, 4, 5, 9, 1]) == [(1, 2), (3, 6), (9, 10)]
     assert expand([(1, 3), (7, 8)]) == [1, 2, 7]
+    assert runs([]) == [] and runs([4]) == [(4, 5)]
     rng = random.Random(0)
     for _ in range(50):
         universe = compress(rng.sample(range(60), 40))
         taken = compress(rng.sample(range(70), 30))
         assert expand(subtract(universe, taken)) == sorted(set(expand(universe)) - set(expand(taken)))
+        positions = sorted(rng.sample(range(80), 30))
+        assert runs(positions) == compress(positions) and expand(runs(positions)) == positions
 
 
 def make(dispatch, rank, counter, n=1000, batch=10, world=2, seed=3, **kw):
@@ -125,31 +129,109 @@ def test_resume_of_a_resumed_epoch_and_the_next_epoch_is_whole():
     assert sorted(nxt[0] + nxt[1]) == list(range(1000))
 
 
+def ratios_for(dispatch, world):
+    """Keyword arguments of a sampler of ``dispatch`` for ``world`` ranks (fixed shares: uneven)."""
+    return {"partition_ratios": [0.5] + [0.5 / (world - 1)] * (world - 1)} if dispatch == "fixed" else {}
+
+
+def untrained_positions(samplers, trained):
+    """Epoch positions (not sample indices) that no rank trained: the record's expected remainder."""
+    order = epoch_permutation(samplers[0].num_samples, samplers[0].epoch, samplers[0].seed, True)
+    done = {i for t in trained for i in t}
+    return [p for p in range(samplers[0].samples_per_epoch) if order[p] not in done]
+
+
 @pytest.mark.parametrize("dispatch", ["equal", "fixed"])
-def test_equal_and_fixed_resume_each_rank_where_its_stream_stopped(dispatch):
-    kw = {"partition_ratios": [0.7, 0.3]} if dispatch == "fixed" else {}
+def test_equal_and_fixed_record_the_untrained_positions_and_resume_them(dispatch):
     rng = random.Random(1)
-    samplers = [make(dispatch, r, None, n=1003, **kw) for r in range(2)]
+    samplers = [make(dispatch, r, None, n=1003, **ratios_for(dispatch, 2)) for r in range(2)]
     trained, batches = run_partially(samplers, rng, (2, 1), 2)
-    coverage = samplers[0].coverage([s.local_coverage(b) for s, b in zip(samplers, batches, strict=True)])
-    assert coverage.offsets == [len(t) for t in trained]
-    resumed = [make(dispatch, r, None, n=1003, **kw) for r in range(2)]
+    gathered = [s.local_coverage(b) for s, b in zip(samplers, batches, strict=True)]
+    assert gathered == [len(t) for t in trained]  # the gather stays one count per rank
+    coverage = samplers[0].coverage(gathered)
+    assert coverage.offsets is None and coverage.world_size == 2
+    assert expand(coverage.remaining) == untrained_positions(samplers, trained)
+    resumed = [make(dispatch, r, None, n=1003, **ratios_for(dispatch, 2)) for r in range(2)]
     for s in resumed:
-        s.resume(coverage)
+        s.resume(EpochCoverage.from_state_dict(coverage.state_dict()))
     rest = [list(s) for s in resumed]
     assert sorted(trained[0] + trained[1] + rest[0] + rest[1]) == list(range(1003))
-    assert rest[0] == list(samplers[0])[len(trained[0]):]  # the rank's own stream, continued
+    if dispatch == "equal":  # the remainder is interleaved over the ranks: equal shares again
+        assert abs(len(rest[0]) - len(rest[1])) <= 1
+
+
+@pytest.mark.parametrize("dispatch", ["pool", "equal", "fixed"])
+@pytest.mark.parametrize(("before", "after"), [(3, 2), (2, 3)])
+@pytest.mark.parametrize("seed", range(3))
+def test_resume_at_another_world_size_trains_every_pick_once_and_checkpoints_again(dispatch, before, after, seed):
+    """W ranks train part of an epoch and checkpoint; W' ranks resume, train part of the rest and
+    checkpoint again; W ranks finish it. Every pick is trained exactly once over the three runs."""
+    rng = random.Random(seed)
+    n = 1200 + rng.randint(0, 9)
+
+    def world(size):
+        counter = SharedCounter()
+        return [make(dispatch, r, counter, n=n, world=size, **ratios_for(dispatch, size)) for r in range(size)]
+
+    first = world(before)
+    trained, batches = run_partially(first, rng, [3] + [1] * (before - 1), 2)
+    coverage = first[0].coverage([s.local_coverage(b) for s, b in zip(first, batches, strict=True)])
+    assert coverage.remaining_samples == n - sum(map(len, trained))
+    second = world(after)
+    for s in second:
+        s.resume(EpochCoverage.from_state_dict(coverage.state_dict()))
+    trained2, batches2 = run_partially(second, rng, [1] * (after - 1) + [3], 1)
+    coverage2 = second[0].coverage([s.local_coverage(b) for s, b in zip(second, batches2, strict=True)])
+    seen = [i for t in trained + trained2 for i in t]
+    assert len(seen) == len(set(seen))
+    assert coverage2.remaining_samples == n - len(seen)
+    assert coverage2.world_size == after
+    third = world(before)
+    for s in third:
+        s.resume(EpochCoverage.from_state_dict(coverage2.state_dict()))
+    rest = drain(third, rng, [1] * before)
+    assert sorted(seen + [i for r in rest for i in r]) == list(range(n))
+    assert all(rest), "a rank of the resumed epoch got no data"
+
+
+def test_a_legacy_per_rank_record_converts_to_positions_and_resumes_on_another_world_size():
+    rng = random.Random(4)
+    samplers = [make("equal", r, None, n=1003) for r in range(2)]
+    trained, _ = run_partially(samplers, rng, (2, 1), 2)
+    legacy = replace(samplers[0].identity(2), remaining=None, offsets=[len(t) for t in trained]).state_dict()
+    del legacy["remaining"]  # a record written before the rank-agnostic coverage
+    resumed = [make("equal", r, None, n=1003, world=3) for r in range(3)]
+    for s in resumed:
+        s.resume(EpochCoverage.from_state_dict(legacy))
+    rest = [list(s) for s in resumed]
+    assert sorted(trained[0] + trained[1] + [i for r in rest for i in r]) == list(range(1003))
+    assert max(map(len, rest)) - min(map(len, rest)) <= 1
+    with pytest.raises(ValueError, match="Rank 1 reports 600 trained picks of epoch 2; its stream has 501"):
+        make("equal", 0, None, n=1003).resume(EpochCoverage.from_state_dict({**legacy, "offsets": [10, 600]}))
+
+
+def test_a_legacy_fixed_share_record_resumes_only_on_its_world_size():
+    ratios = {"partition_ratios": [0.7, 0.3]}
+    samplers = [make("fixed", r, None, **ratios) for r in range(2)]
+    trained, _ = run_partially(samplers, random.Random(2), (2, 1), 2)
+    legacy = replace(samplers[0].identity(2), remaining=None, offsets=[len(t) for t in trained])
+    same = [make("fixed", r, None, **ratios) for r in range(2)]
+    for s in same:
+        s.resume(legacy)
+    assert sorted(trained[0] + trained[1] + list(same[0]) + list(same[1])) == list(range(1000))
+    with pytest.raises(ValueError, match=r"partition_ratios for 2 ranks\) cannot be split over 3 ranks"):
+        make("fixed", 0, None, world=3, partition_ratios=[0.4, 0.3, 0.3]).resume(legacy)
 
 
 @pytest.mark.parametrize(
     ("change", "field"),
-    [({"seed": 4}, "seed"), ({"batch": 20}, "batch_size"), ({"n": 999}, "picks"), ({"world": 3}, "world_size")],
+    [({"seed": 4}, "seed"), ({"batch": 20}, "batch_size"), ({"n": 999}, "picks"), ({"dispatch": "equal"}, "dispatch")],
 )
 def test_resume_into_a_different_order_is_refused_with_the_field(change, field):
     samplers = [make("pool", r, SharedCounter()) for r in range(2)]
     coverage = samplers[0].coverage([[(0, 30)], [(30, 60)]])
-    other = make("pool", 0, SharedCounter(), **change)
-    with pytest.raises(ValueError, match=rf"{field}=.*this run has {field}="):
+    other = make(change.pop("dispatch", "pool"), 0, SharedCounter(), **change)
+    with pytest.raises(ValueError, match=rf"{field}=.*this run has {field}=.*the number of ranks may change"):
         other.resume(coverage)
 
 
@@ -158,8 +240,24 @@ def test_resume_that_leaves_a_rank_without_a_batch_is_refused():
     coverage = samplers[0].coverage([[(0, 600)], [(600, 990)]])  # one batch left for two ranks
     with pytest.raises(ValueError, match="1 batch"):
         make("pool", 0, SharedCounter()).resume(coverage)
+    # Enough for two ranks is not enough for three.
+    coverage = samplers[0].coverage([[(0, 600)], [(600, 980)]])
+    make("pool", 0, SharedCounter()).resume(coverage)
+    with pytest.raises(ValueError, match="2 batch.*for 3 ranks"):
+        make("pool", 0, SharedCounter(), world=3).resume(coverage)
+    equal = [make("equal", r, None) for r in range(2)]
+    left_two = equal[0].coverage([499, 499])
+    with pytest.raises(ValueError, match="leaves 2 pick.*rank 2 of 3 no batch"):
+        make("equal", 0, None, world=3).resume(left_two)
 
 
 def test_malformed_coverage_is_refused():
     with pytest.raises(ValueError, match="malformed"):
         EpochCoverage.from_state_dict({"epoch": 1})
+    good = make("pool", 0, SharedCounter()).coverage([[(0, 30)], [(30, 60)]]).state_dict()
+    with pytest.raises(ValueError, match="'remaining' must be disjoint"):
+        EpochCoverage.from_state_dict({**good, "remaining": [[60, 100], [90, 120]]})
+    with pytest.raises(ValueError, match="inside 0..1000"):
+        EpochCoverage.from_state_dict({**good, "remaining": [[60, 1001]]})
+    with pytest.raises(ValueError, match="either 'remaining' or 'offsets'"):
+        EpochCoverage.from_state_dict({**good, "remaining": None})

@@ -38,8 +38,17 @@ def test_fastest_role_waits_for_every_timing_then_sticks():
     restored = CallbackRole(3)
     restored.load_state_dict(role.state_dict())
     assert restored.rank_for("fastest") == 2
-    with pytest.raises(ValueError, match="names rank 5"):
-        CallbackRole(3).load_state_dict({"fastest": 5})
+    # A resume on fewer ranks: the chosen rank is gone, so the role is chosen again from new timings.
+    fewer = CallbackRole(2)
+    fewer.load_state_dict(role.state_dict())
+    assert fewer.fastest is None and fewer.rank_for("fastest") == 0
+    fewer.observe(FakeController([9.0, 4.0]))
+    assert fewer.rank_for("fastest") == 1
+    more = CallbackRole(4)
+    more.load_state_dict(role.state_dict())
+    assert more.rank_for("fastest") == 2
+    with pytest.raises(ValueError, match="names rank -1"):
+        CallbackRole(3).load_state_dict({"fastest": -1})
 
 
 @pytest.mark.parametrize("bad", ["fast", "rank1", None])
