@@ -262,3 +262,103 @@ def test_the_fastest_rank_always_claims_even_on_equal_shares():
 def test_speed_shares_are_validated(shares):
     with pytest.raises(ValueError, match="speed shares"):
         make("pool", 0, SharedCounter()).set_speed_shares(shares)
+
+
+
+def simulate_pool_with_rounds(speeds, plans, adopt_times, n=1000, batch=10, chunk=4, seed=0):
+    """Like :func:`simulate_pool` (prefetch 0), but the ranks adopt a sequence of round plans
+    (``plans[k]``, the same for every rank, in order) each at its own times (``adopt_times[r][k]``),
+    as ranks adopt non-blocking rounds at different steps in cpu_async: at any moment ranks may
+    hold the plans of different rounds. Returns per-rank samples."""
+    import heapq
+
+    counter = SharedCounter()
+    world = len(speeds)
+    samplers = [make("pool", r, counter, n=n, batch=batch, world=world, max_chunk_batches=chunk) for r in range(world)]
+    for s in samplers:
+        s.set_epoch(0)
+        s.started_batches = 0
+    iters = [iter(s) for s in samplers]
+    adopted = [0] * world
+    out = [[] for _ in speeds]
+    rng = random.Random(seed)
+    ready = [(0.0, r) for r in range(world)]
+    while ready:
+        now, r = heapq.heappop(ready)
+        while adopted[r] < len(plans) and adopt_times[r][adopted[r]] <= now:
+            samplers[r].set_speed_shares(plans[adopted[r]])
+            adopted[r] += 1
+        got = list(itertools.islice(iters[r], batch))
+        if not got:
+            continue
+        out[r] += got
+        samplers[r].started_batches += 1
+        heapq.heappush(ready, (now + rng.uniform(0.9, 1.1) / speeds[r], r))
+    return out
+
+
+def test_ranks_holding_different_rounds_plans_never_all_leave_the_tail():
+    # Two equally fast ranks whose plans alternate which one looks faster, each adopted half a
+    # window later on rank 1 than on rank 0. Each rank, seeing the other as the fastest, used to
+    # stop claiming near the end, and the rest of the pool went untrained (the cpu_async loss).
+    plans = [(1.0, 1.02) if k % 2 == 0 else (1.02, 1.0) for k in range(40)]
+    times = [[3.0 * k for k in range(40)], [3.0 * k + 1.5 for k in range(40)]]
+    for seed in range(20):
+        out = simulate_pool_with_rounds((1, 1), plans, times, seed=seed)
+        assert sorted(x for o in out for x in o) == list(range(1000)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8, 16])
+def test_random_round_plans_adopted_at_random_times_keep_exactly_once(world):
+    # Plans with ties, near-ties and zeros, adopted by every rank in order at its own random
+    # times: whatever each rank believes at any moment, every sample is trained exactly once.
+    for seed in range(12):
+        rng = random.Random(1000 * world + seed)
+        speeds = [rng.choice((1, 2, 4, 8)) for _ in range(world)]
+        plans = [[rng.choice((0, 1, 2, 4, 8)) for _ in range(world)] for _ in range(10)]
+        for plan in plans:
+            plan[rng.randrange(world)] += 1  # a positive sum
+        times = [sorted(rng.uniform(0, 500 / world) for _ in plans) for _ in range(world)]
+        out = simulate_pool_with_rounds(speeds, plans, times, n=2000, batch=8, seed=seed)
+        assert sorted(x for o in out for x in o) == list(range(2000)), f"seed {seed}, speeds {speeds}"
+
+
+def test_each_dispatch_policy_is_its_own_class():
+    from lightning_elche.data import EqualDispatch, FixedDispatch, PoolDispatch
+
+    common = {"shuffle": False, "seed": 0}
+    assert type(ElCheSampler(40, 4, 0, 2, dispatch="equal", **common)) is EqualDispatch
+    assert type(ElCheSampler(40, 4, 0, 2, dispatch="fixed", partition_ratios=[0.5, 0.5], **common)) is FixedDispatch
+    assert type(ElCheSampler(40, 4, 0, 2, dispatch="pool", counter=SharedCounter(), **common)) is PoolDispatch
+    assert type(PoolDispatch(40, 4, 0, 2, counter=SharedCounter(), **common)) is PoolDispatch
+    with pytest.raises(ValueError, match="dispatch='round_robin' is invalid: expected 'equal', 'pool' or 'fixed'"):
+        ElCheSampler(40, 4, 0, 2, dispatch="round_robin", **common)
+    with pytest.raises(ValueError, match="EqualDispatch dispatches 'equal', not dispatch='pool'"):
+        EqualDispatch(40, 4, 0, 2, dispatch="pool", **common)
+
+
+def test_only_the_pool_follows_the_round_plan():
+    equal = ElCheSampler(40, 4, 1, 2, shuffle=False, seed=0, dispatch="equal")
+    equal.on_round([3, 1])  # nothing to adapt: the split is fixed
+    assert list(equal) == list(range(1, 40, 2))
+    pool = ElCheSampler(40, 4, 1, 2, shuffle=False, seed=0, dispatch="pool", counter=SharedCounter())
+    pool.on_round([0, 0])  # a plan without work carries no speed information
+    assert pool._speed_shares is None
+    pool.on_round([3, 1])
+    assert pool._speed_shares == [0.75, 0.25]
+
+
+def test_the_tail_rule_costs_the_same_per_claim_whatever_the_epochs_length():
+    # The leave-the-tail check runs at every claim: summing the chunks left made a claim cost
+    # O(chunks) (a 40 000-batch epoch spent ~0.3 ms per claim on it).
+    import time as clock
+
+    def per_claim_s(batches: int) -> float:
+        sampler = make("pool", 1, SharedCounter(), n=batches * 4, batch=4, world=8)
+        sampler.set_speed_shares([1.0] * 8)
+        started = clock.perf_counter()
+        count = sum(1 for _ in sampler)
+        return (clock.perf_counter() - started) / (count / 4)
+
+    short, long = min(per_claim_s(2_000) for _ in range(2)), min(per_claim_s(32_000) for _ in range(2))
+    assert long < 8 * short, f"{1e6 * short:.0f} us per claim at 2 000 batches, {1e6 * long:.0f} us at 32 000"
