@@ -62,14 +62,22 @@ class StepLogModel(LightningModule):
 
 class SignalAtStep(Callback):
     """Sends ``signum`` to this process on global rank ``rank`` before its optimizer step number
-    ``step``, once; writes the wall time it did so to ``<out_dir>/signal-time.json``."""
+    ``step`` (or, with ``after_rounds``, before its first step once that many sync rounds are
+    done, whatever the machine's speed), once; writes the wall time to ``<out_dir>/signal-time.json``."""
 
-    def __init__(self, out_dir: str, rank: int, step: int, signum: int) -> None:
+    def __init__(self, out_dir: str, rank: int, step: int, signum: int, after_rounds: Optional[int] = None) -> None:
         self.out_dir, self.rank, self.step, self.signum = out_dir, rank, step, signum
+        self.after_rounds = after_rounds
         self.sent = False
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if self.sent or trainer.global_rank != self.rank or trainer.global_step != self.step:
+        if self.sent or trainer.global_rank != self.rank:
+            return
+        if self.after_rounds is not None:
+            progress = trainer.strategy.progress
+            if progress is None or progress.rounds < self.after_rounds:
+                return
+        elif trainer.global_step != self.step:
             return
         self.sent = True
         Path(self.out_dir, "signal-time.json").write_text(json.dumps({"time": time.time(), "signal": self.signum}))

@@ -38,14 +38,14 @@ def same_parameters(out: Path, tag: str) -> bool:
     return params[0] == params[1]
 
 
-@pytest.mark.parametrize(("mode", "rank", "step"), [
-    ("nccl_cadence", 0, 12),  # the fast rank, in its first epoch
-    ("cpu_async", 1, 5),
-    ("nccl_sync", 1, 20),  # at an epoch end: saved at the next epoch's first batch
+@pytest.mark.parametrize(("mode", "rank", "rounds"), [
+    ("nccl_cadence", 0, 2),  # the fast rank
+    ("cpu_async", 1, 1),  # the round carrying the signal is in flight: the save waits one more
+    ("nccl_sync", 1, 20),  # a sync per step: in the second epoch
 ])
-def test_sigterm_saves_the_consensus_and_a_resumed_fit_trains_the_rest_once(tmp_path, mode, rank, step):
+def test_sigterm_saves_the_consensus_and_a_resumed_fit_trains_the_rest_once(tmp_path, mode, rank, rounds):
     env = clean_environment()
-    signal_at = ("--fault", "TERM", "--fault-rank", str(rank), "--fault-step", str(step))
+    signal_at = ("--fault", "TERM", "--fault-rank", str(rank), "--fault-round", str(rounds))
     codes, logs = launch([(script(tmp_path, mode, "first", *signal_at), env)], tmp_path / "logs-first", 150)
     saved = tmp_path / "ckpt" / STOP_CHECKPOINT_NAME
     assert saved.exists(), logs
@@ -85,7 +85,7 @@ def test_slurm_requeue_signal_saves_the_hpc_checkpoint_requeues_and_the_requeued
             commands.append((script(tmp_path, "cpu_cadence", *extra), env))
         return commands
 
-    codes, logs = launch(tasks("first", "--fault", "USR1", "--fault-rank", "0", "--fault-step", "24"),
+    codes, logs = launch(tasks("first", "--fault", "USR1", "--fault-rank", "0", "--fault-round", "3"),
                          tmp_path / "logs-first", 150)
     assert codes != [0, 0], logs
     hpc = tmp_path / "hpc_ckpt_1.ckpt"
@@ -107,7 +107,7 @@ def test_torchrun_restarts_after_a_killed_worker_and_loses_at_most_the_work_sinc
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
         *script(tmp_path, "nccl_cadence", "run", "--every-n-syncs", "2", "--fault", "KILL", "--fault-rank", "1",
-                "--fault-step", "30", "--ckpt", "last")[1:],
+                "--fault-round", "5", "--ckpt", "last")[1:],
     ]
     codes, logs = launch([(command, clean_environment())], tmp_path / "logs", 240)
     assert codes == [0], logs
@@ -140,7 +140,7 @@ def test_a_second_sigterm_while_stopping_changes_nothing(tmp_path):
     # The handler only records a request: a second SIGTERM (launchers repeat them) cannot interrupt
     # the save; the save itself is written whole (above).
     env = clean_environment()
-    extra = ("--fault", "TERM", "--fault-step", "20")
+    extra = ("--fault", "TERM", "--fault-round", "3")
     codes, logs = launch([(script(tmp_path, "nccl_cadence", "first", *extra) + ["--repeat-signal"], env)],
                          tmp_path / "logs", 150)
     assert codes == [128 + signal.SIGTERM], logs

@@ -48,7 +48,7 @@ def main(args: argparse.Namespace) -> None:
     ]
     if args.fault and (args.fault != "KILL" or attempt == 0):
         callbacks.append(SignalAtStep(str(out), args.fault_rank, args.fault_step,
-                                      getattr(signal, f"SIG{args.fault}")))
+                                      getattr(signal, f"SIG{args.fault}"), after_rounds=args.fault_round))
     if args.repeat_signal:
         callbacks.append(SignalWhileSaving(signal.SIGTERM))
     ckpt_path = args.ckpt
@@ -87,6 +87,7 @@ if __name__ == "__main__":
     parser.add_argument("--fault", choices=("TERM", "INT", "USR1", "KILL"), default=None)
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=20)
+    parser.add_argument("--fault-round", type=int, default=None, help="fault once this many syncs are done")
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--repeat-signal", action="store_true", help="SIGTERM again while the checkpoint is saved")
     main(parser.parse_args())
