@@ -84,17 +84,13 @@ class FlatTensors:
         for t in self.tensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
         self._groups: list[tuple[list[Tensor], Tensor, list[Tensor]]] = []
-        # Where each tensor (in list order) lives: (flat buffer index, offset).
-        slots: dict[int, tuple[int, int]] = {}
-        for index, ((dtype, device), members) in enumerate(groups.items()):
+        for (dtype, device), members in groups.items():
             flat = torch.empty(sum(t.numel() for t in members), dtype=dtype, device=device)
             views, offset = [], 0
             for t in members:
                 views.append(flat[offset : offset + t.numel()].view_as(t))
-                slots[id(t)] = (index, offset)
                 offset += t.numel()
             self._groups.append((members, flat, views))
-        self._slots = [slots[id(t)] for t in self.tensors]
 
     @property
     def flats(self) -> list[Tensor]:
@@ -134,14 +130,6 @@ class FlatTensors:
     def signature(self) -> list[tuple[str, int]]:
         """(dtype, numel) per flat buffer: ranks whose signatures differ cannot average."""
         return [(str(flat.dtype), flat.numel()) for flat in self.flats]
-
-    def views(self, flats: Sequence[Tensor]) -> list[Tensor]:
-        """Per-tensor views (in list order) into ``flats``, buffers laid out like :attr:`flats`
-        (same sizes, any dtype): how a host copy of the flat buffers maps back to tensors."""
-        return [
-            flats[index][offset : offset + t.numel()].view(t.shape)
-            for t, (index, offset) in zip(self.tensors, self._slots, strict=True)
-        ]
 
 
 def trainable_parameters(module: nn.Module) -> list[tuple[str, Tensor]]:

@@ -15,7 +15,6 @@ from wire_helpers import FineTuneRegression, load
 from lightning_elche import ElCheConfig, ElCheStrategy, SlowMo
 from lightning_elche.averaging import AveragedLayout, round_weights, weighted_sum_into
 from lightning_elche.planes import cpu as cpu_plane
-from lightning_elche.planes.base import stamp_layout
 from lightning_elche.planes.cpu import CpuPlane, encode_delta
 from lightning_elche.rounds import META_SIZE, Meta
 from lightning_elche.testing import Throttle
@@ -101,6 +100,9 @@ class Peer:
         self.steps = steps
         self.replica: list[torch.Tensor] = []  # rank 1's flat parameters (f32) at the round
         self.reference: list[torch.Tensor] = []  # its copy of the last consensus
+        self.wires: list[torch.Tensor] = []  # rank 0's bf16 wire buffers
+        self.consensus: list[torch.Tensor] = []  # rank 0's f32 reduce buffers
+        self.factor = 0.0  # rank 1's pre-scale factor this round
 
     def all_gather_flat(self, output: torch.Tensor, local: torch.Tensor, group: Any = None) -> None:
         peer = local.clone()
@@ -113,21 +115,23 @@ class Peer:
         gathered[1].copy_((self.replica[index] - self.reference[index]).bfloat16())
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None:
+        for index, flat in enumerate(self.consensus):
+            if flat is tensor:  # an exact (f32) parameter round
+                tensor.add_(self.replica[index], alpha=self.factor)
+                return
         tensor.mul_(2.0)  # buffers: both ranks hold the same values, pre-scaled by 1/2
 
 
 def run_round(plane: CpuPlane, peer: Peer, steps: int) -> None:
     """One blocking round of ``plane`` (rank 0) against ``peer``, on the calling thread."""
-    peer.wires = plane._wire
+    peer.factor = round_weights([steps, peer.steps], 1.0).param_factors[1]
     local = torch.zeros(META_SIZE, dtype=torch.float64)
     local[Meta.STEPS], local[Meta.FINITE] = steps, 1.0
     with mock.patch.object(cpu_plane, "all_gather_flat", peer.all_gather_flat), \
             mock.patch.object(cpu_plane.dist, "all_gather", peer.all_gather), \
             mock.patch.object(cpu_plane.dist, "all_reduce", peer.all_reduce):
-        stamp_layout(local, plane.layout)
-        plane.params.capture()
-        if plane.buffers is not None:
-            plane.buffers.capture()
+        plane._snapshot(local)
+        peer.wires, peer.consensus = plane._wire, plane._consensus  # re-allocated by a relayout
         result = plane._round((local, None))
     plane.adopt(result, 1.0)
 

@@ -121,11 +121,13 @@ class CountWireBytes(Callback):
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
         self.bytes = 0
-        self._lock = threading.Lock()
+        self._lock: Optional[threading.Lock] = None  # made in the rank: a lock does not pickle
         self._originals: dict[str, Any] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         import torch.distributed as dist
+
+        lock = self._lock = threading.Lock()
 
         for name in self.NAMES:
             original = getattr(dist, name, None)
@@ -136,7 +138,7 @@ class CountWireBytes(Callback):
             def counted(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
                 # The sent tensor is the first argument, or the second for the gathers into an output.
                 sent = args[1] if _name != "all_reduce" and _name != "broadcast" else args[0]
-                with self._lock:
+                with lock:
                     self.bytes += sent.numel() * sent.element_size()
                 return _original(*args, **kwargs)
 
@@ -153,3 +155,28 @@ class CountWireBytes(Callback):
 
 def load(out_dir: Path, prefix: str, world_size: int = 2) -> list[dict[str, Any]]:
     return [json.loads((out_dir / f"{prefix}{r}.json").read_text()) for r in range(world_size)]
+
+
+def fit_with_rank_local_unfreeze(rank: int, out_dir: str, port: int) -> None:
+    """A rank of a 2-process ``nccl_cadence`` fit (``torch.multiprocessing.spawn``) in which only rank
+    1 unfreezes the backbone at epoch 1; writes the error each rank ends with."""
+    import os
+    from datetime import timedelta
+
+    from lightning_elche import ElCheStrategy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    trainer = Trainer(accelerator="cpu", devices=2, max_epochs=3, logger=False, enable_checkpointing=False,
+                      strategy=ElCheStrategy(mode="nccl_cadence", timeout=timedelta(seconds=20)),
+                      enable_progress_bar=False, enable_model_summary=False)
+    error, message = None, ""
+    try:
+        trainer.fit(BackboneRegression(out_dir, unfreeze_at_epoch=1, unfreeze_rank=1))
+    except BaseException as exc:  # noqa: BLE001 (what each rank ends with is the point)
+        error, message = type(exc).__name__, str(exc)
+    engine = trainer.strategy.engine
+    Path(out_dir, f"error{rank}.json").write_text(json.dumps({
+        "error": error, "message": message, "rounds": engine.state.rounds if engine is not None else -1}))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

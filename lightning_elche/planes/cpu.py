@@ -139,6 +139,7 @@ class CpuPlane(AveragingPlane):
         self.snapshot_timeout = snapshot_timeout
         self.group = group
         self.error_feedback = error_feedback
+        self._exact_round = False
         self.buffers = HostMirror(layout.buffers) if layout.buffers else None
         self._allocate_params(None)
         self._jobs: queue.Queue[Any] = queue.Queue()
@@ -149,8 +150,9 @@ class CpuPlane(AveragingPlane):
         self._thread.start()
 
     def _allocate_params(self, reference: Optional[list[Tensor]]) -> None:
-        """Host buffers for the current parameter layout; ``reference`` is the bf16 wire's last
-        consensus (``None``: the live parameters, identical on every rank at construction)."""
+        """Host buffers for the current parameter layout. ``reference`` is the bf16 wire's last
+        consensus; ``None`` takes the live parameters (identical on every rank at construction),
+        ``[]`` leaves it to the next (exact) round."""
         self.params = HostMirror(self.layout.params)
         sizes = [b.numel() for b in self.params.buffers]
         # The consensus lands here; f32 whatever the wire, so that blending and the outer step are exact.
@@ -165,25 +167,20 @@ class CpuPlane(AveragingPlane):
         if reference is None:
             self.layout.params.pack()
             reference = [flat.detach().to("cpu", torch.float32, copy=True) for flat in self.layout.params.flats]
-        self._reference = reference
+        self._reference = reference or [torch.empty(n, dtype=torch.float32) for n in sizes]
         self._wire = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
         if self.error_feedback:
             self._residual = [torch.zeros(n, dtype=torch.float32) for n in sizes]
 
-    def _relayout(self, carried: dict[str, Tensor]) -> None:
+    def _relayout(self) -> None:
         """Re-allocate for a new set of trainable parameters (training thread, no round in flight).
 
-        Parameters that stay averaged keep their reference (``carried``, by name); newly averaged
-        ones start from their live value, identical on every rank because frozen parameters are
-        never changed by a round. Residuals restart at zero."""
+        The next realized round is then exact (f32 values, as without ``bf16_wire``): a newly
+        averaged parameter has no reference every rank agrees on, since each rank has already
+        trained it locally by the time its first round after the change starts."""
         self.params.wait_restored()  # the old buffers must not go while a copy out of them runs
-        reference: Optional[list[Tensor]] = None
-        if self.bf16_wire:
-            params = self.layout.params
-            reference = [torch.empty(flat.numel(), dtype=torch.float32) for flat in params.flats]
-            for name, view, live in zip(self.layout.names, params.views(reference), params.tensors, strict=True):
-                view.copy_(carried[name] if name in carried else live)
-        self._allocate_params(reference)
+        self._allocate_params([])
+        self._exact_round = self.bf16_wire
         if self.outer is not None:
             # Its momentum and previous global have the old layout's shape: restart it (every rank
             # relayouts at the same round, so every rank restarts alike).
@@ -199,15 +196,18 @@ class CpuPlane(AveragingPlane):
     def start(self, local: Tensor) -> None:
         if self._busy:
             raise RuntimeError("CpuPlane.start() while a round is in flight: collect() it first.")
-        names, params = self.layout.names, self.layout.params
-        if stamp_layout(local, self.layout):
-            self._relayout(dict(zip(names, params.views(self._reference), strict=True)) if self._reference else {})
-        self.params.capture()
-        if self.buffers is not None:
-            self.buffers.capture()
+        self._snapshot(local)
         self._busy = True
         self._done.clear()
         self._jobs.put(self._metadata_to_host(local))
+
+    def _snapshot(self, local: Tensor) -> None:
+        """Bring the layout up to date (stamping its signature into ``local``) and capture the replica."""
+        if stamp_layout(local, self.layout):
+            self._relayout()
+        self.params.capture()
+        if self.buffers is not None:
+            self.buffers.capture()
 
     def _metadata_to_host(self, local: Tensor) -> tuple[Tensor, Optional[torch.cuda.Event]]:
         # The metadata holds device values (loss sum, finite flag): copy them without blocking
@@ -307,7 +307,7 @@ class CpuPlane(AveragingPlane):
             return RoundResult(table, weights, None)
         self.params.wait()
         self.params.wait_restored()
-        if self.bf16_wire:
+        if self.bf16_wire and not self._exact_round:
             self._reduce_deltas(weights.param_factors)
         else:
             torch._foreach_copy_(self._consensus, self.params.buffers)
@@ -321,6 +321,7 @@ class CpuPlane(AveragingPlane):
         if self.bf16_wire:
             # What every rank adopts (after the outer step) is the next round's reference.
             torch._foreach_copy_(self._reference, self._consensus)
+            self._exact_round = False
         if self.buffers is not None:
             self.buffers.wait()
             factor = weights.buffer_factors[self.rank]
