@@ -11,7 +11,7 @@ With ``bf16_wire`` the parameters travel as the *change since the last consensus
 bfloat16: every rank keeps the last consensus (the reference, identical on every rank) in f32,
 sends ``bf16(θ_k − reference)``, and computes ``reference + Σ w_k·delta_k`` in f32 in rank order,
 so every rank gets the same bits and the weights stay f32. Rounding a delta loses about 2⁻⁹ of
-the delta, not of the weight: weights of order 1 moved by 1e-4 lose ~1e-7 per round, where
+the delta, not of the weight: weights of order 1 moved by 1e-4 lose ~2e-7 per round, where
 rounding the weights themselves lost ~2e-3 and froze small updates. With error feedback the
 rounding residual joins the next round's delta, so the loss does not accumulate over rounds.
 The wire carries the same bytes as a bf16 snapshot would.
