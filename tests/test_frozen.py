@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers import free_port
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 from test_wire import Peer, run_round
 from torch import nn
 from wire_helpers import BackboneRegression, CountWireBytes, fit_with_rank_local_unfreeze, load
@@ -132,7 +132,8 @@ def frozen_fit(out_dir: Path, mode: str, bf16_wire: bool = False, outer: Any = N
                              start_method="spawn", timeout=timedelta(seconds=30),
                              snapshot_timeout=timedelta(seconds=20), summary=False)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
-                         enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+                         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks or []),
+                         enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(out_dir),
                          callbacks=[Throttle(1, 2.0), CountWireBytes(str(out_dir)), *(callbacks or [])])
     trainer.fit(BackboneRegression(str(out_dir), **model_kwargs), ckpt_path=ckpt_path)
@@ -174,6 +175,20 @@ def test_a_frozen_backbone_stays_bit_identical_and_costs_no_wire_bytes(tmp_path,
                                                           ("nccl_cadence", False, SlowMo(lr=1.0, momentum=0.5))])
 def test_unfreezing_between_epochs_is_averaged_from_the_next_round(tmp_path, mode, bf16_wire, outer):
     records = frozen_fit(tmp_path, mode, bf16_wire, outer=outer, epochs=3, unfreeze_at_epoch=1)
+    r0, r1 = records
+    assert r0["final"] == r1["final"], "replicas differ after fit"
+    assert r0["final"]["backbone.0.weight"] != r0["initial"]["backbone.0.weight"], "the unfrozen backbone did not train"
+    small, large = r0["round_bytes"][0], r0["round_bytes"][1]
+    assert r0["round_bytes"] == r1["round_bytes"] == [small, large, large] and large > 5 * small
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_lightning_backbone_finetuning_is_followed_by_the_averaged_set(tmp_path):
+    # BackboneFinetuning freezes the backbone in on_fit_start (after the strategy built its plane
+    # with every parameter trainable) and unfreezes it at epoch 1, adding it to the optimizer.
+    records = frozen_fit(tmp_path, "cpu_cadence", bf16_wire=True, epochs=3, frozen=False, trainable_only=True,
+                         callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
     r0, r1 = records
     assert r0["final"] == r1["final"], "replicas differ after fit"
     assert r0["final"]["backbone.0.weight"] != r0["initial"]["backbone.0.weight"], "the unfrozen backbone did not train"

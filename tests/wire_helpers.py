@@ -52,7 +52,7 @@ class FineTuneRegression(LightningModule):
         return DataLoader(self.data, batch_size=16, shuffle=True)
 
     def on_fit_end(self) -> None:
-        x, y = self.data.tensors
+        x, y = (t.to(self.device) for t in self.data.tensors)
         with torch.no_grad():
             loss = nn.functional.mse_loss(self.linear(x), y).item()
         record = {"loss": loss, "params": [p.detach().flatten().tolist() for p in self.parameters()],
@@ -65,12 +65,15 @@ class BackboneRegression(LightningModule):
 
     ``frozen``: freeze the backbone's parameters at construction. ``unfreeze_at_epoch``: set
     ``requires_grad`` back on in ``on_train_epoch_start`` of that epoch, on every rank or only on
-    ``unfreeze_rank``. Writes the initial and final parameters by name, the rounds and the plane's
-    ``round_bytes`` to ``out_dir/frozen{rank}.json``.
+    ``unfreeze_rank``. ``trainable_only``: give the optimizer only the trainable parameters (what
+    Lightning's ``BackboneFinetuning`` expects: it adds the backbone's group itself). Writes the
+    initial and final parameters by name, the rounds and the plane's ``round_bytes`` to
+    ``out_dir/frozen{rank}.json``.
     """
 
     def __init__(self, out_dir: str, frozen: bool = True, unfreeze_at_epoch: Optional[int] = None,
-                 unfreeze_rank: Optional[int] = None, dim: int = 32, hidden: int = 256, n: int = 512) -> None:
+                 unfreeze_rank: Optional[int] = None, trainable_only: bool = False, dim: int = 32,
+                 hidden: int = 256, n: int = 512) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(n, dim, generator=g)
@@ -81,6 +84,7 @@ class BackboneRegression(LightningModule):
             self.backbone.requires_grad_(False)
         self.out_dir = out_dir
         self.unfreeze_at_epoch, self.unfreeze_rank = unfreeze_at_epoch, unfreeze_rank
+        self.trainable_only = trainable_only
         self.initial = {name: p.detach().clone() for name, p in self.named_parameters()}
         self.round_bytes: list[int] = []
 
@@ -89,6 +93,8 @@ class BackboneRegression(LightningModule):
         return nn.functional.mse_loss(self.head(self.backbone(x)), y)
 
     def configure_optimizers(self) -> Any:
+        if self.trainable_only:
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
         # All parameters: an unfrozen backbone is then trained without rebuilding the optimizer.
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
