@@ -1,17 +1,21 @@
 """The reduce math shared by every averaging plane.
 
-What is averaged: the model's parameters, weighted by the work each rank did since the last
-round (realized-work mass ``n_k ** gamma``), and its floating-point buffers, equally over the
-ranks that moved. Integer buffers and optimizer state stay local. Contributions are pre-scaled
+What is averaged: the model's trainable parameters (``requires_grad=True``), weighted by the work
+each rank did since the last round (realized-work mass ``n_k ** gamma``), and its floating-point
+buffers, equally over the ranks that moved. Frozen parameters, integer buffers and optimizer
+state stay local: frozen parameters start identical on every rank and nothing moves them, so
+averaging them would only cost wire bytes and round-off. Contributions are pre-scaled
 at the source by ``mass_k / total_mass`` so that a plain SUM reduce yields the consensus: one
 division, decided from metadata every rank has, no extra kernel.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -128,16 +132,87 @@ class FlatTensors:
         return [(str(flat.dtype), flat.numel()) for flat in self.flats]
 
 
-def averaged_state(module: nn.Module) -> tuple[FlatTensors, FlatTensors]:
-    """The parameters and the floating-point buffers that averaging rounds reduce.
+def trainable_parameters(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """``(name, tensor)`` of the parameters averaging rounds reduce: those with ``requires_grad``,
+    in ``named_parameters`` order."""
+    return [(name, p.data) for name, p in module.named_parameters() if p.requires_grad]
 
-    Parameters are taken in ``named_parameters`` order (frozen ones included, so that every
-    rank's list has the same length); buffers in ``named_buffers`` order, integer ones (such as
-    BatchNorm's ``num_batches_tracked``) left out because they count local events.
-    """
-    params = [p.data for _, p in module.named_parameters()]
-    buffers = [b for _, b in module.named_buffers() if b.is_floating_point()]
+
+def averaged_buffers(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """``(name, tensor)`` of the floating-point buffers averaging rounds reduce, in
+    ``named_buffers`` order. Integer ones (BatchNorm's ``num_batches_tracked``) count local events
+    and stay local. Buffers of frozen modules are kept: BatchNorm statistics still move in train mode."""
+    return [(name, b) for name, b in module.named_buffers() if b.is_floating_point()]
+
+
+def layout_signature(params: Sequence[tuple[str, Tensor]], buffers: Sequence[tuple[str, Tensor]]) -> float:
+    """A number naming what a rank averages (names, shapes, dtypes of both lists), identical on
+    ranks that average the same layout. A 52-bit integer, so that it survives a float64 metadata slot."""
+    digest = hashlib.blake2b(digest_size=8)
+    for kind, entries in (("param", params), ("buffer", buffers)):
+        for name, t in entries:
+            digest.update(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return float(int.from_bytes(digest.digest(), "little") % 2**52)
+
+
+def averaged_state(module: nn.Module) -> tuple[FlatTensors, FlatTensors]:
+    """The trainable parameters and the floating-point buffers that averaging rounds reduce."""
+    params = [t for _, t in trainable_parameters(module)]
+    buffers = [t for _, t in averaged_buffers(module)]
     return FlatTensors(params), FlatTensors(buffers)
+
+
+class AveragedLayout:
+    """What a plane averages, kept in step with the module's ``requires_grad`` flags.
+
+    Planes call :meth:`refresh` when a round starts (never per step): if the set of trainable
+    parameters changed since the last round (a backbone unfrozen between epochs), the parameter
+    mirror is rebuilt. Ranks that change the flags at different points average different layouts;
+    :attr:`signature` travels in every round's metadata so that this fails on every rank at once.
+
+    Args:
+        module: the model; ``None`` for a fixed layout (:meth:`fixed`).
+    """
+
+    def __init__(self, module: Optional[nn.Module]) -> None:
+        self.module = module
+        self.names: tuple[str, ...] = ()
+        self.params = FlatTensors([])
+        self.buffers = FlatTensors([])
+        self.signature = 0.0
+        self._buffer_names: list[tuple[str, Tensor]] = []
+        if module is not None:
+            named_buffers = averaged_buffers(module)
+            self.buffers = FlatTensors(t for _, t in named_buffers)
+            self._buffer_names = named_buffers
+            self._build(trainable_parameters(module))
+
+    @classmethod
+    def fixed(cls, params: FlatTensors, buffers: FlatTensors) -> AveragedLayout:
+        """A layout of given tensors that never changes (benchmarks, tests)."""
+        layout = cls(None)
+        layout.params, layout.buffers = params, buffers
+        layout.names = tuple(f"param{i}" for i in range(len(params.tensors)))
+        layout._buffer_names = [(f"buffer{i}", t) for i, t in enumerate(buffers.tensors)]
+        layout.signature = layout_signature(list(zip(layout.names, params.tensors, strict=True)), layout._buffer_names)
+        return layout
+
+    def _build(self, named: list[tuple[str, Tensor]]) -> None:
+        self.names = tuple(name for name, _ in named)
+        self.params = FlatTensors(t for _, t in named)
+        self.signature = layout_signature(named, self._buffer_names)
+
+    def refresh(self) -> bool:
+        """Rebuild the parameter mirror if the trainable set changed; whether it did.
+
+        A Python walk over the parameters' flags, no device work: cheap at round frequency."""
+        if self.module is None:
+            return False
+        named = trainable_parameters(self.module)
+        if tuple(name for name, _ in named) == self.names:
+            return False
+        self._build(named)
+        return True
 
 
 def divergence_norms(pre: Sequence[Tensor], consensus: Sequence[Tensor]) -> Tensor:

@@ -40,7 +40,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from lightning_elche.averaging import averaged_state
+from lightning_elche.averaging import AveragedLayout
 from lightning_elche.checks import require_int
 from lightning_elche.config import ElCheConfig, ElCheMode, Transport
 from lightning_elche.coverage import EpochCoverage
@@ -284,7 +284,7 @@ class ElCheStrategy(DDPStrategy):
 
     def _build_engine(self) -> ElCheEngine:
         assert self.lightning_module is not None
-        params, buffers = averaged_state(self.lightning_module)
+        layout = AveragedLayout(self.lightning_module)
         outer = copy.deepcopy(self.outer_optimizer) if self.outer_optimizer is not None else OuterAvg()
         plane_outer = None if isinstance(outer, OuterAvg) else outer
         run_mode = self.elche.run_mode
@@ -293,13 +293,13 @@ class ElCheStrategy(DDPStrategy):
             # Every rank creates the side group here, in the same order; only the plane's thread uses it.
             self._side_group = dist.new_group(backend="gloo", timeout=self.snapshot_timeout)
             plane = CpuPlane(
-                params, buffers, self.global_rank, self.world_size, gamma=self.elche.gamma, outer=plane_outer,
+                layout, self.global_rank, self.world_size, gamma=self.elche.gamma, outer=plane_outer,
                 bf16_wire=run_mode.bf16_wire, non_blocking=not run_mode.blocking,
                 snapshot_timeout=self.snapshot_timeout, group=self._side_group,
             )
         else:
             plane = CollectivePlane(
-                params, buffers, self.global_rank, self.world_size, self._metadata_device(),
+                layout, self.global_rank, self.world_size, self._metadata_device(),
                 gamma=self.elche.gamma, outer=plane_outer,
             )
         return ElCheEngine(
@@ -308,8 +308,9 @@ class ElCheStrategy(DDPStrategy):
             rank=self.global_rank,
             world_size=self.world_size,
             device=self.root_device,
-            params=params.tensors,
-            signature=float(params.numel + 1_000_003 * buffers.numel) % 2**52,
+            # Frozen parameters too: one may be unfrozen later (the planes stamp the current signature).
+            params=[p.detach() for p in self.lightning_module.parameters()],
+            signature=layout.signature,
             step_budget=self._session.step_budget,
             outer=outer,
         )

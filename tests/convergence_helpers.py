@@ -16,10 +16,12 @@ from lightning_elche import DiLoCo, SlowMo
 # DiLoCo(lr=0.7, momentum=0.9) over SGD-with-momentum is not in this list: it reached a median of
 # 0.972 against nccl_sync's 0.986 at 30 epochs (its inner momentum is reset at every sync); see
 # docs/benchmarks.md. Issue 4 stays open on it.
-CONVERGENCE_ARMS = ("nccl_sync", "cpu_sync", "cpu_cadence", "cpu_async", "nccl_cadence", "nccl_cadence+no_guard",
+CONVERGENCE_ARMS = ("nccl_sync", "cpu_sync", "cpu_cadence", "cpu_cadence+bf16", "cpu_async", "nccl_cadence",
+                    "nccl_cadence+no_guard",
                     "nccl_cadence+slowmo", "nccl_cadence+slowmo+no_guard", "nccl_cadence+diloco",
                     "nccl_cadence+diloco+no_guard")
-"""Each arm is a mode, optionally ``+slowmo`` or ``+diloco`` (outer optimizer) and ``+no_guard``."""
+"""Each arm is a mode, optionally ``+slowmo`` or ``+diloco`` (outer optimizer), ``+no_guard`` and ``+bf16``
+(``bf16_wire``, cpu_* modes)."""
 
 # Outer momentum 0.5: ElChe's windows here are ~20 steps, and the 0.9 of DiLoCo's paper (windows of
 # hundreds of steps) amplifies each window's drift about lr / (1 - momentum) times: see docs/benchmarks.md.
@@ -39,14 +41,17 @@ def _convergence_strategy(arm: str) -> Any:
     config = ElCheConfig.preset(mode)
     if "no_guard" in variants:
         config = replace(config, no_divergence_guard=True)
+    if "bf16" in variants:
+        config = replace(config, bf16_wire=True)
     return ElCheStrategy(elche=config, outer_optimizer=outers[0] if outers else None, timeout=timedelta(seconds=30),
                          snapshot_timeout=timedelta(seconds=30), summary=False)
 
 
-def digits_convergence(rank: int, out_dir: str, port: int, seeds: int, epochs: int) -> None:
+def digits_convergence(rank: int, out_dir: str, port: int, seeds: int, epochs: int,
+                       arms: tuple[str, ...] = CONVERGENCE_ARMS) -> None:
     """A rank of a 2-process job (``torch.multiprocessing.spawn``) that fits every arm of
     ``CONVERGENCE_ARMS`` on scikit-learn digits for each seed, rank 1 throttled 2x, and writes
-    rank 0's held-out accuracy per arm and seed."""
+    rank 0's held-out accuracy per arm and seed (``arms``: a subset, for a quicker look)."""
     from lightning.pytorch import seed_everything
 
     from lightning_elche.bench.workloads import DigitsWorkload, train_loader
@@ -55,9 +60,9 @@ def digits_convergence(rank: int, out_dir: str, port: int, seeds: int, epochs: i
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
     workload = DigitsWorkload(torch.device("cpu"))
-    accuracy: dict[str, list[float]] = {arm: [] for arm in CONVERGENCE_ARMS}
+    accuracy: dict[str, list[float]] = {arm: [] for arm in arms}
     for seed in range(seeds):
-        for arm in CONVERGENCE_ARMS:
+        for arm in arms:
             seed_everything(seed, verbose=False)
             module = workload.make_module()
             trainer = Trainer(accelerator="cpu", devices=2, max_epochs=epochs, strategy=_convergence_strategy(arm),

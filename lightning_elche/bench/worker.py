@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
 
-from lightning_elche.averaging import FlatTensors, round_weights
+from lightning_elche.averaging import AveragedLayout, FlatTensors, round_weights
 from lightning_elche.bench.arms import PostLocalSGDStrategy, make_strategy
 from lightning_elche.bench.config import PG_TIMEOUT_S, WORLD_SIZE, BenchConfig, Setting
 from lightning_elche.bench.meter import BenchMeter
@@ -233,7 +233,8 @@ def _micro_model(ctx: RankContext, section: str) -> dict[str, Any]:
     flat = torch.ones(numel, dtype=torch.float32, device=ctx.device)
     raw_s = _time_collective(ctx, lambda: dist.all_reduce(flat), iters)
     meta_device = ctx.device if ctx.config.rig.backend == "nccl" else torch.device("cpu")
-    plane = CollectivePlane(FlatTensors(params), FlatTensors([]), ctx.rank, WORLD_SIZE, meta_device)
+    layout = AveragedLayout.fixed(FlatTensors(params), FlatTensors([]))
+    plane = CollectivePlane(layout, ctx.rank, WORLD_SIZE, meta_device)
     weights = round_weights([1] * WORLD_SIZE, 1.0)
     plane_s = _time_collective(ctx, lambda: plane.average(weights), iters)
     plane.params.pack()

@@ -9,7 +9,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_elche.averaging import RoundWeights
+from lightning_elche.averaging import AveragedLayout, RoundWeights
+from lightning_elche.rounds import Meta, RanksOutOfStep
 
 
 @dataclass
@@ -37,6 +38,11 @@ class AveragingPlane(ABC):
     #: Whether training may continue while a round is in flight.
     non_blocking: bool = False
 
+    @property
+    def round_bytes(self) -> int:
+        """Payload bytes this rank puts on the wire in a realized round (metadata excluded)."""
+        return 0
+
     @abstractmethod
     def start(self, local: Tensor) -> None:
         """Begin a round with this rank's metadata vector (and its current replica)."""
@@ -61,3 +67,33 @@ def all_gather_flat(output: Tensor, local: Tensor, group: Optional[Any] = None) 
     # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, local, group=group)
+
+
+def stamp_layout(local: Tensor, layout: AveragedLayout) -> bool:
+    """Bring ``layout`` up to date with the module's ``requires_grad`` flags and write its
+    signature into this round's metadata; whether the layout was rebuilt.
+
+    Called by :meth:`AveragingPlane.start`, so the signature is the one of the bytes the round
+    sends. Writing one slot of a device tensor queues a fill, it does not synchronize."""
+    rebuilt = layout.refresh()
+    local[Meta.SIGNATURE] = layout.signature
+    return rebuilt
+
+
+def check_layout(table: list[list[float]], layout: AveragedLayout, rank: int) -> None:
+    """Refuse, on every rank alike, a round whose ranks average different layouts, naming the
+    likely cause. Rounds or epochs that differ are left to ``validate_table``, which names those."""
+    signatures = [row[Meta.SIGNATURE] for row in table]
+    if all(s == signatures[0] for s in signatures):
+        return
+    for slot in (Meta.ROUND, Meta.EPOCH):
+        if any(row[slot] != table[0][slot] for row in table):
+            return
+    raise RanksOutOfStep(
+        f"ElChe ranks average different parameter layouts at round {int(table[0][Meta.ROUND])}: "
+        f"signatures {[int(s) for s in signatures]} (rank {rank} averages {len(layout.names)} trainable "
+        f"parameter tensors, {layout.params.numel} values). Either the models differ, or requires_grad "
+        "was changed on some ranks only or in the middle of an epoch: change it on every rank and "
+        "between epochs (e.g. in on_train_epoch_start, or with BackboneFinetuning); the next round "
+        "then averages the new set everywhere."
+    )

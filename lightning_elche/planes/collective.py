@@ -2,7 +2,7 @@
 
 NCCL on GPUs, gloo on CPU. Each rank pre-scales its flat parameter buffer by its share of the
 realized-work mass and a SUM all-reduce yields the consensus directly, which is copied back into
-the live parameters in place.
+the live parameters in place. Only trainable parameters travel (see :class:`AveragedLayout`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_elche.averaging import FlatTensors, RoundWeights, divergence_norms, round_weights
+from lightning_elche.averaging import AveragedLayout, FlatTensors, RoundWeights, divergence_norms, round_weights
 from lightning_elche.outer import OuterOptimizer
-from lightning_elche.planes.base import AveragingPlane, RoundResult, all_gather_flat
+from lightning_elche.planes.base import AveragingPlane, RoundResult, all_gather_flat, check_layout, stamp_layout
 from lightning_elche.rounds import Meta, validate_table
 
 
@@ -23,8 +23,7 @@ class CollectivePlane(AveragingPlane):
     """Blocking averaging on a process group (the default group unless ``group`` is given).
 
     Args:
-        params: the model's parameters in flat persistent buffers.
-        buffers: the model's floating-point buffers in flat persistent buffers.
+        layout: the trainable parameters and floating-point buffers, in flat persistent buffers.
         rank, world_size: this rank's index and the number of ranks in ``group``.
         device: where metadata travels (CUDA for NCCL, CPU for gloo).
         gamma: exponent of the realized-work weights.
@@ -34,8 +33,7 @@ class CollectivePlane(AveragingPlane):
 
     def __init__(
         self,
-        params: FlatTensors,
-        buffers: FlatTensors,
+        layout: AveragedLayout,
         rank: int,
         world_size: int,
         device: torch.device,
@@ -43,8 +41,7 @@ class CollectivePlane(AveragingPlane):
         outer: Optional[OuterOptimizer] = None,
         group: Optional[Any] = None,
     ) -> None:
-        self.params = params
-        self.buffers = buffers
+        self.layout = layout
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -55,13 +52,32 @@ class CollectivePlane(AveragingPlane):
         self._pre: Optional[list[Tensor]] = None
         self._local: Optional[Tensor] = None
 
+    @property
+    def params(self) -> FlatTensors:
+        return self.layout.params
+
+    @property
+    def buffers(self) -> FlatTensors:
+        return self.layout.buffers
+
+    @property
+    def round_bytes(self) -> int:
+        return self.params.nbytes + self.buffers.nbytes
+
     def start(self, local: Tensor) -> None:
+        if stamp_layout(local, self.layout):
+            self._pre = None  # sized for the old layout
+            if self.outer is not None:
+                # Its momentum and previous global have the old layout's shape: restart it (every
+                # rank relayouts at the same round, so every rank restarts alike).
+                self.outer.reset()
         self._local = local
 
     def collect(self) -> RoundResult:
         assert self._local is not None, "collect() without start()"
         table = self.exchange(self._local).tolist()
         self._local = None
+        check_layout(table, self.layout, self.rank)
         validate_table(table)
         weights = round_weights([int(row[Meta.STEPS]) for row in table], self.gamma)
         return RoundResult(table, weights, self.average(weights, self.outer))

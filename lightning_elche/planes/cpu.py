@@ -3,10 +3,18 @@
 At a window boundary the rank copies its parameters (and float buffers) into pinned host
 snapshots (on a side stream on CUDA) and hands the round to one background thread, which alone
 drives a gloo group of its own (never the default group, never two threads on one group): it
-gathers the round's metadata, checks it, reduces the pre-scaled snapshots in f32 (or gathers
-bf16 snapshots and sums them in f32 with ``bf16_wire``), measures this rank's drift, applies the
-outer optimizer, and leaves the consensus in pinned memory. The training thread adopts it later,
-with a blend for ``cpu_async``.
+gathers the round's metadata, checks it, reduces the pre-scaled snapshots in f32, measures this
+rank's drift, applies the outer optimizer, and leaves the consensus in pinned memory. The
+training thread adopts it later, with a blend for ``cpu_async``.
+
+With ``bf16_wire`` the parameters travel as the *change since the last consensus*, rounded to
+bfloat16: every rank keeps the last consensus (the reference, identical on every rank) in f32,
+sends ``bf16(θ_k − reference)``, and computes ``reference + Σ w_k·delta_k`` in f32 in rank order,
+so every rank gets the same bits and the weights stay f32. Rounding a delta loses about 2⁻⁹ of
+the delta, not of the weight: weights of order 1 moved by 1e-4 lose ~2e-7 per round, where
+rounding the weights themselves lost ~2e-3 and froze small updates. With error feedback the
+rounding residual joins the next round's delta, so the loss does not accumulate over rounds.
+The wire carries the same bytes as a bf16 snapshot would.
 
 Blocking modes (``cpu_sync``, ``cpu_cadence``) wait for the thread right away; ``cpu_async``
 keeps training and adopts at a later step.
@@ -23,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_elche.averaging import FlatTensors, divergence_norms, round_weights, weighted_sum_into
+from lightning_elche.averaging import AveragedLayout, FlatTensors, divergence_norms, round_weights, weighted_sum_into
 from lightning_elche.outer import OuterOptimizer
-from lightning_elche.planes.base import AveragingPlane, RoundResult, all_gather_flat
+from lightning_elche.planes.base import AveragingPlane, RoundResult, all_gather_flat, check_layout, stamp_layout
 from lightning_elche.rounds import Meta, validate_table
 
 _STOP = object()
@@ -36,12 +44,12 @@ class SnapshotTimeout(TimeoutError):
 
 
 class HostMirror:
-    """Pinned host copies of a :class:`FlatTensors`, filled from the device without blocking it."""
+    """Pinned f32 host copies of a :class:`FlatTensors`, filled from the device without blocking it."""
 
-    def __init__(self, source: FlatTensors, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, source: FlatTensors) -> None:
         self.source = source
         pin = torch.cuda.is_available() and any(f.is_cuda for f in source.flats)
-        self.buffers = [torch.empty(f.numel(), dtype=dtype or torch.float32, pin_memory=pin) for f in source.flats]
+        self.buffers = [torch.empty(f.numel(), dtype=torch.float32, pin_memory=pin) for f in source.flats]
         self.cuda = pin
         self._stream = torch.cuda.Stream() if pin else None
         self._ready: Optional[torch.cuda.Event] = None
@@ -91,20 +99,26 @@ class CpuPlane(AveragingPlane):
     """Averaging of host snapshots on a dedicated gloo group driven by one background thread.
 
     Args:
-        params, buffers: the model's parameters and float buffers in flat persistent buffers.
+        layout: the trainable parameters and float buffers, in flat persistent buffers.
         rank, world_size: this rank and the number of ranks.
         gamma: exponent of the realized-work weights.
         outer: outer optimizer applied to the parameter consensus (host, f32).
-        bf16_wire: ship parameter snapshots as bfloat16 (all accumulation in f32).
+        bf16_wire: ship each rank's parameter change since the last consensus as bfloat16
+            (reference, consensus and accumulation in f32).
         non_blocking: let training continue while a round is in flight (``cpu_async``).
         snapshot_timeout: how long a round may wait for a silent peer before failing.
         group: the gloo group (created by the caller on every rank, in the same order).
+        error_feedback: with ``bf16_wire``, add each round's rounding residual to the next
+            round's delta.
+
+    The bf16 reference starts as the parameters at construction: the strategy builds the plane
+    right after it made every replica identical (and after a checkpoint was loaded, so a resumed
+    run starts from the loaded consensus on every rank).
     """
 
     def __init__(
         self,
-        params: FlatTensors,
-        buffers: FlatTensors,
+        layout: AveragedLayout,
         rank: int,
         world_size: int,
         gamma: float,
@@ -113,7 +127,9 @@ class CpuPlane(AveragingPlane):
         non_blocking: bool,
         snapshot_timeout: timedelta,
         group: Any,
+        error_feedback: bool = True,
     ) -> None:
+        self.layout = layout
         self.rank = rank
         self.world_size = world_size
         self.gamma = gamma
@@ -122,14 +138,10 @@ class CpuPlane(AveragingPlane):
         self.non_blocking = non_blocking
         self.snapshot_timeout = snapshot_timeout
         self.group = group
-        self.params = HostMirror(params, torch.bfloat16 if bf16_wire else torch.float32)
-        self.buffers = HostMirror(buffers) if buffers else None
-        # The consensus lands here; f32 whatever the wire, so that blending and the outer step are exact.
-        self._consensus = [
-            torch.empty(b.numel(), dtype=torch.float32, pin_memory=self.params.cuda) for b in self.params.buffers
-        ]
-        self._scratch = [torch.empty(b.numel(), dtype=torch.float32) for b in self.params.buffers]
-        self._gathered: Optional[list[list[Tensor]]] = None
+        self.error_feedback = error_feedback
+        self._exact_round = False
+        self.buffers = HostMirror(layout.buffers) if layout.buffers else None
+        self._allocate_params(None)
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._results: queue.Queue[Any] = queue.Queue()
         self._done = threading.Event()
@@ -137,17 +149,65 @@ class CpuPlane(AveragingPlane):
         self._thread = threading.Thread(target=self._serve, name=f"elche-cpu-plane-rank{rank}", daemon=True)
         self._thread.start()
 
+    def _allocate_params(self, reference: Optional[list[Tensor]]) -> None:
+        """Host buffers for the current parameter layout. ``reference`` is the bf16 wire's last
+        consensus; ``None`` takes the live parameters (identical on every rank at construction),
+        ``[]`` leaves it to the next (exact) round."""
+        self.params = HostMirror(self.layout.params)
+        sizes = [b.numel() for b in self.params.buffers]
+        # The consensus lands here; f32 whatever the wire, so that blending and the outer step are exact.
+        self._consensus = [torch.empty(n, dtype=torch.float32, pin_memory=self.params.cuda) for n in sizes]
+        self._scratch = [torch.empty(n, dtype=torch.float32) for n in sizes]
+        self._reference: list[Tensor] = []
+        self._residual: list[Tensor] = []
+        self._wire: list[Tensor] = []
+        self._gathered: Optional[list[list[Tensor]]] = None
+        if not self.bf16_wire:
+            return
+        if reference is None:
+            self.layout.params.pack()
+            reference = [flat.detach().to("cpu", torch.float32, copy=True) for flat in self.layout.params.flats]
+        self._reference = reference or [torch.empty(n, dtype=torch.float32) for n in sizes]
+        self._wire = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+        if self.error_feedback:
+            self._residual = [torch.zeros(n, dtype=torch.float32) for n in sizes]
+
+    def _relayout(self) -> None:
+        """Re-allocate for a new set of trainable parameters (training thread, no round in flight).
+
+        The next realized round is then exact (f32 values, as without ``bf16_wire``): a newly
+        averaged parameter has no reference every rank agrees on, since each rank has already
+        trained it locally by the time its first round after the change starts."""
+        self.params.wait_restored()  # the old buffers must not go while a copy out of them runs
+        self._allocate_params([])
+        self._exact_round = self.bf16_wire
+        if self.outer is not None:
+            # Its momentum and previous global have the old layout's shape: restart it (every rank
+            # relayouts at the same round, so every rank restarts alike).
+            self.outer.reset()
+
+    @property
+    def round_bytes(self) -> int:
+        param_bytes = self.layout.params.numel * (2 if self.bf16_wire else 4)
+        return param_bytes + (self.layout.buffers.numel * 4 if self.buffers is not None else 0)
+
     # -- training thread -------------------------------------------------------------------
 
     def start(self, local: Tensor) -> None:
         if self._busy:
             raise RuntimeError("CpuPlane.start() while a round is in flight: collect() it first.")
-        self.params.capture()
-        if self.buffers is not None:
-            self.buffers.capture()
+        self._snapshot(local)
         self._busy = True
         self._done.clear()
         self._jobs.put(self._metadata_to_host(local))
+
+    def _snapshot(self, local: Tensor) -> None:
+        """Bring the layout up to date (stamping its signature into ``local``) and capture the replica."""
+        if stamp_layout(local, self.layout):
+            self._relayout()
+        self.params.capture()
+        if self.buffers is not None:
+            self.buffers.capture()
 
     def _metadata_to_host(self, local: Tensor) -> tuple[Tensor, Optional[torch.cuda.Event]]:
         # The metadata holds device values (loss sum, finite flag): copy them without blocking
@@ -200,6 +260,7 @@ class CpuPlane(AveragingPlane):
         if not self._thread.is_alive():
             # Release the pinned host memory (the engine outlives fit for inspection).
             self.params.buffers, self._consensus, self._scratch, self._gathered = [], [], [], None
+            self._reference, self._residual, self._wire = [], [], []
             self.params.source.release()
             if self.buffers is not None:
                 self.buffers.buffers = []
@@ -239,14 +300,15 @@ class CpuPlane(AveragingPlane):
         table_flat = torch.empty(self.world_size * local.numel(), dtype=torch.float64)
         all_gather_flat(table_flat, local, group=self.group)
         table = table_flat.view(self.world_size, -1).tolist()
+        check_layout(table, self.layout, self.rank)
         validate_table(table)
         weights = round_weights([int(row[Meta.STEPS]) for row in table], self.gamma)
         if not weights.realized:
             return RoundResult(table, weights, None)
         self.params.wait()
         self.params.wait_restored()
-        if self.bf16_wire:
-            self._reduce_bf16(weights.param_factors)
+        if self.bf16_wire and not self._exact_round:
+            self._reduce_deltas(weights.param_factors)
         else:
             torch._foreach_copy_(self._consensus, self.params.buffers)
             torch._foreach_mul_(self._consensus, weights.param_factors[self.rank])
@@ -256,6 +318,10 @@ class CpuPlane(AveragingPlane):
         divergence = divergence_norms(self._scratch, self._consensus)
         if self.outer is not None:
             self.outer.step(self._consensus)
+        if self.bf16_wire:
+            # What every rank adopts (after the outer step) is the next round's reference.
+            torch._foreach_copy_(self._reference, self._consensus)
+            self._exact_round = False
         if self.buffers is not None:
             self.buffers.wait()
             factor = weights.buffer_factors[self.rank]
@@ -264,11 +330,40 @@ class CpuPlane(AveragingPlane):
                 dist.all_reduce(flat, group=self.group)
         return RoundResult(table, weights, divergence)
 
-    def _reduce_bf16(self, factors: tuple[float, ...]) -> None:
-        # Gathering the bf16 snapshots and summing them here keeps every accumulator in f32 (a bf16
-        # all-reduce would add in bf16); every rank sums in the same order, so all get the same bits.
+    def _reduce_deltas(self, factors: tuple[float, ...]) -> None:
+        """``consensus = reference + Σ factors[k]·bf16(delta_k)``, in f32 on every rank.
+
+        Gathering the bf16 deltas and summing them here keeps every accumulator in f32 (a bf16
+        all-reduce would add in bf16); every rank sums in the same order, so all get the same bits."""
+        encode_delta(self.params.buffers, self._reference, self._residual, self._scratch, self._wire,
+                     carry_residual=factors[self.rank] > 0.0)
         if self._gathered is None:
-            self._gathered = [[torch.empty_like(b) for _ in range(self.world_size)] for b in self.params.buffers]
-        for mine, gathered, out in zip(self.params.buffers, self._gathered, self._consensus, strict=True):
+            self._gathered = [[torch.empty_like(w) for _ in range(self.world_size)] for w in self._wire]
+        for mine, gathered, out in zip(self._wire, self._gathered, self._consensus, strict=True):
             dist.all_gather(gathered, mine, group=self.group)
             weighted_sum_into(out, gathered, factors)
+        torch._foreach_add_(self._consensus, self._reference)
+
+
+def encode_delta(
+    snapshot: list[Tensor],
+    reference: list[Tensor],
+    residual: list[Tensor],
+    scratch: list[Tensor],
+    wire: list[Tensor],
+    carry_residual: bool,
+) -> None:
+    """``wire = bf16(snapshot − reference + residual)``; with a residual (error feedback), keep
+    what the rounding lost for the next round.
+
+    ``carry_residual`` is False for a rank whose contribution has weight 0 this round: nothing it
+    sent is used, so its residual stays as it was. ``scratch`` (f32) holds the unrounded delta.
+    """
+    torch._foreach_copy_(scratch, snapshot)
+    torch._foreach_sub_(scratch, reference)
+    if residual:
+        torch._foreach_add_(scratch, residual)
+    torch._foreach_copy_(wire, scratch)  # round to nearest even
+    if residual and carry_residual:
+        for lost, exact, sent in zip(residual, scratch, wire, strict=True):
+            torch.sub(exact, sent, out=lost)
