@@ -19,6 +19,8 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 from torch.utils.data import Dataset
 
+from lightning_elche.checks import as_int, invalid, require_int
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -74,15 +76,15 @@ class AugmentedDataset(Dataset):
     def __init__(
         self, dataset: Dataset, augment: int = 1, transform: Optional[Transform] = None, seed: int = 0
     ) -> None:
-        if isinstance(augment, bool) or not isinstance(augment, int) or augment < 1:
-            raise ValueError(f"AugmentedDataset(augment={augment!r}) is invalid: expected an integer >= 1.")
+        augment = require_int(f"AugmentedDataset(augment={augment!r})", augment, 1)
         if transform is not None and not callable(transform):
             raise TypeError(
                 f"AugmentedDataset(transform={transform!r}) is invalid: expected a callable "
                 "transform(sample, key, generator) or None."
             )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"AugmentedDataset(seed={seed!r}) is invalid: expected an integer.")
+        if as_int(seed) is None:
+            raise invalid(f"AugmentedDataset(seed={seed!r})", "expected an integer")
+        seed = int(seed)
         try:
             self.base_len = len(dataset)  # type: ignore[arg-type]
         except TypeError:

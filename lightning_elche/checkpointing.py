@@ -16,16 +16,19 @@ own step-checkpoints save (``on_train_batch_end``), so Lightning restores its lo
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
+from lightning_elche.checks import require_int
 from lightning_elche.engine import RoundOutcome
+from lightning_elche.loop_glue import monitor_candidates, save_checkpoint_now
+from lightning_elche.strategy import ElCheStrategy
 
 
 class ElCheCheckpoint(ModelCheckpoint):
@@ -49,7 +52,7 @@ class ElCheCheckpoint(ModelCheckpoint):
 
     def __init__(
         self,
-        dirpath: Optional[_PATH] = None,
+        dirpath: Optional[Union[str, Path]] = None,
         filename: Optional[str] = None,
         monitor: Optional[str] = None,
         verbose: bool = False,
@@ -63,11 +66,10 @@ class ElCheCheckpoint(ModelCheckpoint):
         enable_version_counter: bool = True,
         every_n_syncs: Optional[int] = None,
     ) -> None:
-        if every_n_syncs is not None and (
-            isinstance(every_n_syncs, bool) or not isinstance(every_n_syncs, int) or every_n_syncs < 1
-        ):
-            raise ValueError(
-                f"ElCheCheckpoint(every_n_syncs={every_n_syncs!r}) is invalid: expected an integer >= 1 or None."
+        if every_n_syncs is not None:
+            every_n_syncs = require_int(
+                f"ElCheCheckpoint(every_n_syncs={every_n_syncs!r})", every_n_syncs, 1,
+                "expected an integer >= 1 or None",
             )
         if every_n_syncs is not None and monitor is not None:
             raise ValueError(
@@ -82,7 +84,7 @@ class ElCheCheckpoint(ModelCheckpoint):
             save_on_train_epoch_end=save_on_train_epoch_end, enable_version_counter=enable_version_counter,
         )
         self.every_n_syncs = every_n_syncs
-        self._strategy: Optional[Any] = None
+        self._strategy: Optional[ElCheStrategy] = None
         self._next_due = 0
         self._save_now = False
 
@@ -90,8 +92,6 @@ class ElCheCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         if self.every_n_syncs is None or stage != "fit":
             return
-        from lightning_elche.strategy import ElCheStrategy
-
         strategy = trainer.strategy
         if not isinstance(strategy, ElCheStrategy):
             raise MisconfigurationException(
@@ -103,19 +103,19 @@ class ElCheCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        if self._strategy is None or self._strategy.engine is None:
+        progress = self._strategy.progress if self._strategy is not None else None
+        if progress is None:
             return
-        engine = self._strategy.engine
+        assert self._strategy is not None and self.every_n_syncs is not None
         # Continue the cadence of a resumed fit: the next multiple after the restored sync count.
-        self._next_due = (engine.state.rounds // self.every_n_syncs + 1) * self.every_n_syncs  # type: ignore[operator]
+        self._next_due = (progress.rounds // self.every_n_syncs + 1) * self.every_n_syncs
         self._save_now = False
-        if engine.state.rounds + 1 >= self._next_due:
-            engine.consensus_next = True
+        if progress.rounds + 1 >= self._next_due:
+            self._strategy.request_consensus()
 
     def _on_round(self, outcome: RoundOutcome, metrics: dict[str, float]) -> None:
         # Runs on every rank with the same outcome, so every rank takes the same decisions.
         assert self._strategy is not None and self.every_n_syncs is not None
-        engine = self._strategy.engine
         eligible = (
             outcome.consensus
             and not outcome.ends_window_sequence
@@ -125,7 +125,7 @@ class ElCheCheckpoint(ModelCheckpoint):
             self._save_now = True
             self._next_due = (outcome.index // self.every_n_syncs + 1) * self.every_n_syncs
         if outcome.index + 1 >= self._next_due:
-            engine.consensus_next = True  # the round that falls due flushes to the consensus first
+            self._strategy.request_consensus()  # the round that falls due flushes to the consensus first
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -136,15 +136,14 @@ class ElCheCheckpoint(ModelCheckpoint):
         self._save_now = False
         assert self._strategy is not None
         with self._strategy.sync_point():
-            candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+            save_checkpoint_now(self, trainer)
 
     def _monitor_candidates(self, trainer: Trainer) -> dict[str, Tensor]:
-        candidates = super()._monitor_candidates(trainer)
-        engine = getattr(trainer.strategy, "engine", None)
-        if engine is not None and "sync" not in candidates:
-            candidates["sync"] = torch.tensor(engine.state.rounds)
+        # Overrides ModelCheckpoint's: adds ``{sync}`` for filenames.
+        candidates = monitor_candidates(self, trainer)
+        progress = trainer.strategy.progress if isinstance(trainer.strategy, ElCheStrategy) else None
+        if progress is not None and "sync" not in candidates:
+            candidates["sync"] = torch.tensor(progress.rounds)
         return candidates
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

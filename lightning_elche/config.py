@@ -9,10 +9,13 @@ and what is allowed.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Any, Optional, Union
+
+from lightning_elche.checks import as_real, invalid, require_bool, require_int, require_real
 
 DEFAULT_ANCHOR = 10
 DEFAULT_MAX_ANCHOR = 1000
@@ -61,24 +64,58 @@ class ElCheMode(str, Enum):
         return self.value
 
 
+class Transport(str, Enum):
+    """Where replicas are averaged."""
+
+    DEVICE = "device"  # the job's default process group (NCCL on GPUs, gloo on CPU)
+    HOST = "host"  # pinned host snapshots on a dedicated gloo group, reduced by a thread
+
+
+class Dispatch(str, Enum):
+    """How an epoch's samples are shared out (see :mod:`lightning_elche.data`)."""
+
+    EQUAL = "equal"  # interleaved equal split (sync modes)
+    POOL = "pool"  # chunks claimed from a shared pool: faster ranks claim more
+    FIXED = "fixed"  # fixed contiguous shares (partition_ratios)
+
+
+@dataclass(frozen=True)
+class RunMode:
+    """What a validated :class:`ElCheConfig` means for a fit, the one place the mode is interpreted.
+
+    Every module reads these fields instead of testing the mode's name.
+    """
+
+    mode: ElCheMode
+    transport: Transport
+    blocking: bool
+    """Ranks wait for each round's result (every mode but ``cpu_async``)."""
+    window_growth: bool
+    """The controller may grow the window (cadence and async modes)."""
+    dispatch: Dispatch
+    blend_alpha: float
+    """Weight of the consensus when a replica adopts it: 1 overwrites, < 1 blends (EASGD)."""
+    relax_up: bool
+    bf16_wire: bool
+
+
 def _fail(knob: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"ElCheConfig.{knob}={value!r} is invalid: {allowed}.")
+    return invalid(f"ElCheConfig.{knob}={value!r}", allowed)
 
 
-def _check_int(knob: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _fail(knob, value, f"expected an integer >= {minimum}")
-
-
-def _check_bool(knob: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise _fail(knob, value, "expected true or false")
+def _check_int(knob: str, value: Any, minimum: int) -> int:
+    return require_int(f"ElCheConfig.{knob}={value!r}", value, minimum)
 
 
 def _check_real(knob: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _fail(knob, value, "expected a finite number")
-    return float(value)
+    return require_real(f"ElCheConfig.{knob}={value!r}", value)
+
+
+def clamp_overhead_target(value: Optional[float]) -> float:
+    """``overhead_target`` (None: the default) inside the controller's working range."""
+    target = DEFAULT_OVERHEAD_TARGET if value is None else value
+    low, high = OVERHEAD_TARGET_RANGE
+    return min(max(float(target), low), high)
 
 
 @dataclass
@@ -97,7 +134,7 @@ class ElCheConfig:
             below it, never below 1.
         overhead_target: per-window fixed cost (sync + pipeline fill) as a fraction of the slow
             rank's window wall time that the controller aims for, in (0, 1); default 0.05. Values
-            outside [0.01, 0.5] are clamped by the controller, with a warning.
+            outside [0.01, 0.5] are clamped, with a warning.
         max_batch_diff: largest change of a rank's per-window batch count per update, and (CPU
             modes) the largest lead of the fastest rank over the slowest. 0 = strict lockstep.
         relax_up: let the anchor creep up by one on each stable verdict (``cpu_async`` only).
@@ -112,7 +149,8 @@ class ElCheConfig:
         no_divergence_guard: disable the convergence guard.
         max_overshoot: batches a ``cpu_async`` rank may run past its planned sync (None = auto).
         gamma: exponent of the realized-work weight n_k**gamma of each rank's parameters (finite).
-        bf16_wire: ship the CPU plane's snapshots and consensus as bfloat16.
+        bf16_wire: ship the CPU plane's snapshots and consensus as bfloat16 (``cpu_*`` modes only:
+            the ``nccl_*`` reduce never leaves the devices, so the knob is refused there).
     """
 
     mode: Union[ElCheMode, str] = ElCheMode.nccl_cadence
@@ -201,19 +239,37 @@ class ElCheConfig:
 
     @property
     def resolved_overhead_target(self) -> float:
-        value = DEFAULT_OVERHEAD_TARGET if self.overhead_target is None else self.overhead_target
-        low, high = OVERHEAD_TARGET_RANGE
-        return min(max(value, low), high)
+        return clamp_overhead_target(self.overhead_target)
+
+    @property
+    def run_mode(self) -> RunMode:
+        """The validated meaning of this config for a fit (see :class:`RunMode`)."""
+        mode = ElCheMode(self.mode)
+        if self.partition_ratios:
+            dispatch = Dispatch.FIXED
+        else:
+            dispatch = Dispatch.POOL if mode.progressive_dispatch else Dispatch.EQUAL
+        return RunMode(
+            mode=mode,
+            transport=Transport.HOST if mode.uses_cpu_plane else Transport.DEVICE,
+            blocking=not mode.is_async,
+            window_growth=not mode.is_sync,
+            dispatch=dispatch,
+            blend_alpha=float(self.easgd_alpha) if mode.is_async and self.easgd_alpha else 1.0,
+            relax_up=bool(self.relax_up and mode.is_async),
+            bf16_wire=bool(self.bf16_wire and mode.uses_cpu_plane),
+        )
 
     # -- validation ------------------------------------------------------------------------
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid knob, its value and what is allowed."""
-        _check_int("anchor", self.anchor, 1)
+        # Integer knobs are stored as Python ints (numpy integers are accepted and converted).
+        self.anchor = _check_int("anchor", self.anchor, 1)
         for knob in ("max_anchor", "min_anchor"):
             value = getattr(self, knob)
             if value is not None:
-                _check_int(knob, value, 1)
+                setattr(self, knob, _check_int(knob, value, 1))
         if self.min_anchor is not None and self.min_anchor > self.resolved_max_anchor:
             raise _fail(
                 "min_anchor", self.min_anchor, f"must be <= max_anchor ({self.resolved_max_anchor})"
@@ -228,13 +284,19 @@ class ElCheConfig:
             if not low <= value <= high:
                 warnings.warn(
                     f"ElCheConfig.overhead_target={value!r} is outside the controller's working range "
-                    f"[{low}, {high}] and will be clamped to {min(max(value, low), high)}.",
+                    f"[{low}, {high}] and will be clamped to {clamp_overhead_target(value)}.",
                     stacklevel=3,
                 )
         if self.max_batch_diff is not None:
-            _check_int("max_batch_diff", self.max_batch_diff, 0)
+            self.max_batch_diff = _check_int("max_batch_diff", self.max_batch_diff, 0)
         for knob in ("relax_up", "meta_controller", "no_divergence_guard", "bf16_wire"):
-            _check_bool(knob, getattr(self, knob))
+            require_bool(f"ElCheConfig.{knob}={getattr(self, knob)!r}", getattr(self, knob))
+        if self.bf16_wire and not self.mode.uses_cpu_plane:
+            raise _fail(
+                "bf16_wire", True,
+                f"it applies to the cpu_* modes only (mode is {self.mode.value}, whose reduce never "
+                "leaves the devices); leave it unset",
+            )
         if self.partition_ratios is not None:
             self._validate_partition_ratios()
         if self.convergence_guard is not None and not callable(
@@ -261,7 +323,7 @@ class ElCheConfig:
             if value <= 0.0:
                 raise _fail("divergence_threshold", value, "expected a number > 0")
         if self.max_overshoot is not None:
-            _check_int("max_overshoot", self.max_overshoot, 0)
+            self.max_overshoot = _check_int("max_overshoot", self.max_overshoot, 0)
             if not self.mode.is_async:
                 raise _fail(
                     "max_overshoot",
@@ -280,9 +342,9 @@ class ElCheConfig:
         if not isinstance(ratios, (list, tuple)) or len(ratios) < 1:
             raise _fail("partition_ratios", ratios, "expected a list with one positive share per rank")
         for share in ratios:
-            if isinstance(share, bool) or not isinstance(share, (int, float)):
+            if isinstance(share, bool) or not isinstance(share, numbers.Real):
                 raise _fail("partition_ratios", ratios, "every share must be a number")
-            if not math.isfinite(share) or share <= 0:
+            if as_real(share) is None or share <= 0:
                 raise _fail("partition_ratios", ratios, "every share must be finite and > 0")
         total = math.fsum(ratios)
         if abs(total - 1.0) > PARTITION_SUM_TOLERANCE:

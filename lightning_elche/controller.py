@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import enum
 import math
-import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_elche.config import (
-    DEFAULT_MAX_ANCHOR,
-    DEFAULT_OVERHEAD_TARGET,
-    OVERHEAD_TARGET_RANGE,
-)
+from lightning_elche.checks import as_real, require_int
+from lightning_elche.config import DEFAULT_MAX_ANCHOR, clamp_overhead_target
 from lightning_elche.guard import NudgeDown, Stable, SuppressGrowth, Verdict
 
 if TYPE_CHECKING:
@@ -45,9 +41,6 @@ TRUST_WINDOW_CAP = 5
 
 MAX_SPEED_RATIO = 64
 """Largest slow/fast speed ratio used for batch counts (guards against a degenerate reading)."""
-
-BATCH_COUNTS_WINDOW_CAP = 10
-"""Number of recent ``batch_counts`` snapshots behind :meth:`ElCheController.recent_batch_share`."""
 
 GROWTH_REARM_STABLE = 5
 """Consecutive ``Stable`` verdicts that re-arm window growth after a non-``Stable`` one."""
@@ -91,47 +84,6 @@ def _round_half_away(value: float) -> int:
 def _finite_non_negative(value: float) -> float:
     """``value`` when it is a finite number > 0, else 0.0 (no signal)."""
     return value if math.isfinite(value) and value > 0.0 else 0.0
-
-
-@dataclass(frozen=True)
-class WindowReport:
-    """One averaging window's timing, on both scales, as the strategy measured it.
-
-    ``wall_ms``/``steps`` are compute-only wall time and optimizer steps per rank. The delivered
-    pair (``delivered_ms``/``delivered_batches``) covers the window's 2nd..nth batch including data
-    wait; ``(0.0, 0)`` where a rank has no such sample. ``delivered_coherent`` is the caller's
-    statement that the delivered scale may be used this window (every moving rank has a sample).
-    ``fill_ms`` is each rank's first-batch excess over its marginal rate; ``sync_ms`` the wall of
-    the sync that closed the window.
-    """
-
-    wall_ms: Sequence[float]
-    steps: Sequence[int]
-    delivered_ms: Sequence[float]
-    delivered_batches: Sequence[int]
-    fill_ms: Sequence[float]
-    delivered_coherent: bool
-    sync_ms: float
-
-    def select_feed(self) -> tuple[list[float], list[int]]:
-        """The ``(ms, batches)`` pair to feed: never a mix of scales across ranks.
-
-        The controller's allocation is relative, so one window must use one scale for every
-        rank: the delivered pair when coherent (compute pair for ranks without a sample, which are
-        non-movers), otherwise the compute pair for everybody.
-        """
-        if not self.delivered_coherent:
-            return [float(ms) for ms in self.wall_ms], [int(n) for n in self.steps]
-        ms_out: list[float] = []
-        batches_out: list[int] = []
-        for rank in range(len(self.wall_ms)):
-            if self.delivered_batches[rank] > 0 and self.delivered_ms[rank] > 0.0:
-                ms_out.append(float(self.delivered_ms[rank]))
-                batches_out.append(int(self.delivered_batches[rank]))
-            else:
-                ms_out.append(float(self.wall_ms[rank]))
-                batches_out.append(int(self.steps[rank]))
-        return ms_out, batches_out
 
 
 class ElCheController:
@@ -188,8 +140,6 @@ class ElCheController:
             deque(maxlen=TRUST_WINDOW_CAP) for _ in range(world_size)
         ]
         self._zero_reports: list[int] = [0] * world_size
-        self._count_snapshots: deque[list[int]] = deque(maxlen=BATCH_COUNTS_WINDOW_CAP)
-        self._pending_slack_ms: list[float] = [0.0] * world_size
 
         self.anchor_rank: int | None = None
         self.phase: Phase = Phase.PROBE
@@ -223,7 +173,7 @@ class ElCheController:
             max_anchor=config.resolved_max_anchor,
             overhead_target=config.resolved_overhead_target,
             max_batch_diff=config.max_batch_diff,
-            window_growth_applicable=not config.mode.is_sync,
+            window_growth_applicable=config.run_mode.window_growth,
             initial_anchor_rank=initial_anchor_rank,
         )
 
@@ -265,10 +215,22 @@ class ElCheController:
             "max_total_batches", value, 0, "expected an integer >= 0 (0 = no cap)"
         )
 
-    @property
-    def pending_callback_slack_ms(self) -> list[float]:
-        """Slack staged by :meth:`set_callback_slack` for the next recompute (a copy)."""
-        return list(self._pending_slack_ms)
+    def set_epoch_size(self, num_batches: int) -> None:
+        """Batches per epoch over all ranks: no window may plan more (at least one per rank)."""
+        num_batches = _require_int("num_batches", num_batches, 0, "expected an integer >= 0")
+        self.max_total_batches = max(num_batches, self.world_size)
+
+    def planned_batches(self, rank: int) -> int:
+        """Batches ``rank`` runs in the current window.
+
+        ``max_batch_diff = D`` also bounds the lead of any rank over the slowest plan to D batches
+        (0 is strict lockstep), on top of the per-update clamp: the plan may jump to the measured
+        ratio at its first calibration, the lead bound never lets a rank run that far ahead.
+        """
+        counts = self.batch_counts
+        planned = counts[self._checked_rank("rank", rank)]
+        lead = self._max_batch_diff
+        return planned if lead is None else min(planned, min(counts) + lead)
 
     # -- timing feed ----------------------------------------------------------------------
 
@@ -319,19 +281,9 @@ class ElCheController:
 
         # Counts follow the current anchor; a proposal only lands through a verdict.
         self._recompute_batch_counts(slow_ms)
-        self._count_snapshots.append(list(self.batch_counts))
         self.calibrated = True
         self.calibration_count += 1
         self._advance_phase()
-
-    def report_window(self, report: WindowReport) -> None:
-        """Feed a :class:`WindowReport`: pick one timing scale for all ranks, then report it.
-
-        A window in which no rank has a positive time (everybody idle) reports nothing.
-        """
-        ms, batches = report.select_feed()
-        if any(value > 0.0 for value in ms):
-            self.report_timing(ms, batches, report.sync_ms, report.fill_ms)
 
     def _ingest_readings(self, wall_ms: Sequence[float], batches: Sequence[int]) -> None:
         for rank in range(self.world_size):
@@ -416,32 +368,19 @@ class ElCheController:
     # -- batch counts ---------------------------------------------------------------------
 
     def _recompute_batch_counts(self, slow_ms: float) -> None:
-        """Counts proportional to speed relative to the anchor rank, then the window cap.
-
-        Consumes the staged callback slack.
-        """
+        """Counts proportional to speed relative to the anchor rank, then the window cap."""
         for rank in range(self.world_size):
-            ms = self.smoothed_ms(rank)
-            target, slack_batches = self._rank_target(rank, ms, slow_ms)
+            target = self._rank_target(self.smoothed_ms(rank), slow_ms)
             current = self.batch_counts[rank]
-            outside_dead_zone = abs(target - current) > current * DEAD_ZONE
-            if outside_dead_zone or not self.calibrated or slack_batches > 0:
+            if abs(target - current) > current * DEAD_ZONE or not self.calibrated:
                 self.batch_counts[rank] = self._limit_step(current, target)
         self._apply_window_cap()
-        self._pending_slack_ms = [0.0] * self.world_size
 
-    def _rank_target(self, rank: int, ms: float, slow_ms: float) -> tuple[int, int]:
-        """(target count, batches removed for callback slack) of one rank."""
+    def _rank_target(self, ms: float, slow_ms: float) -> int:
+        """The count of a rank at ``ms`` per batch when the anchor rank takes ``slow_ms``."""
         if ms <= 0.0 or abs(ms - slow_ms) < SAME_SPEED_EPS_MS:
-            base = self.anchor
-        else:
-            ratio = min(slow_ms / ms, MAX_SPEED_RATIO)
-            base = max(1, _round_half_away(self.anchor * ratio))
-        slack_ms = self._pending_slack_ms[rank]
-        slack_batches = 0
-        if slack_ms > 0.0 and ms > 0.0:
-            slack_batches = base if math.isinf(slack_ms) else math.ceil(slack_ms / ms)
-        return max(1, base - slack_batches), slack_batches
+            return self.anchor
+        return max(1, _round_half_away(self.anchor * min(slow_ms / ms, MAX_SPEED_RATIO)))
 
     def _limit_step(self, current: int, target: int) -> int:
         """``target``, moved at most ``max_batch_diff`` away from ``current`` once calibrated."""
@@ -466,48 +405,6 @@ class ElCheController:
         if remainder > 0:
             largest = max(range(self.world_size), key=lambda rank: self.batch_counts[rank])
             self.batch_counts[largest] += remainder
-
-    def clamp_total(self, maximum: int) -> list[int]:
-        """``batch_counts`` scaled to sum to ``maximum`` (unchanged when they already fit).
-
-        Each count is floored (at least 1) and the shortfall is handed out one batch per rank in
-        rank order. Does not change the controller.
-        """
-        maximum = _require_int("maximum", maximum, 0, "expected an integer >= 0")
-        total = sum(self.batch_counts)
-        if total <= maximum:
-            return list(self.batch_counts)
-        clamped = [max(1, math.floor(count * maximum / total)) for count in self.batch_counts]
-        remainder = maximum - sum(clamped)
-        for rank in range(self.world_size):
-            if remainder <= 0:
-                break
-            clamped[rank] += 1
-            remainder -= 1
-        return clamped
-
-    def set_callback_slack(self, slack_ms: Sequence[float]) -> None:
-        """Stage per-rank callback time (ms) to carve out of the next recompute, once.
-
-        Rank r's count drops by ``ceil(slack_ms[r] / ms_per_batch[r])`` (never below 1) so that
-        it can run an epoch-end callback without holding up the sync. A sequence whose length is
-        not ``world_size`` is ignored; NaN or negative entries count as 0.
-        """
-        if len(slack_ms) != self.world_size:
-            return
-        # max() returns its first argument when the other is NaN, so NaN stages 0.0.
-        self._pending_slack_ms = [max(0.0, float(value)) for value in slack_ms]
-
-    def set_speed_ratio(self, slow_rank: int, ratio: float) -> None:
-        """Seed counts before any timing: ``slow_rank`` runs ``anchor``, every other rank
-        ``round(anchor * ratio)`` (ratio below 1 counts as 1); also pins ``slow_rank`` as the
-        initial anchor rank. Measured timing overrides both."""
-        rank = self._checked_rank("slow_rank", slow_rank)
-        if not _is_finite_number(ratio):
-            raise ValueError(f"ratio={ratio!r} is invalid: expected a finite number.")
-        faster = max(1, _round_half_away(self.anchor * max(float(ratio), 1.0)))
-        self.batch_counts = [self.anchor if r == rank else faster for r in range(self.world_size)]
-        self.anchor_rank = rank
 
     # -- verdicts -------------------------------------------------------------------------
 
@@ -618,27 +515,6 @@ class ElCheController:
     def _slow_ms(self) -> float:
         return 0.0 if self.anchor_rank is None else self.smoothed_ms(self.anchor_rank)
 
-    @property
-    def anchor_wall_ms(self) -> float:
-        """Intended wall time of one window: ``anchor`` x the anchor rank's ms/batch (0.0
-        before the first successful report)."""
-        if not self.calibrated:
-            return 0.0
-        return self.anchor * self._slow_ms()
-
-    def recent_batch_share(self) -> list[float]:
-        """Each rank's fraction of the batches planned over the last 10 reports.
-
-        Falls back to the current counts before any report, and to equal shares when the counts
-        sum to 0.
-        """
-        snapshots = list(self._count_snapshots) or [self.batch_counts]
-        sums = [float(sum(counts[rank] for counts in snapshots)) for rank in range(self.world_size)]
-        total = sum(sums)
-        if total <= 0.0:
-            return [1.0 / self.world_size] * self.world_size
-        return [value / total for value in sums]
-
     # -- checkpointing --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -672,7 +548,6 @@ class ElCheController:
         self.consecutive_stable = saved.consecutive_stable
         self.proposed_anchor = None
         self._zero_reports = [0] * self.world_size
-        self._count_snapshots.clear()
         for window, mean in zip(self._ms_windows, saved.smoothed_ms, strict=True):
             window.clear()
             if mean is not None and mean > 0.0:
@@ -696,20 +571,11 @@ class ElCheController:
 
 
 def _require_int(name: str, value: Any, minimum: int, allowed: str) -> int:
-    """``value`` as an int (any integer type, e.g. numpy's; not bool) that is >= ``minimum``."""
-    number: int | None = None
-    if not isinstance(value, bool):
-        try:
-            number = operator.index(value)
-        except TypeError:
-            number = None
-    if number is None or number < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: {allowed}.")
-    return number
+    return require_int(f"{name}={value!r}", value, minimum, allowed)
 
 
 def _is_finite_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    return as_real(value) is not None
 
 
 def _int_or(name: str, value: int | None, default: int) -> int:
@@ -719,12 +585,9 @@ def _int_or(name: str, value: int | None, default: int) -> int:
 
 
 def _clamp_target(target: float | None) -> float:
-    if target is None:
-        return DEFAULT_OVERHEAD_TARGET
-    if not _is_finite_number(target):
+    if target is not None and not _is_finite_number(target):
         raise ValueError(f"overhead_target={target!r} is invalid: expected a finite number.")
-    low, high = OVERHEAD_TARGET_RANGE
-    return min(max(float(target), low), high)
+    return clamp_overhead_target(target)
 
 
 @dataclass(frozen=True)

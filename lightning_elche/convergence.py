@@ -64,7 +64,7 @@ class ConvergenceControl:
         self.guard: ConvergenceGuard = default_guard(config)
         self.meta: Optional[MetaController] = MetaController() if config.meta_controller else None
         # relax_up only means something while a round is in flight (flodl honours it under Async only).
-        self.relax_up = bool(config.relax_up and config.mode.is_async)
+        self.relax_up = config.run_mode.relax_up
 
     def after_round(
         self, divergence: Optional[DivergenceReport], k_used: int, k_max: int, lr: Optional[float]

@@ -10,7 +10,10 @@ depends on the mode:
   from the first epoch on, and adapts within an epoch if a rank slows down;
 * ``partition_ratios`` gives each rank a fixed contiguous share.
 
-Whatever the dispatch, every sample of an epoch is handed to exactly one rank exactly once.
+Each policy is one class behind the :class:`ElCheSampler` interface (:class:`EqualDispatch`,
+:class:`FixedDispatch`, :class:`PoolDispatch`); ``ElCheSampler(..., dispatch="pool")`` builds the
+policy's class. Whatever the dispatch, every sample of an epoch is handed to exactly one rank
+exactly once.
 Claimed chunks are always trained (prefetching DataLoader workers only claim ahead), so windows
 and syncs never change which indices a rank reads.
 
@@ -26,12 +29,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Optional, Protocol, Union
+from typing import Any, ClassVar, Optional, Protocol, Union
 
 import torch
 from torch.utils.data import Sampler
 
 from lightning_elche.augment import PickKey
+from lightning_elche.checks import require_int
 from lightning_elche.coverage import EpochCoverage, Range, compress, expand, merge, subtract
 
 CHUNK_KEY_PREFIX = "lightning_elche/dispatch"
@@ -90,8 +94,10 @@ class DispatchRecord:
 class ElCheSampler(Sampler[Union[int, PickKey]]):
     """Yields this rank's sample indices (or pick keys) for one epoch under ElChe's dispatch.
 
-    It deliberately has no ``__len__``: in the pooled dispatch a rank does not know in advance how
-    many batches it will train, so Lightning runs the epoch until the iterator is exhausted.
+    The interface of the three dispatch policies; ``ElCheSampler(..., dispatch=...)`` builds the
+    policy's class. It deliberately has no ``__len__``: in the pooled dispatch a rank does not
+    know in advance how many batches it will train, so Lightning runs the epoch until the
+    iterator is exhausted.
 
     Args:
         num_samples: length of the dataset (samples, before ``augment``).
@@ -111,6 +117,19 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
             (for an :class:`~lightning_elche.AugmentedDataset`; required when ``augment > 1``).
     """
 
+    dispatch: ClassVar[str] = ""
+    """The policy's name, as in ``ElCheSampler(dispatch=...)`` and in checkpoints' coverage."""
+
+    def __new__(cls, *args: Any, dispatch: str = "", **kwargs: Any) -> ElCheSampler:
+        if cls is ElCheSampler:
+            policies: dict[str, type[ElCheSampler]] = {
+                "equal": EqualDispatch, "fixed": FixedDispatch, "pool": PoolDispatch,
+            }
+            if dispatch not in policies:
+                raise ValueError(f"dispatch={dispatch!r} is invalid: expected 'equal', 'pool' or 'fixed'.")
+            cls = policies[dispatch]
+        return super().__new__(cls)
+
     def __init__(
         self,
         num_samples: int,
@@ -120,7 +139,7 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         *,
         shuffle: bool,
         seed: int,
-        dispatch: str,
+        dispatch: Optional[str] = None,
         counter: Optional[ChunkCounter] = None,
         key_prefix: str = CHUNK_KEY_PREFIX,
         partition_ratios: Optional[Sequence[float]] = None,
@@ -129,19 +148,14 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         augment: int = 1,
         pick_keys: bool = False,
     ) -> None:
-        if isinstance(augment, bool) or not isinstance(augment, int) or augment < 1:
-            raise ValueError(f"augment={augment!r} is invalid: expected an integer >= 1.")
+        if dispatch is not None and dispatch != self.dispatch:
+            raise ValueError(f"{type(self).__name__} dispatches {self.dispatch!r}, not dispatch={dispatch!r}.")
+        augment = require_int(f"augment={augment!r}", augment, 1)
         if augment > 1 and not pick_keys:
             raise ValueError(
                 f"augment={augment} needs pick_keys=True: the dataset must read (index, repeat, epoch) "
                 "keys (wrap it in lightning_elche.AugmentedDataset)."
             )
-        if dispatch not in ("equal", "pool", "fixed"):
-            raise ValueError(f"dispatch={dispatch!r} is invalid: expected 'equal', 'pool' or 'fixed'.")
-        if dispatch == "pool" and counter is None:
-            raise ValueError("dispatch='pool' needs a shared counter (the torch.distributed store).")
-        if dispatch == "fixed" and (partition_ratios is None or len(partition_ratios) != world_size):
-            raise ValueError(f"dispatch='fixed' needs one partition ratio per rank ({world_size}).")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} is invalid: expected >= 1.")
         self.dataset_len = num_samples
@@ -154,7 +168,6 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         self.world_size = world_size
         self.shuffle = shuffle
         self.seed = seed
-        self.dispatch = dispatch
         self.counter = counter
         self.key_prefix = key_prefix
         self.partition_ratios = list(partition_ratios) if partition_ratios is not None else None
@@ -163,17 +176,13 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         self.epoch = 0
         self.record = DispatchRecord()
         self._resume: Optional[EpochCoverage] = None
-        # The current epoch's layout, kept for coverage: global positions of the pooled picks
-        # (None: the whole epoch), chunk layout and the end of the last batch, in local positions.
-        self._positions: Optional[list[int]] = None
-        self._layout: list[tuple[int, int]] = []
-        self._limit = 0
-        self._speed_shares: Optional[list[float]] = None
-        self._drainer: Optional[int] = None  # the rank that claims until the pool is dry, this epoch
         self.started_batches: Optional[int] = None
-        """Batches this rank has started training in the current epoch, kept by the strategy:
-        the batches yielded beyond it are claimed work still ahead of the rank (prefetch)."""
+        """Batches this rank has started training in the current epoch (None: not tracked).
+        The batches yielded beyond it are claimed work still ahead of the rank (prefetch)."""
+        self._set_up_policy()
         self._check_every_rank_gets_data()
+
+    # -- what every policy shares ------------------------------------------------------------
 
     @property
     def num_batches(self) -> int:
@@ -184,60 +193,34 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
 
     @property
     def samples_per_epoch(self) -> int:
-        """Samples handed out per epoch, over all ranks."""
-        if self.drop_last and self.dispatch != "equal":
+        """Samples handed out per epoch, over all ranks: whole batches only under ``drop_last``
+        (the equal split overrides: it leaves each rank's partial batch to the DataLoader)."""
+        if self.drop_last:
             return self.num_batches * self.batch_size
         return self.num_samples
-
-    def _check_every_rank_gets_data(self) -> None:
-        # A rank with no batch would skip the epoch's training loop, and with it the rounds its
-        # peers wait in: refuse such a split up front instead of deadlocking later.
-        if self.dispatch == "fixed":
-            shares = fixed_share_batches(self.num_batches, self.partition_ratios or [])
-            if min(shares) < 1:
-                raise ValueError(
-                    f"partition_ratios={self.partition_ratios} give rank {shares.index(min(shares))} no "
-                    f"batch of the {self.num_batches} in an epoch: every rank needs at least one."
-                )
-        elif self.num_samples < self.world_size * (
-            self.batch_size if self.drop_last or self.dispatch == "pool" else 1
-        ):
-            raise ValueError(
-                f"The training set has {self.num_samples} samples: too few for {self.world_size} ranks "
-                f"with batch_size={self.batch_size}; every rank needs at least one batch per epoch."
-            )
 
     def set_epoch(self, epoch: int) -> None:
         """Called by Lightning before each epoch: selects the permutation and the counter key."""
         self.epoch = epoch
 
-    def counter_key(self, epoch: int) -> str:
-        return f"{self.key_prefix}/epoch{epoch}"
+    def batch_started(self) -> None:
+        """The training loop started one more batch of the current epoch on this rank."""
+        self.started_batches = (self.started_batches or 0) + 1
+
+    def on_round(self, planned: Sequence[int]) -> None:
+        """After every round, with the controller's plan (identical on every rank). Only the
+        pooled dispatch uses it."""
 
     def __iter__(self) -> Iterator[Union[int, PickKey]]:
         order = epoch_permutation(self.num_samples, self.epoch, self.seed, self.shuffle)
         self.record = DispatchRecord(epoch=self.epoch)
         if self.started_batches is not None:
             self.started_batches = 0
-        resume = self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
-        self._positions = None
-        if self.dispatch == "pool":
-            if resume is not None:
-                assert resume.remaining is not None
-                self._positions = expand(resume.remaining)
-            yield from self._iter_pool(order)
-            return
-        stream = self.own_stream()
-        offset = resume.offsets[self.rank] if resume is not None and resume.offsets is not None else 0
-        yield from self._yield_positions(order, stream[offset:])
+        yield from self._iter_epoch(order, self._resumed_epoch())
 
-    def own_stream(self) -> list[int]:
-        """This rank's positions in the epoch order under equal or fixed dispatch."""
-        if self.dispatch == "equal":
-            return list(range(self.rank, self.num_samples, self.world_size))
-        shares = fixed_share_batches(self.num_batches, self.partition_ratios or [])
-        first = sum(shares[: self.rank]) * self.batch_size
-        return list(range(first, min(first + shares[self.rank] * self.batch_size, self.samples_per_epoch)))
+    def _resumed_epoch(self) -> Optional[EpochCoverage]:
+        resume = self._resume
+        return resume if resume is not None and resume.epoch == self.epoch else None
 
     def _key(self, pick: int) -> Union[int, PickKey]:
         if not self.pick_keys:
@@ -249,7 +232,171 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         for position in positions:
             yield self._key(order[position])
 
-    def _iter_pool(self, order: list[int]) -> Iterator[Union[int, PickKey]]:
+    def identity(self, epoch: int) -> EpochCoverage:
+        """The fields that fix an epoch's order and dispatch, with nothing covered yet."""
+        return EpochCoverage(
+            epoch=epoch, picks=self.num_samples, seed=self.seed, shuffle=self.shuffle, batch_size=self.batch_size,
+            drop_last=self.drop_last, dispatch=self.dispatch, world_size=self.world_size,
+            remaining=self._empty_remaining(), offsets=None if self._empty_remaining() is not None else [],
+        )
+
+    def coverage(self, gathered: Sequence[Union[list[Range], int]]) -> EpochCoverage:
+        """The current epoch's untrained part, from every rank's :meth:`local_coverage` (rank order)."""
+        if len(gathered) != self.world_size:
+            raise ValueError(f"Coverage needs one entry per rank ({self.world_size}), got {len(gathered)}.")
+        return self._untrained(self.identity(self.epoch), gathered)
+
+    def resume(self, coverage: EpochCoverage) -> None:
+        """Dispatch only ``coverage``'s untrained part when its epoch comes (the resumed epoch)."""
+        coverage.check_matches(self.identity(coverage.epoch))
+        self._check_resumable(coverage)
+        self._resume = coverage
+
+    # -- what each policy decides ------------------------------------------------------------
+
+    def _set_up_policy(self) -> None:
+        """Refuse arguments the policy cannot work with; set up its per-epoch state."""
+
+    def _check_every_rank_gets_data(self) -> None:
+        # A rank with no batch would skip the epoch's training loop, and with it the rounds its
+        # peers wait in: refuse such a split up front instead of deadlocking later.
+        if self.num_samples < self.world_size * (self.batch_size if self.drop_last else 1):
+            raise ValueError(
+                f"The training set has {self.num_samples} samples: too few for {self.world_size} ranks "
+                f"with batch_size={self.batch_size}; every rank needs at least one batch per epoch."
+            )
+
+    def _iter_epoch(self, order: list[int], resume: Optional[EpochCoverage]) -> Iterator[Union[int, PickKey]]:
+        raise NotImplementedError
+
+    def local_coverage(self, batches: int) -> Union[list[Range], int]:
+        """What this rank trained of the current epoch, given that it trained its first ``batches``
+        batches: epoch positions (pooled dispatch) or a pick count (equal, fixed)."""
+        raise NotImplementedError
+
+    def _empty_remaining(self) -> Optional[list[Range]]:
+        raise NotImplementedError
+
+    def _untrained(self, base: EpochCoverage, gathered: Sequence[Union[list[Range], int]]) -> EpochCoverage:
+        raise NotImplementedError
+
+    def _check_resumable(self, coverage: EpochCoverage) -> None:
+        raise NotImplementedError
+
+
+class _OwnStreamDispatch(ElCheSampler):
+    """A policy that gives every rank a fixed stream of epoch positions (equal or fixed shares);
+    coverage is a count of trained picks per rank."""
+
+    def own_stream(self) -> list[int]:
+        """This rank's positions in the epoch order."""
+        raise NotImplementedError
+
+    def _offset(self) -> int:
+        resume = self._resumed_epoch()
+        return resume.offsets[self.rank] if resume is not None and resume.offsets is not None else 0
+
+    def _iter_epoch(self, order: list[int], resume: Optional[EpochCoverage]) -> Iterator[Union[int, PickKey]]:
+        yield from self._yield_positions(order, self.own_stream()[self._offset():])
+
+    def local_coverage(self, batches: int) -> Union[list[Range], int]:
+        return min(batches * self.batch_size, len(self.own_stream()) - self._offset())
+
+    def _empty_remaining(self) -> Optional[list[Range]]:
+        return None
+
+    def _untrained(self, base: EpochCoverage, gathered: Sequence[Union[list[Range], int]]) -> EpochCoverage:
+        resume = self._resumed_epoch()
+        previous = resume.offsets if resume is not None and resume.offsets is not None else [0] * self.world_size
+        return replace(base, offsets=[p + int(t) for p, t in zip(previous, gathered, strict=True)])  # type: ignore[arg-type]
+
+    def _check_resumable(self, coverage: EpochCoverage) -> None:
+        assert coverage.offsets is not None
+        if len(coverage.offsets) != self.world_size:
+            raise ValueError(
+                f"The checkpoint's coverage has {len(coverage.offsets)} rank offsets, expected {self.world_size}."
+            )
+        left = len(self.own_stream()) - coverage.offsets[self.rank]
+        if left < 1:
+            raise ValueError(
+                f"The checkpoint leaves rank {self.rank} no data of epoch {coverage.epoch}; every rank needs "
+                "at least one batch. Resume from the epoch-end checkpoint instead."
+            )
+
+
+class EqualDispatch(_OwnStreamDispatch):
+    """Sync modes: the epoch split equally, interleaved like ``DistributedSampler`` (no padding)."""
+
+    dispatch = "equal"
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.num_samples  # each rank's own partial batch is left to the DataLoader, as under DDP
+
+    def own_stream(self) -> list[int]:
+        return list(range(self.rank, self.num_samples, self.world_size))
+
+
+class FixedDispatch(_OwnStreamDispatch):
+    """``partition_ratios``: each rank a fixed contiguous share of whole batches."""
+
+    dispatch = "fixed"
+
+    def _set_up_policy(self) -> None:
+        if self.partition_ratios is None or len(self.partition_ratios) != self.world_size:
+            raise ValueError(f"dispatch='fixed' needs one partition ratio per rank ({self.world_size}).")
+
+    def _check_every_rank_gets_data(self) -> None:
+        shares = fixed_share_batches(self.num_batches, self.partition_ratios or [])
+        if min(shares) < 1:
+            raise ValueError(
+                f"partition_ratios={self.partition_ratios} give rank {shares.index(min(shares))} no "
+                f"batch of the {self.num_batches} in an epoch: every rank needs at least one."
+            )
+
+    def own_stream(self) -> list[int]:
+        shares = fixed_share_batches(self.num_batches, self.partition_ratios or [])
+        first = sum(shares[: self.rank]) * self.batch_size
+        return list(range(first, min(first + shares[self.rank] * self.batch_size, self.samples_per_epoch)))
+
+
+class PoolDispatch(ElCheSampler):
+    """Cadence and async modes: chunks of whole batches claimed from a shared pool through an
+    atomic counter, so a faster rank claims more; near the end of the epoch slower ranks leave the
+    tail to faster ones (:meth:`set_speed_shares`)."""
+
+    dispatch = "pool"
+
+    def _set_up_policy(self) -> None:
+        if self.counter is None:
+            raise ValueError("dispatch='pool' needs a shared counter (the torch.distributed store).")
+        # The current epoch's layout, kept for coverage: global positions of the pooled picks
+        # (None: the whole epoch), chunk layout and the end of the last batch, in local positions.
+        self._positions: Optional[list[int]] = None
+        self._layout: list[tuple[int, int]] = []
+        self._limit = 0
+        self._speed_shares: Optional[list[float]] = None
+        self._drainer: Optional[int] = None  # the rank that claims until the pool is dry, this epoch
+
+    def _check_every_rank_gets_data(self) -> None:
+        if self.num_samples < self.world_size * self.batch_size:
+            raise ValueError(
+                f"The training set has {self.num_samples} samples: too few for {self.world_size} ranks "
+                f"with batch_size={self.batch_size}; every rank needs at least one batch per epoch."
+            )
+
+    def counter_key(self, epoch: int) -> str:
+        return f"{self.key_prefix}/epoch{epoch}"
+
+    def on_round(self, planned: Sequence[int]) -> None:
+        if sum(planned) > 0:
+            self.set_speed_shares(planned)
+
+    def _iter_epoch(self, order: list[int], resume: Optional[EpochCoverage]) -> Iterator[Union[int, PickKey]]:
+        self._positions = None
+        if resume is not None:
+            assert resume.remaining is not None
+            self._positions = expand(resume.remaining)
         positions = self._positions
         # A resumed epoch pools only its remaining positions; they are whole batches (but for the
         # epoch's own partial tail), so batches keep their samples.
@@ -316,16 +463,24 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         held = 0
         if self.started_batches is not None:
             held = max(0, math.ceil(self.record.samples / self.batch_size) - self.started_batches + 1)
-        upper_bound = sum(count for _, count in self._layout[last_claim + 1 :])
+        upper_bound = self._batches_from(last_claim + 1)
         if held + upper_bound >= (held + self.max_chunk_batches) * patience:
             return False  # far from the tail: no need to look at the shared counter
         assert self.counter is not None
         next_claim = self.world_size + self.counter.add(key, 0)
         if next_claim >= len(self._layout):
             return False  # the pool is dry: the claim below ends the epoch for this rank
-        remaining = sum(count for _, count in self._layout[next_claim:])
+        remaining = self._batches_from(next_claim)
         # Strict: on a tie the others are still busy with chunks in flight, so taking it is no worse.
         return (held + self._layout[next_claim][1]) * patience > held + remaining
+
+    def _batches_from(self, chunk: int) -> int:
+        """Batches in the layout's chunks ``chunk`` to the end, in O(1) (chunks are contiguous):
+        it runs at every claim, and an epoch may have tens of thousands of chunks."""
+        if chunk >= len(self._layout):
+            return 0
+        last_first, last_count = self._layout[-1]
+        return last_first + last_count - self._layout[chunk][0]
 
     def _chunk_span(self, chunk: int) -> tuple[int, int]:
         first_batch, batch_count = self._layout[chunk]
@@ -334,16 +489,9 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
     # -- coverage: what a mid-epoch checkpoint keeps -----------------------------------------
 
     def local_coverage(self, batches: int) -> Union[list[Range], int]:
-        """What this rank trained of the current epoch, given that it trained its first ``batches``
-        batches: epoch positions (pooled dispatch) or a pick count (equal, fixed).
-
-        Chunks are trained in the order they were claimed; what the DataLoader claimed beyond
-        ``batches`` (prefetch) is not trained and stays in the epoch's remainder.
-        """
-        if self.dispatch != "pool":
-            resume = self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
-            offset = resume.offsets[self.rank] if resume is not None and resume.offsets is not None else 0
-            return min(batches * self.batch_size, len(self.own_stream()) - offset)
+        """Epoch positions of the chunks this rank claimed, in claim order, up to ``batches``
+        batches: what the DataLoader claimed beyond them (prefetch) is not trained and stays in
+        the epoch's remainder."""
         local: list[Range] = []
         left = batches
         for chunk in self.record.chunks:
@@ -362,47 +510,21 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
             return merge(local)
         return compress(self._positions[p] for start, stop in local for p in range(start, stop))
 
-    def identity(self, epoch: int) -> EpochCoverage:
-        """The fields that fix an epoch's order and dispatch, with nothing covered yet."""
-        return EpochCoverage(
-            epoch=epoch, picks=self.num_samples, seed=self.seed, shuffle=self.shuffle, batch_size=self.batch_size,
-            drop_last=self.drop_last, dispatch=self.dispatch, world_size=self.world_size,
-            remaining=[] if self.dispatch == "pool" else None, offsets=None if self.dispatch == "pool" else [],
-        )
 
-    def coverage(self, gathered: Sequence[Union[list[Range], int]]) -> EpochCoverage:
-        """The current epoch's untrained part, from every rank's :meth:`local_coverage` (rank order)."""
-        if len(gathered) != self.world_size:
-            raise ValueError(f"Coverage needs one entry per rank ({self.world_size}), got {len(gathered)}.")
-        base = self.identity(self.epoch)
-        resume = self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
-        if self.dispatch == "pool":
-            universe = [(0, self.samples_per_epoch)] if resume is None else list(resume.remaining or [])
-            taken = [r for ranges in gathered for r in ranges]  # type: ignore[union-attr]
-            return replace(base, remaining=subtract(universe, taken))
-        previous = resume.offsets if resume is not None and resume.offsets is not None else [0] * self.world_size
-        return replace(base, offsets=[p + int(t) for p, t in zip(previous, gathered, strict=True)])  # type: ignore[arg-type]
+    def _empty_remaining(self) -> Optional[list[Range]]:
+        return []
 
-    def resume(self, coverage: EpochCoverage) -> None:
-        """Dispatch only ``coverage``'s untrained part when its epoch comes (the resumed epoch)."""
-        coverage.check_matches(self.identity(coverage.epoch))
-        if coverage.remaining is not None:
-            batches = math.ceil(len(expand(coverage.remaining)) / self.batch_size)
-            if batches < self.world_size:
-                raise ValueError(
-                    f"The checkpoint leaves {batches} batch(es) of epoch {coverage.epoch} for {self.world_size} "
-                    "ranks; every rank needs at least one. Resume from the epoch-end checkpoint instead."
-                )
-        else:
-            assert coverage.offsets is not None
-            if len(coverage.offsets) != self.world_size:
-                raise ValueError(
-                    f"The checkpoint's coverage has {len(coverage.offsets)} rank offsets, expected {self.world_size}."
-                )
-            left = len(self.own_stream()) - coverage.offsets[self.rank]
-            if left < 1:
-                raise ValueError(
-                    f"The checkpoint leaves rank {self.rank} no data of epoch {coverage.epoch}; every rank needs "
-                    "at least one batch. Resume from the epoch-end checkpoint instead."
-                )
-        self._resume = coverage
+    def _untrained(self, base: EpochCoverage, gathered: Sequence[Union[list[Range], int]]) -> EpochCoverage:
+        resume = self._resumed_epoch()
+        universe = [(0, self.samples_per_epoch)] if resume is None else list(resume.remaining or [])
+        taken = [r for ranges in gathered for r in ranges]  # type: ignore[union-attr]
+        return replace(base, remaining=subtract(universe, taken))
+
+    def _check_resumable(self, coverage: EpochCoverage) -> None:
+        assert coverage.remaining is not None
+        batches = math.ceil(len(expand(coverage.remaining)) / self.batch_size)
+        if batches < self.world_size:
+            raise ValueError(
+                f"The checkpoint leaves {batches} batch(es) of epoch {coverage.epoch} for {self.world_size} "
+                "ranks; every rank needs at least one. Resume from the epoch-end checkpoint instead."
+            )

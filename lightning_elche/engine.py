@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -27,7 +27,7 @@ from lightning_elche.convergence import ConvergenceControl, Feedback
 from lightning_elche.guard import DivergenceReport, NudgeDown, Stable
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane, RoundResult
-from lightning_elche.rounds import META_SIZE, Meta, RankReport
+from lightning_elche.rounds import META_SIZE, Meta, RankReport, StopRequest
 from lightning_elche.timing import WindowClock
 
 OVERSHOOT_INITIAL = 3
@@ -46,7 +46,7 @@ class RoundOutcome:
     overhead: float
     cohort_step: int
     epoch_over: bool
-    stop_level: int
+    stop_level: StopRequest
     budget_reached: bool
     divergence: Optional[DivergenceReport]
     feedback: Feedback
@@ -56,7 +56,7 @@ class RoundOutcome:
     @property
     def ends_window_sequence(self) -> bool:
         """No rank trains further in this epoch after this round."""
-        return self.epoch_over or self.stop_level > 0 or self.budget_reached
+        return self.epoch_over or self.stop_level != StopRequest.NONE or self.budget_reached
 
 
 @dataclass
@@ -69,6 +69,20 @@ class RankTotals:
     sync_s: float = 0.0
     stall_ms_sum: float = 0.0
     stalls: int = 0
+
+
+@dataclass(frozen=True)
+class FitProgress:
+    """A read-only snapshot of a fit's counters and plan, for callbacks, the summary and reports."""
+
+    mode: str
+    rounds: int
+    cohort_step: int
+    anchor: int
+    plan: tuple[int, ...]
+    epoch_batches: int
+    """Batches per epoch over all ranks (0 until the training data is known)."""
+    totals: tuple[RankTotals, ...]
 
 
 @dataclass
@@ -90,7 +104,6 @@ class ElCheEngine:
         device: the rank's device (for the loss accumulator and timing).
         params: the live parameter tensors, checked for non-finite values at each round.
         signature: a number identifying the averaged layout (same on every rank).
-        epoch_batches: batches per epoch over all ranks (caps the window).
         step_budget: stop once the cohort has taken this many optimizer steps (None: no budget).
         outer: the outer optimizer applied to each realized consensus (default: plain averaging).
     """
@@ -104,7 +117,6 @@ class ElCheEngine:
         device: torch.device,
         params: list[Tensor],
         signature: float,
-        epoch_batches: int,
         step_budget: Optional[int] = None,
         outer: Optional[OuterOptimizer] = None,
     ) -> None:
@@ -117,22 +129,19 @@ class ElCheEngine:
         self.signature = signature
         self.step_budget = step_budget
         self.controller = ElCheController.from_config(config, world_size)
-        self.controller.max_total_batches = max(epoch_batches, world_size)
         self.convergence = ConvergenceControl(config, self.controller)
         self.outer: OuterOptimizer = outer if outer is not None else OuterAvg()
         self._divergence: Optional[Tensor] = None
         self._in_flight = False
-        self.alpha = float(config.easgd_alpha) if config.mode.is_async and config.easgd_alpha else 1.0
+        self.run_mode = config.run_mode
+        self.alpha = self.run_mode.blend_alpha
         self.max_overshoot = config.max_overshoot if config.max_overshoot is not None else OVERSHOOT_INITIAL
         self.state = EngineState(totals=[RankTotals() for _ in range(world_size)])
-        self.clock = WindowClock(device, synchronize=not (config.mode.is_async and plane.non_blocking))
+        self.clock = WindowClock(device, synchronize=self.run_mode.blocking or not plane.non_blocking)
         self.last_outcome: Optional[RoundOutcome] = None
-        # Set by whoever needs every replica at the consensus after the next round (a
-        # checkpoint): that round is then blocking and adopted with alpha 1, in every mode; the
-        # round consumes the request. It must be set from round outcomes only, so that every
-        # rank starts that round with the same value.
-        self.consensus_next = False
+        self._consensus_next = False
         self._consensus_round = False
+        self._carried_stop = StopRequest.NONE
         self._steps = 0
         self._samples = 0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -143,17 +152,8 @@ class ElCheEngine:
 
     @property
     def planned_steps(self) -> int:
-        """Optimizer steps this rank runs in the current window.
-
-        ``max_batch_diff = D`` bounds the lead of any rank over the slowest plan to D steps (0 is
-        strict lockstep), on top of the controller's per-update clamp: the controller may jump to
-        the measured ratio at its first calibration, the lead bound never lets the plan do so.
-        """
-        counts = self.controller.batch_counts
-        lead = self.config.max_batch_diff
-        if lead is None:
-            return counts[self.rank]
-        return min(counts[self.rank], min(counts) + lead)
+        """Optimizer steps this rank runs in the current window (the controller's plan)."""
+        return self.controller.planned_batches(self.rank)
 
     def record_step(self, samples: int, loss: Optional[Tensor], lr: float) -> None:
         """Account one local optimizer step (device-side loss accumulation only)."""
@@ -171,9 +171,24 @@ class ElCheEngine:
         """Optimizer steps this rank took since it last joined a round."""
         return self._steps
 
+    def set_epoch_size(self, num_batches: int) -> None:
+        """Batches per epoch over all ranks, once the training data is known (caps the window)."""
+        self.controller.set_epoch_size(num_batches)
+
     def start_epoch(self) -> None:
         """Exclude the time between epochs (validation, checkpoints) from the next window."""
         self.clock.restart_window(after_sync=False)
+
+    def exclude_from_window(self, seconds: float) -> None:
+        """Time this rank spent outside training inside the current window (a checkpoint at a sync
+        point): not compute, so it must not make the rank look slower."""
+        self.clock.exclude(seconds)
+
+    def request_consensus(self) -> None:
+        """Every replica must hold the consensus after the next round (a checkpoint follows): that
+        round is then blocking and adopted with alpha 1, in every mode, and consumes the request.
+        Ask only from round outcomes, so that every rank starts that round with the same request."""
+        self._consensus_next = True
 
     # -- per round -------------------------------------------------------------------------
 
@@ -183,7 +198,7 @@ class ElCheEngine:
         return self._in_flight
 
     def run_round(
-        self, epoch: int, out_of_data: bool, stop_level: int = 0, blocking: bool = True
+        self, epoch: int, out_of_data: bool, stop_level: StopRequest = StopRequest.NONE, blocking: bool = True
     ) -> list[RoundOutcome]:
         """Join one round at this rank's window boundary; returns the rounds completed by this call.
 
@@ -192,8 +207,7 @@ class ElCheEngine:
         still in flight is completed first (its outcome is returned), then the new round starts
         and the rank goes back to training; :meth:`poll` completes it later.
 
-        ``stop_level`` is this rank's stop request (0 none; larger values are more urgent, the
-        strategy defines them); an outcome carries the largest over all ranks.
+        ``stop_level`` is this rank's stop request; an outcome carries the largest over all ranks.
         """
         compute_s = self.clock.close_window(self._steps)
         round_start = time.perf_counter()
@@ -202,7 +216,7 @@ class ElCheEngine:
             # The round that was in flight already decided that nobody trains on.
             return completed
         # Read after finishing the in-flight round: its outcome may have asked for it.
-        self._consensus_round, self.consensus_next = self.consensus_next, False
+        self._consensus_round, self._consensus_next = self._consensus_next, False
         self.plane.start(self._local_metadata(epoch, out_of_data, stop_level, compute_s))
         self._reset_window()
         if blocking or self._consensus_round or not self.plane.non_blocking:
@@ -254,7 +268,7 @@ class ElCheEngine:
         elif isinstance(verdict, Stable):
             self.max_overshoot = min(self.max_overshoot + 1, OVERSHOOT_CEILING)
 
-    def _local_metadata(self, epoch: int, out_of_data: bool, stop_level: int, compute_s: float) -> Tensor:
+    def _local_metadata(self, epoch: int, out_of_data: bool, stop_level: StopRequest, compute_s: float) -> Tensor:
         values = [0.0] * META_SIZE
         values[Meta.STEPS] = self._steps
         values[Meta.SAMPLES] = self._samples
@@ -262,12 +276,13 @@ class ElCheEngine:
         values[Meta.LAST_SYNC_S] = self._last_sync_s
         values[Meta.LR] = self._lr
         values[Meta.OUT_OF_DATA] = float(out_of_data)
-        values[Meta.STOP_REQUESTED] = float(stop_level)
+        values[Meta.STOP_REQUESTED] = float(max(stop_level, self._carried_stop))
+        self._carried_stop = StopRequest.NONE
         values[Meta.EPOCH] = epoch
         values[Meta.ROUND] = self.state.rounds
         values[Meta.SIGNATURE] = self.signature
         values[Meta.HAS_DIVERGENCE] = float(self._divergence is not None)
-        values[Meta.WIRE] = float(self.config.bf16_wire and self.config.mode.uses_cpu_plane)
+        values[Meta.WIRE] = float(self.run_mode.bf16_wire)
         values[Meta.STALL_MS] = -1.0 if self.clock.last_stall_ms is None else self.clock.last_stall_ms
         # Pinned (PyTorch's caching host allocator) so that the copy below does not synchronize
         # the device: in cpu_async nothing at the boundary may wait for the GPU.
@@ -311,6 +326,11 @@ class ElCheEngine:
         lr = reports[0].lr if reports[0].lr > 0 else None
         feedback = self.convergence.after_round(divergence, sum(steps), max(steps), lr)
         budget_reached = self.step_budget is not None and state.cohort_step >= self.step_budget
+        epoch_over = all(r.out_of_data for r in reports)
+        # In-flight rounds are never consensus rounds (those block), so the flag set at the start
+        # of the round being finished is this round's.
+        consensus = self._consensus_round or not self.plane.non_blocking
+        stop_level = self._stop_to_act_on(StopRequest(max(r.stop_level for r in reports)), reports, consensus)
         outcome = RoundOutcome(
             index=state.rounds,
             reports=reports,
@@ -319,18 +339,34 @@ class ElCheEngine:
             anchor=self.controller.anchor,
             overhead=self.controller.last_overhead,
             cohort_step=state.cohort_step,
-            epoch_over=all(r.out_of_data for r in reports),
-            stop_level=max(r.stop_level for r in reports),
+            epoch_over=epoch_over,
+            stop_level=stop_level,
             budget_reached=budget_reached,
             divergence=divergence,
             feedback=feedback,
             reset_inner=weights.realized and self.outer.resets_inner,
-            # In-flight rounds are never consensus rounds (those block), so the flag set at
-            # the start of the round being finished is this round's.
-            consensus=self._consensus_round or not self.plane.non_blocking,
+            consensus=consensus,
         )
         self.last_outcome = outcome
         return outcome
+
+    def _stop_to_act_on(self, requested: StopRequest, reports: tuple[RankReport, ...], consensus: bool) -> StopRequest:
+        """The stop this round acts on; a saving stop may be carried to a later round.
+
+        A save needs every replica at the consensus with no step past it, and a point where every
+        rank still reaches the same code: either every rank still has data in the epoch, or the
+        epoch is over. Otherwise (a non-blocking ``cpu_async`` round, or ranks already draining the
+        epoch's end) every rank carries the request to its next round, which is made a consensus
+        round; the same outcome on every rank takes the same decision.
+        """
+        if not requested.saves:
+            return requested
+        epoch_over = all(r.out_of_data for r in reports)
+        if epoch_over or (consensus and not any(r.out_of_data for r in reports)):
+            return requested  # an epoch-end round blocks on every rank and is adopted with alpha 1
+        self._carried_stop = requested
+        self._consensus_next = True
+        return StopRequest.NONE
 
     @staticmethod
     def _divergence_report(reports: tuple[RankReport, ...]) -> Optional[DivergenceReport]:
@@ -370,6 +406,17 @@ class ElCheEngine:
         self.outer.load_state_dict(state["outer"])
 
     # -- reporting -------------------------------------------------------------------------
+
+    def progress(self) -> FitProgress:
+        return FitProgress(
+            mode=self.config.mode.value,
+            rounds=self.state.rounds,
+            cohort_step=self.state.cohort_step,
+            anchor=self.controller.anchor,
+            plan=tuple(self.controller.batch_counts),
+            epoch_batches=self.controller.max_total_batches,
+            totals=tuple(replace(t) for t in self.state.totals),
+        )
 
     def metrics(self, outcome: RoundOutcome) -> dict[str, float]:
         """The ``elche/*`` scalars of one round, for the Trainer's loggers."""

@@ -19,56 +19,17 @@ collectives while it runs callbacks on one rank; raw ``torch.distributed`` calls
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Optional
+from typing import Optional
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-EpochCallbackPolicy = Literal["fastest", "rank0", "all"]
-EPOCH_CALLBACK_POLICIES: tuple[str, ...] = ("fastest", "rank0", "all")
-
-
-def check_policy(owner: str, policy: Any) -> str:
-    if policy not in EPOCH_CALLBACK_POLICIES:
-        raise ValueError(
-            f"{owner}(epoch_callback_policy={policy!r}) is invalid: expected 'fastest', 'rank0' or 'all'."
-        )
-    return str(policy)
-
-
-class CallbackRole:
-    """Tracks the fastest rank from the controller's shared timings (sticky once chosen)."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.fastest: Optional[int] = None
-
-    def observe(self, controller: Any) -> None:
-        """After a round: pick the fastest rank once every rank has a timing."""
-        if self.fastest is not None:
-            return
-        speeds = [controller.smoothed_ms_or_none(rank) for rank in range(self.world_size)]
-        if any(ms is None or ms <= 0.0 for ms in speeds):
-            return
-        self.fastest = min(range(self.world_size), key=lambda rank: (speeds[rank], rank))
-
-    def rank_for(self, policy: str) -> Optional[int]:
-        """The rank that runs epoch callbacks under ``policy``; None means every rank."""
-        if policy == "all":
-            return None
-        if policy == "rank0":
-            return 0
-        return self.fastest if self.fastest is not None else 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"fastest": self.fastest}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        fastest = state.get("fastest")
-        if fastest is not None and not (isinstance(fastest, int) and 0 <= fastest < self.world_size):
-            raise ValueError(
-                f"The checkpoint's epoch callback role names rank {fastest!r}; world size is {self.world_size}."
-            )
-        self.fastest = fastest
+from lightning_elche.session import (  # noqa: F401  (CallbackRole and the policies are public here too)
+    EPOCH_CALLBACK_POLICIES,
+    CallbackRole,
+    EpochCallbackPolicy,
+    check_policy,
+)
+from lightning_elche.strategy import ElCheStrategy
 
 
 class EpochCallbacks(Callback):
@@ -92,8 +53,6 @@ class EpochCallbacks(Callback):
         self.policy = None if policy is None else check_policy("EpochCallbacks", policy)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        from lightning_elche.strategy import ElCheStrategy
-
         if not isinstance(trainer.strategy, ElCheStrategy):
             raise TypeError(
                 f"EpochCallbacks needs ElCheStrategy (the Trainer runs {type(trainer.strategy).__name__}); "

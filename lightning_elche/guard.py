@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
+from lightning_elche.checks import invalid, is_number, require_int, require_real
+
 if TYPE_CHECKING:
     from lightning_elche.config import ElCheConfig
 
@@ -46,8 +48,6 @@ Verdict = Union[Stable, SuppressGrowth, NudgeDown]
 
 # -- guard input ---------------------------------------------------------------------------
 
-# Below this norm the consensus is treated as zero: ratios against it are meaningless.
-NORM_EPSILON = 1e-10
 TREND_WINDOW = 5
 DEFAULT_DIVERGENCE_THRESHOLD = 0.05
 # With EASGD blending the replicas keep a deliberate standing spread (about 0.1 at alpha 0.5)
@@ -56,11 +56,11 @@ EASGD_DIVERGENCE_THRESHOLD = 0.3
 
 
 def _invalid(owner: str, name: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{owner}.{name}={value!r} is invalid: {allowed}.")
+    return invalid(f"{owner}.{name}={value!r}", allowed)
 
 
 def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
+    return is_number(value)
 
 
 def _float_list(name: str, values: Any) -> list[float]:
@@ -106,35 +106,6 @@ class DivergenceReport:
         """
         return max([0.0, *(d for d in self.deltas if not math.isnan(d))])
 
-    def cosine_similarities(self) -> list[float] | None:
-        """Per-rank cosine between ``pre_k`` and ``post``, recovered from the norms alone.
-
-        ``cos_k = (|pre_k|^2 + |post|^2 - (deltas[k]*|post|)^2) / (2 |pre_k| |post|)``, clamped to
-        [-1, 1]; 0.0 for a rank whose ``pre_norm`` is below 1e-10. ``None`` when the norms were not
-        measured or ``post_norm`` is below 1e-10.
-        """
-        if self.pre_norms is None or self.post_norm is None or self.post_norm < NORM_EPSILON:
-            return None
-        post = self.post_norm
-        out: list[float] = []
-        for delta, pre in zip(self.deltas, self.pre_norms, strict=True):
-            if pre < NORM_EPSILON:
-                out.append(0.0)
-                continue
-            diff = delta * post
-            cos = (pre * pre + post * post - diff * diff) / (2.0 * pre * post)
-            out.append(min(1.0, max(-1.0, cos)))
-        return out
-
-    def magnitude_shifts(self) -> list[float] | None:
-        """Per-rank ``|pre_k| - |post|`` (positive: the replica was larger than the consensus).
-
-        ``None`` when the norms were not measured.
-        """
-        if self.pre_norms is None or self.post_norm is None:
-            return None
-        return [pre - self.post_norm for pre in self.pre_norms]
-
 
 # -- guard protocol ------------------------------------------------------------------------
 
@@ -145,19 +116,12 @@ class ConvergenceGuard(Protocol):
 
     ``k_used`` is the total number of batches all ranks ran since the previous sync and
     ``k_max`` the largest per-rank count (the window length in steps). A guard may also define
-    ``reset()``, ``state_dict() -> dict``, ``load_state_dict(dict)`` and
-    ``telemetry() -> dict[str, float]``; use :func:`guard_reset`, :func:`guard_state_dict`,
-    :func:`guard_load_state_dict` and :func:`guard_telemetry` to call them when present.
+    ``state_dict() -> dict``, ``load_state_dict(dict)`` and ``telemetry() -> dict[str, float]``;
+    use :func:`guard_state_dict`, :func:`guard_load_state_dict` and :func:`guard_telemetry` to
+    call them when present.
     """
 
     def report(self, report: DivergenceReport, k_used: int, k_max: int) -> Verdict: ...
-
-
-def guard_reset(guard: ConvergenceGuard) -> None:
-    """Call ``guard.reset()`` if the guard defines it."""
-    reset = getattr(guard, "reset", None)
-    if callable(reset):
-        reset()
 
 
 def guard_state_dict(guard: ConvergenceGuard) -> dict[str, Any]:
@@ -180,15 +144,11 @@ def guard_telemetry(guard: ConvergenceGuard) -> dict[str, float]:
 
 
 def _check_finite(owner: str, name: str, value: Any) -> float:
-    if not _is_number(value) or not math.isfinite(value):
-        raise _invalid(owner, name, value, "expected a finite number")
-    return float(value)
+    return require_real(f"{owner}.{name}={value!r}", value)
 
 
 def _check_count(owner: str, name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _invalid(owner, name, value, f"expected an integer >= {minimum}")
-    return value
+    return require_int(f"{owner}.{name}={value!r}", value, minimum)
 
 
 # -- built-in guards -----------------------------------------------------------------------

@@ -1,24 +1,139 @@
-"""How ElCheStrategy adapts Lightning's fit loop and training data to uneven steps.
+"""The one door into Lightning's internals: every private Lightning name ElChe uses, and every
+change it makes to Lightning's objects.
 
-Each function changes one thing Lightning does per rank that assumes lockstep ranks; the
-strategy calls them from its hooks. Kept apart from the strategy because they reach into
-Lightning's loops and data utilities, which is where a Lightning upgrade would break them.
+ElChe adapts a fit loop written for lockstep ranks to ranks that take different numbers of
+steps. Some of that needs Lightning's private state. It is all here, each private name used once,
+so that a Lightning upgrade breaks one module (``tests/test_architecture.py`` fails when a private
+Lightning attribute is used anywhere else in the package). Every patch of a Lightning object is
+made through :class:`LightningPatches`, which undoes them all when the fit ends. The supported
+Lightning range is :data:`SUPPORTED_LIGHTNING` (the range ``pyproject.toml`` declares); the strategy
+refuses to fit under any other version.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
+import signal
 from collections.abc import Callable
-from typing import Optional
+from types import FrameType
+from typing import Any, Optional, Union
 
+import lightning
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook, _sync_module_states
+from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn import Module
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_elche.augment import AugmentedDataset
 from lightning_elche.config import ElCheConfig
 from lightning_elche.data import ElCheSampler
+from lightning_elche.rounds import StopRequest
+
+SUPPORTED_LIGHTNING = ">=2.6,<2.7"
+"""The Lightning versions whose internals this module is written against (as in pyproject.toml)."""
+_SUPPORTED_RANGE = ((2, 6), (2, 7))
+
+SigtermHandler = Callable[[int, Optional[FrameType]], Any]
+
+
+def check_lightning_version(version: str = lightning.__version__) -> None:
+    """Refuse a Lightning version outside :data:`SUPPORTED_LIGHTNING`, naming both."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    low, high = _SUPPORTED_RANGE
+    if match is None or not low <= (int(match[1]), int(match[2])) < high:
+        raise RuntimeError(
+            f"lightning-elche supports lightning{SUPPORTED_LIGHTNING}; this environment has lightning {version}. "
+            "ElCheStrategy adapts Lightning's fit loop internals, which change between minor versions: "
+            f"install lightning{SUPPORTED_LIGHTNING}."
+        )
+
+
+# -- Lightning's private helpers, under public names ------------------------------------------
+
+
+def distributed_is_initialized() -> bool:
+    return _distributed_is_initialized()
+
+
+def sync_module_states(module: Module) -> None:
+    """Broadcast rank 0's parameters and buffers, as DistributedDataParallel's constructor does."""
+    _sync_module_states(module)
+
+
+def with_training_sampler(dataloader: DataLoader, sampler: ElCheSampler) -> DataLoader:
+    """``dataloader`` rebuilt around ``sampler``, the way Lightning re-instantiates loaders."""
+    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+
+# -- reads of Lightning's private state --------------------------------------------------------
+
+
+def train_dataloader_count(trainer: Trainer) -> int:
+    """How many training DataLoaders the fit loop combined."""
+    return len(trainer.fit_loop._combined_loader.flattened)
+
+
+def can_stop_early(trainer: Trainer) -> bool:
+    """Whether Lightning would honour ``should_stop`` now (``min_epochs`` reached)."""
+    return bool(trainer.fit_loop._can_stop_early)
+
+
+def timer_step_duration(timer: Timer) -> Optional[Any]:
+    """The duration of a ``Timer`` that checks after every training step (None otherwise)."""
+    return timer._duration if timer._interval == "step" and timer._duration else None
+
+
+def checkpoint_step_triggers(callback: ModelCheckpoint) -> tuple[Optional[int], Optional[Any]]:
+    """A ``ModelCheckpoint``'s per-step triggers: ``every_n_train_steps`` and ``train_time_interval``."""
+    return callback._every_n_train_steps, callback._train_time_interval
+
+
+def uses_sync_batchnorm(strategy: Any) -> bool:
+    """``Trainer(sync_batchnorm=True)`` gave the strategy a layer-sync plugin."""
+    return getattr(strategy, "_layer_sync", None) is not None
+
+
+def logged_callback_metrics(trainer: Trainer) -> dict[str, Any]:
+    """The "callback" metrics of the loop that logged last (inside ``on_validation_end``: validation's)."""
+    return dict(trainer._logger_connector.metrics["callback"])
+
+
+def monitor_candidates(callback: ModelCheckpoint, trainer: Trainer) -> dict[str, Any]:
+    """``ModelCheckpoint``'s own candidates for ``filename`` and ``monitor`` (its base method)."""
+    return ModelCheckpoint._monitor_candidates(callback, trainer)
+
+
+def save_checkpoint_now(callback: ModelCheckpoint, trainer: Trainer) -> None:
+    """Save as ``ModelCheckpoint`` does at its own triggers: the top-k and the ``last`` file."""
+    candidates = callback._monitor_candidates(trainer)
+    callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
+
+
+def ddp_model_averager(strategy: Any) -> Optional[Any]:
+    """The ``PeriodicModelAverager`` of a ``DDPStrategy`` with post-local SGD (bench comparison arm)."""
+    return strategy._model_averager
+
+
+def register_ddp_comm_hook(strategy: Any) -> None:
+    """Register the communication hook a ``DDPStrategy`` was built with on its wrapped model
+    (bench comparison arm; Lightning does it itself on CUDA only)."""
+    _register_ddp_comm_hook(
+        model=strategy.model, ddp_comm_state=strategy._ddp_comm_state, ddp_comm_hook=strategy._ddp_comm_hook
+    )
+
+
+# -- data --------------------------------------------------------------------------------------
 
 
 def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_size: int, key_prefix: str,
@@ -49,7 +164,7 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
             "samples to ranks by speed. Use shuffle=True/False in the DataLoader."
         )
     assert dataloader.batch_size is not None
-    dispatch = "fixed" if config.partition_ratios else ("pool" if config.mode.progressive_dispatch else "equal")
+    dispatch = config.run_mode.dispatch.value
     store = dist.distributed_c10d._get_default_store() if dispatch == "pool" else None
     dataset = dataloader.dataset
     augmented = isinstance(dataset, AugmentedDataset)
@@ -71,20 +186,6 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
     )
 
 
-def take_over_max_steps(trainer: Trainer) -> Optional[int]:
-    """Remove ``max_steps`` from the epoch loop and return it as the cohort's step budget.
-
-    Lightning would stop each rank at its own ``global_step``; ElChe counts the steps of all ranks
-    and stops every rank together at the first sync past the budget.
-    """
-    epoch_loop = trainer.fit_loop.epoch_loop
-    if epoch_loop.max_steps in (None, -1):
-        return None
-    budget = int(epoch_loop.max_steps)
-    epoch_loop.max_steps = -1
-    return budget
-
-
 def check_step_schedulers(trainer: Trainer) -> None:
     """Refuse step-interval LR schedulers with ``frequency != 1`` (they follow the cohort step one
     step at a time)."""
@@ -97,43 +198,159 @@ def check_step_schedulers(trainer: Trainer) -> None:
             )
 
 
-def report_cohort_batches(trainer: Trainer, sampler: Callable[[], Optional[ElCheSampler]]) -> Callable[[], None]:
-    """Make ``trainer.num_training_batches`` the epoch's batches over all ranks; returns the undo.
+class LightningPatches:
+    """Every change ElChe makes to Lightning's objects during one fit, each with its undo.
 
-    A rank's share of an epoch is decided while it trains, so the loader has no length and
-    Lightning would report infinitely many batches: ``trainer.estimated_stepping_batches`` would
-    fall back to ``max_steps`` (-1), and a OneCycleLR sized from it would fail. Step-interval
-    schedulers follow the cohort step, whose count per epoch is known, so that is the number to
-    report. The loader itself stays unsized: Lightning's fetcher then looks one batch ahead to
-    find each rank's last batch.
+    :meth:`undo` (the strategy's ``teardown``) restores them in reverse order; a patch is never
+    left behind after the fit, so the Trainer can fit again or run another strategy.
     """
-    fit_loop = trainer.fit_loop
-    setup_data = fit_loop.setup_data
 
-    def setup_data_with_cohort_batches() -> None:
-        setup_data()
-        current = sampler()
-        if current is not None and math.isinf(fit_loop.max_batches):
-            fit_loop.max_batches = current.num_batches
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
 
-    fit_loop.setup_data = setup_data_with_cohort_batches  # type: ignore[method-assign]
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
 
-    def undo() -> None:
-        vars(fit_loop).pop("setup_data", None)  # back to the class's method
+    def take_over_max_steps(self, trainer: Trainer) -> None:
+        """Hide ``max_steps`` from the epoch loop; the strategy enforces it as the cohort's budget.
 
-    return undo
+        Lightning would stop each rank at its own ``global_step``; ElChe counts the steps of all
+        ranks and stops every rank together at the first sync past the budget. Called after
+        ``configure_optimizers``, which therefore still sees the user's ``max_steps``.
+        """
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if epoch_loop.max_steps in (None, -1):
+            return
+        budget = epoch_loop.max_steps
+        epoch_loop.max_steps = -1
+
+        def restore() -> None:
+            epoch_loop.max_steps = budget
+
+        self._undo.append(restore)
+
+    def report_cohort_batches(self, trainer: Trainer, sampler: Callable[[], Optional[ElCheSampler]]) -> None:
+        """Make ``trainer.num_training_batches`` the epoch's batches over all ranks.
+
+        A rank's share of an epoch is decided while it trains, so the loader has no length and
+        Lightning would report infinitely many batches: ``trainer.estimated_stepping_batches``
+        would fall back to ``max_steps`` (-1), and a OneCycleLR sized from it would fail.
+        Step-interval schedulers follow the cohort step, whose count per epoch is known, so that
+        is the number to report. The loader itself stays unsized: Lightning's fetcher then looks
+        one batch ahead to find each rank's last batch.
+        """
+        fit_loop = trainer.fit_loop
+        setup_data = fit_loop.setup_data
+
+        def setup_data_with_cohort_batches() -> None:
+            setup_data()
+            current = sampler()
+            if current is not None and math.isinf(fit_loop.max_batches):
+                fit_loop.max_batches = current.num_batches
+
+        fit_loop.setup_data = setup_data_with_cohort_batches  # type: ignore[method-assign]
+        self._undo.append(lambda: vars(fit_loop).pop("setup_data", None))  # back to the class's method
+
+    def silence_per_step_sigterm_broadcast(self, trainer: Trainer) -> None:
+        """Stop Lightning's broadcast of a SIGTERM flag before every training batch.
+
+        That broadcast deadlocks as soon as ranks take different numbers of steps; ElChe carries
+        stop requests in its own round metadata instead.
+        """
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            raise RuntimeError(
+                "This Lightning version has no TrainingEpochLoop._broadcast_sigterm_tensor; "
+                f"lightning-elche supports lightning{SUPPORTED_LIGHTNING}."
+            )
+        epoch_loop._broadcast_sigterm_tensor = lambda: None
+        self._undo.append(lambda: vars(epoch_loop).pop("_broadcast_sigterm_tensor", None))
+
+    def route_stop_signals(self, trainer: Trainer, on_stop: Callable[[StopRequest, int], None]) -> bool:
+        """Turn the signals that stop a job into ElChe stop requests: ``on_stop(request, signum)``.
+
+        * SIGTERM (a launcher, a scheduler or a user stopping the job): ``StopRequest.SIGTERM``.
+          Lightning's own handler broadcasts on the default group and makes this rank alone raise
+          at its next batch, which deadlocks uneven ranks. Whatever handler Lightning had chained
+          (one the user installed before the fit), or whatever handler was installed after
+          Lightning's, still runs after ``on_stop``.
+        * SIGINT under torchrun or SLURM (Ctrl-C reaches every process of the job):
+          ``StopRequest.SIGTERM``; run interactively, Ctrl-C keeps Lightning's behaviour.
+        * SLURM's requeue signal with ``SLURMEnvironment(auto_requeue=True)`` (SIGUSR1 unless
+          configured): ``StopRequest.REQUEUE``. Lightning's handler would save in the middle of a
+          window at once; the save and the requeue come at the next round instead.
+
+        Returns False outside the main thread, where Python cannot install handlers (Lightning's
+        stay, and a stop signal is then not graceful).
+        """
+        routes: list[tuple[int, StopRequest]] = [(signal.SIGTERM, StopRequest.SIGTERM)]
+        if _under_job_launcher():
+            routes.append((signal.SIGINT, StopRequest.SIGTERM))
+        requeue = slurm_requeue_signal(trainer)
+        if requeue is not None:
+            routes.append((requeue, StopRequest.REQUEUE))
+        for signum, request in routes:
+            if not self._route(trainer, signum, request, on_stop):
+                return False
+        return True
+
+    def _route(
+        self, trainer: Trainer, signum: int, request: StopRequest, on_stop: Callable[[StopRequest, int], None]
+    ) -> bool:
+        previous = signal.getsignal(signum)
+        chained = _chained_handler(trainer, signum, previous) if request is StopRequest.SIGTERM else None
+
+        def handle(received: int, frame: Optional[FrameType]) -> None:
+            on_stop(request, received)
+            if chained is not None:
+                chained(received, frame)
+
+        try:
+            signal.signal(signum, handle)
+        except ValueError:  # not the main thread
+            return False
+
+        def restore() -> None:
+            try:
+                signal.signal(signum, previous)
+            except ValueError:  # torn down outside the main thread: Lightning restores its own later
+                pass
+
+        self._undo.append(restore)
+        return True
 
 
-def silence_per_step_sigterm_broadcast(trainer: Trainer) -> None:
-    """Stop Lightning's broadcast of a SIGTERM flag before every training batch.
+def _under_job_launcher() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_JOB_ID" in os.environ
 
-    That broadcast deadlocks as soon as ranks take different numbers of steps; ElChe carries stop
-    requests in its own round metadata instead.
-    """
-    epoch_loop = trainer.fit_loop.epoch_loop
-    if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-        raise RuntimeError(
-            "This Lightning version has no TrainingEpochLoop._broadcast_sigterm_tensor; "
-            "lightning-elche supports lightning>=2.6,<2.7."
-        )
-    epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+def slurm_requeue_signal(trainer: Trainer) -> Optional[int]:
+    """The signal of ``SLURMEnvironment(auto_requeue=True)``, or None when the job does not requeue."""
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        return int(environment.requeue_signal) if environment.requeue_signal is not None else None
+    return None
+
+
+def save_and_requeue_slurm_job(trainer: Trainer, signum: int) -> str:
+    """Lightning's own requeue: finalize the loggers, save the HPC checkpoint (which a requeued job
+    resumes from by itself) and, on global rank 0, ``scontrol requeue`` the job. Returns the path.
+    Every rank calls it, at the same point."""
+    path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+    trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
+    return path
+
+
+def _chained_handler(
+    trainer: Trainer, signum: int, current: Union[SigtermHandler, int, None]
+) -> Optional[SigtermHandler]:
+    # Lightning's composite handler: keep what it chained (the handler from before the fit), not
+    # its own notifier (the per-rank broadcast and flag that ElChe replaces).
+    if isinstance(current, _HandlersCompose):
+        connector = getattr(trainer, "_signal_connector", None)
+        original = getattr(connector, "_original_handlers", {}).get(signum)
+        return original if callable(original) and not isinstance(original, _HandlersCompose) else None
+    if callable(current) and current is not signal.default_int_handler:
+        return current  # type: ignore[return-value]
+    return None

@@ -18,11 +18,12 @@ deterministic, so running it on every rank after a collective keeps the ranks id
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from lightning_elche.checks import as_real, is_number
 
 __all__ = ["DiLoCo", "OuterAvg", "OuterOptimizer", "SlowMo"]
 
@@ -115,9 +116,9 @@ class _MomentumOuter(OuterOptimizer):
 
     def __init__(self, lr: float, momentum: float) -> None:
         owner = type(self).__name__
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0.0):
+        if as_real(lr) is None or not lr > 0.0:
             raise _invalid(owner, "lr", lr, "expected a finite number > 0")
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (0.0 <= momentum < 1.0):
+        if not is_number(momentum) or not (0.0 <= momentum < 1.0):
             raise _invalid(owner, "momentum", momentum, "expected a number in [0, 1)")
         self.lr = float(lr)
         self.momentum = float(momentum)

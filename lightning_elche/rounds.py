@@ -38,6 +38,21 @@ class Meta(IntEnum):
 META_SIZE = len(Meta)
 
 
+class StopRequest(IntEnum):
+    """A rank's request to stop, carried in the ``STOP_REQUESTED`` slot; a round acts on the
+    largest request of any rank, so a larger value is more urgent."""
+
+    NONE = 0
+    GRACEFUL = 1  # Trainer.should_stop set on one rank (EarlyStopping, a user callback)
+    SIGTERM = 2  # the process was asked to terminate: every rank saves a consensus checkpoint and exits
+    REQUEUE = 3  # SLURM's requeue signal: as SIGTERM, saved as Lightning's HPC checkpoint, then requeued
+
+    @property
+    def saves(self) -> bool:
+        """Every rank saves a consensus checkpoint with the epoch's coverage, then the fit ends."""
+        return self >= StopRequest.SIGTERM
+
+
 class RanksOutOfStep(RuntimeError):
     """Ranks disagree on what round or epoch they are in, or on the model they average."""
 
@@ -53,7 +68,7 @@ class RankReport:
     loss_sum: float
     lr: float
     out_of_data: bool
-    stop_level: int
+    stop_level: StopRequest
     finite: bool
     divergence: Optional[tuple[float, float, float]]
     stall_ms: Optional[float]
@@ -68,7 +83,7 @@ class RankReport:
             loss_sum=row[Meta.LOSS_SUM],
             lr=row[Meta.LR],
             out_of_data=row[Meta.OUT_OF_DATA] > 0.5,
-            stop_level=int(row[Meta.STOP_REQUESTED]),
+            stop_level=StopRequest(int(row[Meta.STOP_REQUESTED])),
             finite=row[Meta.FINITE] > 0.5,
             divergence=(row[Meta.DELTA_NORM], row[Meta.PRE_NORM], row[Meta.POST_NORM])
             if row[Meta.HAS_DIVERGENCE] > 0.5

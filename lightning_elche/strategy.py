@@ -17,24 +17,22 @@ import copy
 import logging
 import secrets
 import signal
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from types import FrameType
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, NoReturn, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -43,26 +41,35 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_elche.averaging import averaged_state
-from lightning_elche.config import ElCheConfig, ElCheMode
+from lightning_elche.checks import require_int
+from lightning_elche.config import ElCheConfig, ElCheMode, Transport
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.data import ElCheSampler
-from lightning_elche.engine import ElCheEngine, RoundOutcome
-from lightning_elche.epoch_callbacks import CallbackRole, EpochCallbackPolicy, check_policy
+from lightning_elche.engine import ElCheEngine, FitProgress, RoundOutcome
 from lightning_elche.loop_glue import (
+    LightningPatches,
+    can_stop_early,
+    check_lightning_version,
     check_step_schedulers,
-    report_cohort_batches,
+    distributed_is_initialized,
     sampler_for,
-    silence_per_step_sigterm_broadcast,
-    take_over_max_steps,
+    save_and_requeue_slurm_job,
+    slurm_requeue_signal,
+    sync_module_states,
+    train_dataloader_count,
+    with_training_sampler,
 )
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import AveragingPlane, CollectivePlane, CpuPlane
+from lightning_elche.rounds import StopRequest
+from lightning_elche.session import EpochCallbackPolicy, RoundAction, Session, check_policy
+from lightning_elche.stop_checkpoint import stop_checkpoint_path, written_whole
 from lightning_elche.summary import format_summary
 from lightning_elche.trainer_checks import check_trainer
 
 log = logging.getLogger(__name__)
 
-_STOP_NONE, _STOP_GRACEFUL, _STOP_SIGTERM = 0, 1, 2
+RoundListener = Callable[[RoundOutcome, dict[str, float]], None]
 
 
 def resolve_config(mode: Optional[Union[ElCheMode, str]], elche: Optional[ElCheConfig]) -> ElCheConfig:
@@ -112,11 +119,6 @@ class ElCheStrategy(DDPStrategy):
 
     strategy_name = "elche"
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_round_listeners"] = []  # listeners re-register in their callbacks' setup
-        return state
-
     def __init__(
         self,
         mode: Optional[Union[ElCheMode, str]] = None,
@@ -147,9 +149,8 @@ class ElCheStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.elche = resolve_config(mode, elche)
-        for name, value in (("chunk_batches", chunk_batches), ("log_every_n_syncs", log_every_n_syncs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ElCheStrategy({name}={value!r}) is invalid: expected an integer >= 1.")
+        chunk_batches = require_int(f"ElCheStrategy(chunk_batches={chunk_batches!r})", chunk_batches, 1)
+        log_every_n_syncs = require_int(f"ElCheStrategy(log_every_n_syncs={log_every_n_syncs!r})", log_every_n_syncs, 1)
         if outer_optimizer is not None and not isinstance(outer_optimizer, OuterOptimizer):
             raise TypeError(
                 f"ElCheStrategy(outer_optimizer={outer_optimizer!r}) is invalid: expected an OuterOptimizer "
@@ -166,33 +167,47 @@ class ElCheStrategy(DDPStrategy):
         self.summary = summary
         self.epoch_callback_policy = check_policy("ElCheStrategy", epoch_callback_policy)
         # Everything below is built per fit, inside the rank processes (never pickled).
+        self._session = Session(world_size=1)  # replaced in setup; its role answers before that
         self._engine: Optional[ElCheEngine] = None
-        self._restored_engine_state: Optional[dict[str, Any]] = None
-        self._restored_coverage: Optional[EpochCoverage] = None
-        self._batch_epoch: Optional[int] = None  # the epoch of the last training batch of this fit
-        self._epoch_batches = 0  # batches this rank started in that epoch, in this fit
-        self._sync_point_save = False
-        self._callback_role = CallbackRole(1)
-        self._single_rank_policy: Optional[str] = None
-        self._side_group: Optional[Any] = None
-        self._leaving = False
         self._sampler: Optional[ElCheSampler] = None
-        self._undo_cohort_batches: Optional[Callable[[], None]] = None
-        self._dispatch_prefix = ""
-        self._step_budget: Optional[int] = None
-        self._pending_samples = 0
-        self._stop_request = _STOP_NONE
-        self._should_stop_seen = False
-        self._uneven_phase = False
-        self._warned_rank_local_reduce = False
-        self._round_listeners: list[Callable[[RoundOutcome, dict[str, float]], None]] = []
+        self._side_group: Optional[Any] = None
+        self._patches = LightningPatches()
+        # From a checkpoint, until setup applies the state and the sampler the coverage (the
+        # sampler may be built inside setup, by configure_optimizers, or after it).
+        self._restored_state: Optional[dict[str, Any]] = None
+        self._restored_coverage: Optional[EpochCoverage] = None
+        self._round_listeners: list[RoundListener] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_round_listeners"] = []  # listeners re-register in their callbacks' setup
+        return state
+
+    # -- what callbacks may use --------------------------------------------------------------
 
     @property
     def engine(self) -> Optional[ElCheEngine]:
         """The round protocol of this rank (built in ``setup`` when fitting)."""
         return self._engine
 
-    def add_round_listener(self, listener: Callable[[RoundOutcome, dict[str, float]], None]) -> None:
+    @property
+    def session(self) -> Session:
+        """This rank's fit: its phase, stop requests and epoch counters."""
+        return self._session
+
+    @property
+    def progress(self) -> Optional[FitProgress]:
+        """A read-only snapshot of the fit's counters and plan (None before a fit built the engine)."""
+        return self._engine.progress() if self._engine is not None else None
+
+    def request_consensus(self) -> None:
+        """Make the next round a consensus round: blocking and adopted with alpha 1 in every mode,
+        so that every replica holds the consensus after it (a checkpoint follows). Call it from a
+        round listener only, so that every rank asks for the same round."""
+        assert self._engine is not None
+        self._engine.request_consensus()
+
+    def add_round_listener(self, listener: RoundListener) -> None:
         """Call ``listener(outcome, metrics)`` on every rank after every sync round.
 
         ``metrics`` are the round's ``elche/*`` scalars (identical on every rank). Listeners run in
@@ -200,16 +215,14 @@ class ElCheStrategy(DDPStrategy):
         """
         self._round_listeners.append(listener)
 
-    def remove_round_listener(self, listener: Callable[[RoundOutcome, dict[str, float]], None]) -> None:
+    def remove_round_listener(self, listener: RoundListener) -> None:
         if listener in self._round_listeners:
             self._round_listeners.remove(listener)
-
-    # -- epoch callbacks -------------------------------------------------------------------
 
     def epoch_callback_rank(self, policy: Optional[str] = None) -> Optional[int]:
         """The rank that runs epoch callbacks under ``policy`` (default: the strategy's);
         ``None`` means every rank. The same on every rank."""
-        return self._callback_role.rank_for(check_policy("ElCheStrategy", policy or self.epoch_callback_policy))
+        return self._session.callback_role.rank_for(check_policy("ElCheStrategy", policy or self.epoch_callback_policy))
 
     @property
     def runs_epoch_callbacks(self) -> bool:
@@ -220,52 +233,68 @@ class ElCheStrategy(DDPStrategy):
     @contextmanager
     def single_rank_callbacks(self, policy: str) -> Iterator[None]:
         """Refuse collectives while callbacks run on this rank alone (their peers would never join)."""
-        self._single_rank_policy = policy
+        self._session.single_rank_policy = policy
         try:
             yield
         finally:
-            self._single_rank_policy = None
+            self._session.single_rank_policy = None
 
-    # -- set-up, in the order Lightning calls it --------------------------------------------
+    # -- hooks, in the order Lightning calls them -------------------------------------------------
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Read before setup builds the engine and the sampler; applied there so the cadence (and
+        # a sync checkpoint's epoch) continues.
+        state = checkpoint.get("elche")
+        self._restored_state = state if isinstance(state, dict) else None
+        coverage = self._restored_state.get("coverage") if self._restored_state is not None else None
+        self._restored_coverage = EpochCoverage.from_state_dict(coverage) if coverage is not None else None
+        return checkpoint
 
     def setup(self, trainer: Trainer) -> None:
         fitting = trainer.state.fn == "fit"
         if fitting:
+            check_lightning_version()
             self.elche.validate_world_size(self.world_size)
-            self._step_budget = take_over_max_steps(trainer)
+            budget = trainer.max_steps
             # Before super().setup: configure_optimizers may set up the train dataloader (through
             # trainer.estimated_stepping_batches), and the dispatch needs this prefix then.
-            self._dispatch_prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
-            self._undo_cohort_batches = report_cohort_batches(trainer, lambda: self._sampler)
-        super().setup(trainer)
+            prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
+            self._session = Session(self.world_size, None if budget in (None, -1) else int(budget), prefix)
+            self._patches.report_cohort_batches(trainer, lambda: self._sampler)
+        super().setup(trainer)  # configure_ddp, then configure_optimizers (with the user's max_steps)
         if not fitting:
             return
+        self._patches.take_over_max_steps(trainer)
         check_trainer(trainer)
-        if self.elche.bf16_wire and not self.elche.mode.uses_cpu_plane:
-            rank_zero_warn(
-                f"ElCheConfig.bf16_wire=True is ignored by mode {self.elche.mode.value!r}: its reduce "
-                "never leaves the devices. bf16_wire applies to the cpu_* modes."
-            )
-        self._batch_epoch = None
-        self._callback_role = CallbackRole(self.world_size)
-        if self._restored_engine_state is not None:
-            self._engine.load_state_dict(self._restored_engine_state)
-            self._callback_role.load_state_dict(self._restored_engine_state.get("callback_role", {}))
-            self._restored_engine_state = None
+        if self._restored_state is not None:
+            assert self._engine is not None
+            self._engine.load_state_dict(self._restored_state)
+            self._session.callback_role.load_state_dict(self._restored_state.get("callback_role", {}))
+            self._restored_state = None
         check_step_schedulers(trainer)
+
+    def configure_ddp(self) -> None:
+        # No DistributedDataParallel: replicas train independently between syncs. Start them
+        # from identical weights, as DDP's constructor would, then set up the averaging in its
+        # place, before configure_optimizers (which may already set up the train dataloader).
+        assert self.model is not None
+        sync_module_states(self.model)
+        self._engine = self._build_engine()
 
     def _build_engine(self) -> ElCheEngine:
         assert self.lightning_module is not None
         params, buffers = averaged_state(self.lightning_module)
         outer = copy.deepcopy(self.outer_optimizer) if self.outer_optimizer is not None else OuterAvg()
         plane_outer = None if isinstance(outer, OuterAvg) else outer
+        run_mode = self.elche.run_mode
         plane: AveragingPlane
-        if self.elche.mode.uses_cpu_plane:
+        if run_mode.transport is Transport.HOST:
             # Every rank creates the side group here, in the same order; only the plane's thread uses it.
             self._side_group = dist.new_group(backend="gloo", timeout=self.snapshot_timeout)
             plane = CpuPlane(
                 params, buffers, self.global_rank, self.world_size, gamma=self.elche.gamma, outer=plane_outer,
-                bf16_wire=self.elche.bf16_wire, non_blocking=self.elche.mode.is_async,
+                bf16_wire=run_mode.bf16_wire, non_blocking=not run_mode.blocking,
                 snapshot_timeout=self.snapshot_timeout, group=self._side_group,
             )
         else:
@@ -281,22 +310,13 @@ class ElCheStrategy(DDPStrategy):
             device=self.root_device,
             params=params.tensors,
             signature=float(params.numel + 1_000_003 * buffers.numel) % 2**52,
-            epoch_batches=0,
-            step_budget=self._step_budget,
+            step_budget=self._session.step_budget,
             outer=outer,
         )
 
     def _metadata_device(self) -> torch.device:
-        backend = dist.get_backend() if _distributed_is_initialized() else "gloo"
+        backend = dist.get_backend() if distributed_is_initialized() else "gloo"
         return self.root_device if "nccl" in str(backend) else torch.device("cpu")
-
-    def configure_ddp(self) -> None:
-        # No DistributedDataParallel: replicas train independently between syncs. Start them
-        # from identical weights, as DDP's constructor would, then set up the averaging in its
-        # place, before configure_optimizers (which may already set up the train dataloader).
-        assert self.model is not None
-        _sync_module_states(self.model)
-        self._engine = self._build_engine()
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -307,8 +327,8 @@ class ElCheStrategy(DDPStrategy):
                 f"ElCheStrategy dispatches training data itself and needs a torch DataLoader; got "
                 f"{type(dataloader).__name__}."
             )
-        self._sampler = sampler_for(dataloader, self.elche, self.global_rank, self.world_size, self._dispatch_prefix,
-                                    self.chunk_batches)
+        self._sampler = sampler_for(dataloader, self.elche, self.global_rank, self.world_size,
+                                    self._session.dispatch_prefix, self.chunk_batches)
         # Lightning's prefetching fetcher draws the first batch in setup_data, before it calls
         # set_epoch: a resumed fit would dispatch its first epoch with epoch 0's order and counter.
         # ``processed`` is the epoch the loop runs next (set_epoch uses the same counter).
@@ -316,8 +336,8 @@ class ElCheStrategy(DDPStrategy):
         if self._restored_coverage is not None:
             self._sampler.resume(self._restored_coverage)
             self._restored_coverage = None
-        self._engine.controller.max_total_batches = max(self._sampler.num_batches, self.world_size)
-        return _update_dataloader(dataloader, self._sampler, mode=RunningStage.TRAINING)
+        self._engine.set_epoch_size(self._sampler.num_batches)
+        return with_training_sampler(dataloader, self._sampler)
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -327,45 +347,33 @@ class ElCheStrategy(DDPStrategy):
                 "ElCheStrategy found no training DataLoader to dispatch: return a torch DataLoader "
                 "from train_dataloader()."
             )
-        if len(trainer.fit_loop._combined_loader.flattened) != 1:
+        if train_dataloader_count(trainer) != 1:
             raise TypeError("ElCheStrategy supports exactly one training DataLoader.")
-        silence_per_step_sigterm_broadcast(trainer)
-        self._install_sigterm_handler(trainer)
+        self._patches.silence_per_step_sigterm_broadcast(trainer)
+        if not self._patches.route_stop_signals(trainer, self._on_stop_signal):
+            rank_zero_warn("ElCheStrategy could not install its stop-signal handlers outside the main thread.")
 
-    def _install_sigterm_handler(self, trainer: Trainer) -> None:
-        # Lightning's own handler broadcasts on the default group and raises on this rank alone.
-        # Ours only records the request; every rank stops after the next round.
-        launcher = self.launcher
-
-        def request_stop(signum: int, frame: Optional[FrameType]) -> None:
-            if self._stop_request != _STOP_SIGTERM and launcher is not None:
-                launcher.kill(signum)
-            self._stop_request = _STOP_SIGTERM
-
-        try:
-            signal.signal(signal.SIGTERM, request_stop)
-        except ValueError:  # not the main thread: Lightning's handler stays, SIGTERM is not graceful
-            rank_zero_warn("ElCheStrategy could not install its SIGTERM handler outside the main thread.")
-
-    # -- per batch -----------------------------------------------------------------------------
+    def _on_stop_signal(self, request: StopRequest, signum: int) -> None:
+        # Only recorded: every rank saves and stops after the next round. Lightning's launcher
+        # passes a SIGTERM on to the ranks it started, once.
+        raised = self._session.request_stop(request)
+        if raised and request is StopRequest.SIGTERM and self.launcher is not None:
+            self.launcher.kill(signum)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         assert self._engine is not None
-        epoch = self.lightning_module.trainer.current_epoch
-        # By epoch number, not batch_idx == 0: an epoch resumed mid-way starts at a later batch_idx.
-        if epoch != self._batch_epoch:
-            self._batch_epoch = epoch
-            self._epoch_batches = 0
+        if self._session.pending_save.saves:
+            self._save_and_exit(self.lightning_module.trainer)
+        if self._session.start_batch(self.lightning_module.trainer.current_epoch, self._batch_samples(batch)):
             self._engine.start_epoch()
-            self._leaving = False
-        self._epoch_batches += 1
         if self._sampler is not None:
-            self._sampler.started_batches = self._epoch_batches
-        self._uneven_phase = True
+            self._sampler.batch_started()
+
+    def _batch_samples(self, batch: Any) -> int:
         try:
-            self._pending_samples += extract_batch_size(batch)
+            return extract_batch_size(batch)
         except Exception:  # an exotic batch: count the loader's nominal batch size
-            self._pending_samples += self._sampler.batch_size if self._sampler else 0
+            return self._sampler.batch_size if self._sampler else 0
 
     def optimizer_step(
         self,
@@ -379,36 +387,30 @@ class ElCheStrategy(DDPStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer
         output = Strategy.optimizer_step(self, optimizer, closure, model, **kwargs)
-        self._defer_rank_local_stop(trainer)
+        if self._session.hold_back_local_stop(trainer.should_stop):
+            trainer.should_stop = False  # the next round stops every rank together
         raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        engine.record_step(self._pending_samples, output, float(raw.param_groups[0]["lr"]))
-        self._pending_samples = 0
+        engine.record_step(self._session.take_pending_samples(), output, float(raw.param_groups[0]["lr"]))
         for outcome in engine.poll():  # cpu_async: adopt a finished round; nothing to do otherwise
             self._after_round(trainer, outcome)
-        if self._leaving:  # a round already decided that every rank stops after this batch
+        if self._session.leaving:  # a round already decided that every rank stops after this batch
             return output
         out_of_data = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
         if out_of_data or engine.window_due():
             self._sync(trainer, out_of_data)
         return output
 
-    def _defer_rank_local_stop(self, trainer: Trainer) -> None:
-        # A stop raised on one rank mid-window would make it leave the epoch alone; hold it back
-        # and let the next round stop every rank together.
-        if trainer.should_stop and not self._should_stop_seen:
-            trainer.should_stop = False
-            self._stop_request = max(self._stop_request, _STOP_GRACEFUL)
+    # -- rounds ----------------------------------------------------------------------------------
 
     def _sync(self, trainer: Trainer, out_of_data: bool) -> None:
         """Join rounds until this rank may continue: one round, or until the epoch drains."""
         assert self._engine is not None
         # cpu_async trains on while a round is in flight, except when out of data: a draining
         # rank waits for every round, so that it sees the one that ends the epoch.
-        blocking = out_of_data or not self.elche.mode.is_async
-        while not self._leaving:
-            outcomes = self._engine.run_round(trainer.current_epoch, out_of_data, self._stop_request, blocking)
-            self._stop_request = _STOP_NONE
-            for outcome in outcomes:
+        blocking = out_of_data or self._engine.run_mode.blocking
+        while not self._session.leaving:
+            request = self._session.take_stop_request()
+            for outcome in self._engine.run_round(trainer.current_epoch, out_of_data, request, blocking):
                 self._after_round(trainer, outcome)
             # A rank out of data keeps joining rounds (with zero mass) until every rank is, so
             # that all ranks leave the epoch after the same round.
@@ -416,44 +418,35 @@ class ElCheStrategy(DDPStrategy):
                 break
 
     def _after_round(self, trainer: Trainer, outcome: RoundOutcome) -> None:
-        """Log, and turn the round's stop requests into the same decision on every rank.
-
-        Sets ``_leaving`` when every rank leaves the epoch after the current batch.
-        """
+        """Everything a round changes on this rank, in order; identical decisions on every rank."""
         assert self._engine is not None
-        log_now = self.is_global_zero and (outcome.index % self.log_every_n_syncs == 0 or outcome.epoch_over)
-        if log_now or self._round_listeners:
-            metrics = self._engine.metrics(outcome)
-            for listener in self._round_listeners:
-                listener(outcome, metrics)
-            if log_now:
-                # One x-axis with Lightning's own metrics (rank 0's global_step); the cohort's
-                # step count is a logged value, elche/cohort_step.
-                for logger in trainer.loggers:
-                    logger.log_metrics(metrics, step=trainer.global_step)
-        self._callback_role.observe(self._engine.controller)
-        if self._sampler is not None and self._sampler.dispatch == "pool" and sum(outcome.planned) > 0:
-            self._sampler.set_speed_shares(outcome.planned)
+        self._publish_round(trainer, outcome)
+        self._session.callback_role.observe(self._engine.controller)
+        if self._sampler is not None:
+            self._sampler.on_round(outcome.planned)
         if outcome.reset_inner:
             for optimizer in self.optimizers:
                 optimizer.state.clear()
         self._follow_cohort_step(trainer, outcome)
-        if outcome.stop_level >= _STOP_SIGTERM:
-            self._uneven_phase = False
-            raise SIGTERMException()
-        leaving = outcome.epoch_over
-        if outcome.budget_reached or outcome.stop_level == _STOP_GRACEFUL:
-            # min_epochs is identical on every rank and only changes at epoch ends, which all
-            # ranks cross together: until it allows stopping, keep the request for later rounds.
-            if trainer.fit_loop._can_stop_early:
-                trainer.should_stop = True
-                leaving = True
-            else:
-                self._stop_request = _STOP_GRACEFUL
-        if leaving:
-            self._uneven_phase = False
-            self._leaving = True
-        self._should_stop_seen = trainer.should_stop
+        action = self._session.after_round(outcome, lambda: can_stop_early(trainer))
+        # SAVE_AND_EXIT: no more steps in this batch; every rank saves at its next batch start.
+        if action is RoundAction.STOP_FIT:
+            trainer.should_stop = True
+        self._session.saw_should_stop(trainer.should_stop)
+
+    def _publish_round(self, trainer: Trainer, outcome: RoundOutcome) -> None:
+        assert self._engine is not None
+        log_now = self.is_global_zero and (outcome.index % self.log_every_n_syncs == 0 or outcome.epoch_over)
+        if not (log_now or self._round_listeners):
+            return
+        metrics = self._engine.metrics(outcome)
+        for listener in self._round_listeners:
+            listener(outcome, metrics)
+        if log_now:
+            # One x-axis with Lightning's own metrics (rank 0's global_step); the cohort's step
+            # count is a logged value, elche/cohort_step.
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     def _follow_cohort_step(self, trainer: Trainer, outcome: RoundOutcome) -> None:
         # Lightning steps step-interval schedulers once per local optimizer step, so a fast rank
@@ -467,7 +460,7 @@ class ElCheStrategy(DDPStrategy):
                 for _ in range(others):
                     config.scheduler.step()
 
-    # -- checkpoints ---------------------------------------------------------------------------
+    # -- checkpoints -----------------------------------------------------------------------------
 
     @contextmanager
     def sync_point(self) -> Iterator[None]:
@@ -493,57 +486,70 @@ class ElCheStrategy(DDPStrategy):
                 "ElCheStrategy.sync_point() is only valid right after a consensus round at which every rank "
                 "still has data in the epoch (ElCheCheckpoint(every_n_syncs=...) arranges that)."
             )
-        uneven, self._uneven_phase = self._uneven_phase, False
-        self._sync_point_save = True
+        started = time.perf_counter()
         try:
-            yield
+            with self._session.at_sync_point():
+                yield
         finally:
-            self._uneven_phase = uneven
-            self._sync_point_save = False
+            # The save runs inside the next window: its time is not compute (spec §5.11, time exclusion).
+            engine.exclude_from_window(time.perf_counter() - started)
+
+    def _save_and_exit(self, trainer: Trainer) -> NoReturn:
+        """A stop signal was acted on at the last round: save the consensus with the epoch's coverage
+        on every rank (all are at this batch start, holding the same weights), then end the fit."""
+        request = self._session.pending_save
+        signum = slurm_requeue_signal(trainer) if request is StopRequest.REQUEUE else int(signal.SIGTERM)
+        assert signum is not None
+        started = time.perf_counter()
+        with self._session.at_sync_point():
+            if request is StopRequest.REQUEUE:
+                path = save_and_requeue_slurm_job(trainer, signum)
+            else:
+                path = stop_checkpoint_path(trainer)
+                trainer.save_checkpoint(path)
+        rank_zero_info(
+            f"ElCheStrategy: stopped by {request.name} at sync {self._engine.state.rounds if self._engine else 0}; "
+            f"saved the consensus checkpoint {path} in {time.perf_counter() - started:.2f} s. "
+            "Resume with Trainer.fit(ckpt_path=...)."
+        )
+        # Lightning's exception for a SIGTERM, with the shell's status for a signalled process: the
+        # job stopped before its end, which launchers and retry loops must not take for success.
+        raise SIGTERMException(128 + signum)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
     ) -> None:
         if self._engine is not None:
-            if self._uneven_phase:
+            if self._session.in_window:
                 raise RuntimeError(
                     "ElCheStrategy: a checkpoint in the middle of a window would hold one rank's replica "
                     "(not the consensus) and no record of which samples were trained. Save at epoch ends "
                     "(ModelCheckpoint(every_n_epochs)) or at syncs with ElCheCheckpoint(every_n_syncs=N)."
                 )
             state = self._engine.state_dict()
-            state["callback_role"] = self._callback_role.state_dict()
-            if self._sync_point_save:
+            state["callback_role"] = self._session.callback_role.state_dict()
+            if self._session.at_sync_point_now:
                 state["coverage"] = self._epoch_coverage().state_dict()
             checkpoint["elche"] = state
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        with written_whole(filepath) as partial:
+            super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
 
     def _epoch_coverage(self) -> EpochCoverage:
         # Every rank knows only which chunks it claimed itself; one gather at the sync point
         # (all ranks are there, in the same order) assembles the epoch's untrained remainder.
         assert self._sampler is not None
-        local = self._sampler.local_coverage(self._epoch_batches)
+        local = self._sampler.local_coverage(self._sampler.started_batches or 0)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
         return self._sampler.coverage(gathered)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        # Read before setup builds the engine; applied there so the cadence continues.
-        state = checkpoint.get("elche")
-        self._restored_engine_state = state
-        coverage = state.get("coverage") if isinstance(state, dict) else None
-        # Applied when the sampler is built: the resumed epoch dispatches only what was untrained.
-        self._restored_coverage = EpochCoverage.from_state_dict(coverage) if coverage is not None else None
-        return checkpoint
-
-    # -- collectives outside ElChe's rounds ---------------------------------------------------
+    # -- collectives outside ElChe's rounds --------------------------------------------------------
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         self._refuse_on_one_rank("reduce()")
-        if self._uneven_phase:
-            if not self._warned_rank_local_reduce:
-                self._warned_rank_local_reduce = True
+        if self._session.in_window:
+            if not self._session.warned_rank_local_reduce:
+                self._session.warned_rank_local_reduce = True
                 rank_zero_warn(
                     "ElCheStrategy: a per-step `self.log(..., sync_dist=True)` (or another reduce during "
                     "training steps) is rank-local under ElChe, since ranks take different numbers of steps. "
@@ -551,23 +557,6 @@ class ElCheStrategy(DDPStrategy):
                 )
             return tensor
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    def _refuse_on_one_rank(self, what: str) -> None:
-        if self._single_rank_policy is not None:
-            raise RuntimeError(
-                f"ElCheStrategy: {what} inside an epoch callback that runs on one rank "
-                f"(epoch_callback_policy={self._single_rank_policy!r}) would wait forever for the other ranks. "
-                "Run callbacks with collectives under epoch_callback_policy='all' (or register them with the "
-                "Trainer directly)."
-            )
-
-    def _refuse_mid_window(self, what: str) -> None:
-        self._refuse_on_one_rank(what)
-        if self._uneven_phase:
-            raise RuntimeError(
-                f"ElCheStrategy: {what} during training steps cannot work: ranks take different numbers "
-                "of steps, so a peer may never reach the matching call. Do it at epoch end or in validation."
-            )
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._refuse_mid_window("barrier()")
@@ -581,13 +570,31 @@ class ElCheStrategy(DDPStrategy):
         self._refuse_mid_window("all_gather()")
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
-    # -- end of fit ----------------------------------------------------------------------------
+    def _refuse_on_one_rank(self, what: str) -> None:
+        policy = self._session.single_rank_policy
+        if policy is not None:
+            raise RuntimeError(
+                f"ElCheStrategy: {what} inside an epoch callback that runs on one rank "
+                f"(epoch_callback_policy={policy!r}) would wait forever for the other ranks. "
+                "Run callbacks with collectives under epoch_callback_policy='all' (or register them with the "
+                "Trainer directly)."
+            )
+
+    def _refuse_mid_window(self, what: str) -> None:
+        self._refuse_on_one_rank(what)
+        if self._session.in_window:
+            raise RuntimeError(
+                f"ElCheStrategy: {what} during training steps cannot work: ranks take different numbers "
+                "of steps, so a peer may never reach the matching call. Do it at epoch end or in validation."
+            )
+
+    # -- end of fit --------------------------------------------------------------------------------
 
     def on_train_end(self) -> None:
         super().on_train_end()
-        self._uneven_phase = False
+        self._session.end_training()
         if self.summary and self.is_global_zero and self._engine is not None and self._engine.state.rounds:
-            rank_zero_info(format_summary(self._engine))
+            rank_zero_info(format_summary(self._engine.progress()))
 
     def teardown(self) -> None:
         # The engine stays readable after fit (its totals and controller state are the run's
@@ -595,14 +602,12 @@ class ElCheStrategy(DDPStrategy):
         if self._engine is not None:
             self._engine.plane.close()
         if self._side_group is not None:
-            if _distributed_is_initialized():
+            if distributed_is_initialized():
                 dist.destroy_process_group(self._side_group)
             self._side_group = None
         self._sampler = None
-        self._uneven_phase = False
-        if self._undo_cohort_batches is not None:
-            self._undo_cohort_batches()
-            self._undo_cohort_batches = None
+        self._session.end_training()
+        self._patches.undo()
         super().teardown()
 
     @classmethod

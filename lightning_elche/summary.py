@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from lightning_elche.engine import ElCheEngine
+from lightning_elche.engine import FitProgress
 
 
-def format_summary(engine: ElCheEngine) -> str:
+def format_summary(progress: FitProgress) -> str:
     """Per-rank work, throughput and idle share over the whole fit, plus the controller's state."""
-    state = engine.state
-    total_steps = sum(t.steps for t in state.totals) or 1
+    total_steps = sum(t.steps for t in progress.totals) or 1
     lines = [
-        f"ElChe summary: mode {engine.config.mode.value}, {state.rounds} syncs, "
-        f"{state.cohort_step} cohort steps, final anchor {engine.controller.anchor}, "
-        f"window plan {engine.controller.batch_counts}",
+        f"ElChe summary: mode {progress.mode}, {progress.rounds} syncs, "
+        f"{progress.cohort_step} cohort steps, final anchor {progress.anchor}, "
+        f"window plan {list(progress.plan)}",
         f"{'rank':>4} {'steps':>8} {'share':>7} {'samples':>9} {'samples/s':>10} {'idle':>6}"
         "   (samples/s over compute time; idle = time in syncs / (compute + syncs))",
     ]
-    for rank, totals in enumerate(state.totals):
+    for rank, totals in enumerate(progress.totals):
         busy = totals.compute_s + totals.sync_s
         rate = totals.samples / totals.compute_s if totals.compute_s > 0 else 0.0
         idle = totals.sync_s / busy if busy > 0 else 0.0

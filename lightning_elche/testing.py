@@ -6,12 +6,13 @@ on a mixed rig before they have one.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Literal, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_elche.checks import invalid, require_int, require_real
 
 SM_GRANULARITY = 8
 
@@ -45,11 +46,10 @@ class Throttle(Callback):
     """
 
     def __init__(self, rank: int, slowdown: float, method: Literal["auto", "sleep", "sm_limit"] = "auto") -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"Throttle(rank={rank!r}) is invalid: expected an integer >= 0.")
-        numeric = isinstance(slowdown, (int, float)) and not isinstance(slowdown, bool)
-        if not numeric or not math.isfinite(slowdown) or slowdown < 1:
-            raise ValueError(f"Throttle(slowdown={slowdown!r}) is invalid: expected a finite number >= 1.")
+        rank = require_int(f"Throttle(rank={rank!r})", rank, 0)
+        allowed = "expected a finite number >= 1"
+        if require_real(f"Throttle(slowdown={slowdown!r})", slowdown, allowed) < 1:
+            raise invalid(f"Throttle(slowdown={slowdown!r})", allowed)
         if method not in ("auto", "sleep", "sm_limit"):
             raise ValueError(f"Throttle(method={method!r}) is invalid: expected 'auto', 'sleep' or 'sm_limit'.")
         self.rank = rank

@@ -14,6 +14,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_elche.loop_glue import checkpoint_step_triggers, timer_step_duration, uses_sync_batchnorm
+
 
 def _refuse(setting: str, value: Any, why: str, instead: str) -> MisconfigurationException:
     return MisconfigurationException(f"ElCheStrategy cannot run with {setting}={value!r}: {why}. {instead}")
@@ -29,22 +31,24 @@ def check_trainer(trainer: pl.Trainer) -> None:
             "Use min_epochs instead.",
         )
     for callback in trainer.callbacks:
-        if isinstance(callback, Timer) and getattr(callback, "_interval", None) == "step" and callback._duration:
+        duration = timer_step_duration(callback) if isinstance(callback, Timer) else None
+        if duration is not None:
             raise _refuse(
-                "Trainer(max_time) / Timer(interval='step')", callback._duration,
+                "Trainer(max_time) / Timer(interval='step')", duration,
                 "the timer broadcasts after every training step, and " + uneven,
                 "Use max_epochs, or Timer(duration, interval='epoch').",
             )
         if isinstance(callback, ModelCheckpoint):
-            if callback._every_n_train_steps:
+            every_n_train_steps, train_time_interval = checkpoint_step_triggers(callback)
+            if every_n_train_steps:
                 raise _refuse(
-                    "ModelCheckpoint(every_n_train_steps)", callback._every_n_train_steps,
+                    "ModelCheckpoint(every_n_train_steps)", every_n_train_steps,
                     "it saves (a collective) when each rank's own global_step hits a multiple, and " + uneven,
                     "Use every_n_epochs (checkpoints at epoch ends hold the consensus weights).",
                 )
-            if callback._train_time_interval is not None:
+            if train_time_interval is not None:
                 raise _refuse(
-                    "ModelCheckpoint(train_time_interval)", callback._train_time_interval,
+                    "ModelCheckpoint(train_time_interval)", train_time_interval,
                     "it broadcasts after every training step, and " + uneven,
                     "Use every_n_epochs.",
                 )
@@ -67,8 +71,7 @@ def check_trainer(trainer: pl.Trainer) -> None:
             "would drop samples unevenly",
             "Pass a torch.utils.data.Subset of the training set instead.",
         )
-    strategy = trainer.strategy
-    if getattr(strategy, "_layer_sync", None) is not None:
+    if uses_sync_batchnorm(trainer.strategy):
         raise _refuse(
             "Trainer(sync_batchnorm)", True,
             "SyncBatchNorm all-reduces statistics in every forward pass, and " + uneven,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from helpers import IndexedRegression, RecordingModel
+from model_helpers import IndexedRegression, RecordingModel
 from torch.utils.data import DataLoader
 
 from lightning_elche import AugmentedDataset, PickKey

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import run_command
+from process_helpers import run_command
 
 from lightning_elche.bench import metrics
 from lightning_elche.bench.arms import available_elche_modes

@@ -120,3 +120,37 @@ def test_gamma_accepts_any_finite_value():
 def test_describe_is_plain_data():
     d = ElCheConfig.cpu_async().describe()
     assert d["mode"] == "cpu_async" and d["easgd_alpha"] == 0.5 and d["anchor"] == 10
+
+
+def test_bf16_wire_outside_the_cpu_modes_is_an_error_naming_the_knob():
+    with pytest.raises(ValueError, match=r"ElCheConfig.bf16_wire=True is invalid: it applies to the cpu_\* modes only"):
+        ElCheConfig(mode="nccl_cadence", bf16_wire=True)
+    assert ElCheConfig(mode="cpu_cadence", bf16_wire=True).run_mode.bf16_wire
+
+
+def test_numpy_integers_are_accepted_and_stored_as_ints():
+    import numpy as np
+
+    c = ElCheConfig(anchor=np.int64(5), max_anchor=np.int32(50), max_batch_diff=np.int64(2))
+    assert (c.anchor, c.max_anchor, c.max_batch_diff) == (5, 50, 2)
+    assert all(type(v) is int for v in (c.anchor, c.max_anchor, c.max_batch_diff))
+    assert ElCheConfig(overhead_target=np.float64(0.1)).resolved_overhead_target == 0.1
+
+
+@pytest.mark.parametrize(
+    ("mode", "transport", "blocking", "growth", "dispatch", "alpha"),
+    [
+        ("nccl_sync", "device", True, False, "equal", 1.0),
+        ("nccl_cadence", "device", True, True, "pool", 1.0),
+        ("cpu_sync", "host", True, False, "equal", 1.0),
+        ("cpu_cadence", "host", True, True, "pool", 1.0),
+        ("cpu_async", "host", False, True, "pool", 0.5),
+    ],
+)
+def test_run_mode_is_the_one_reading_of_the_mode(mode, transport, blocking, growth, dispatch, alpha):
+    run = ElCheConfig.preset(mode).run_mode
+    assert (run.transport.value, run.blocking, run.window_growth, run.dispatch.value, run.blend_alpha) == (
+        transport, blocking, growth, dispatch, alpha)
+    assert ElCheConfig.preset(mode).with_mode(mode).run_mode == run
+    fixed = ElCheConfig(mode=mode, partition_ratios=[0.25, 0.75]).run_mode
+    assert fixed.dispatch.value == "fixed"

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_elche import controller as ctl
 from lightning_elche.config import ElCheConfig
-from lightning_elche.controller import ElCheController, Phase, WindowReport
+from lightning_elche.controller import ElCheController, Phase
 from lightning_elche.guard import NudgeDown, Stable, SuppressGrowth
 
 
@@ -24,6 +24,14 @@ def feed(
 ) -> None:
     """One report; ``batches`` defaults to the planned counts, as a real window would run."""
     c.report_timing(wall_ms, list(c.batch_counts) if batches is None else batches, sync_ms, fill_ms)
+
+
+def seed_plan(c: ElCheController, slow_rank: int, ratio: float) -> None:
+    """A plan before any timing: ``slow_rank`` pinned as the anchor rank at ``anchor`` batches,
+    every other rank at ``round(anchor * ratio)``."""
+    faster = max(1, ctl._round_half_away(c.anchor * ratio))
+    c.batch_counts = [c.anchor if rank == slow_rank else faster for rank in range(c.world_size)]
+    c.anchor_rank = slow_rank
 
 
 def reach_stable(c: ElCheController, wall_ms: Sequence[float], batches: Sequence[int]) -> None:
@@ -92,8 +100,6 @@ def test_rank_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="initial_anchor_rank=2"):
         ElCheController(2, 10, initial_anchor_rank=2)
     c = ElCheController(2, 10)
-    with pytest.raises(ValueError, match="slow_rank=5"):
-        c.set_speed_ratio(5, 2.0)
     with pytest.raises(ValueError, match="rank=-1"):
         c.smoothed_ms(-1)
     with pytest.raises(ValueError, match="max_total_batches=-1"):
@@ -113,11 +119,10 @@ class _Index:
 def test_integer_like_arguments_are_accepted() -> None:
     c = ElCheController(_Index(2), _Index(10), max_batch_diff=_Index(3))  # type: ignore[arg-type]
     assert (c.world_size, c.anchor, c.max_batch_diff) == (2, 10, 3)
-    c.set_speed_ratio(_Index(1), 2.0)  # type: ignore[arg-type]
-    assert c.anchor_rank == 1
     assert c.smoothed_ms(_Index(0)) == 0.0  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="slow_rank=True"):
-        c.set_speed_ratio(True, 2.0)
+    assert c.planned_batches(_Index(1)) == 10  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rank=True"):
+        c.smoothed_ms(True)  # type: ignore[arg-type]
 
 
 def test_constants_match_the_spec() -> None:
@@ -126,7 +131,6 @@ def test_constants_match_the_spec() -> None:
         "DOMINANCE_MARGIN": 0.10,
         "TRUST_WINDOW_CAP": 5,
         "MAX_SPEED_RATIO": 64,
-        "BATCH_COUNTS_WINDOW_CAP": 10,
         "GROWTH_REARM_STABLE": 5,
         "GROWTH_STEP_CAP": 2.0,
         "WARMUP_GROWTH_MARGIN": 2.0,
@@ -228,30 +232,9 @@ def test_dead_zone_holds_small_changes() -> None:
 # -- speed ratio hint -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("world_size", "slow_rank", "ratio", "expected"),
-    [
-        (2, 1, 2.0, [20, 10]),
-        (2, 1, 2.3, [23, 10]),
-        (2, 0, 3.0, [10, 30]),
-        (2, 1, 1.0, [10, 10]),
-        (2, 1, 0.5, [10, 10]),
-        (3, 2, 3.0, [30, 30, 10]),
-        (3, 1, 2.0, [20, 10, 20]),
-    ],
-)
-def test_cadence_speed_ratio(
-    world_size: int, slow_rank: int, ratio: float, expected: list[int]
-) -> None:
-    c = ElCheController(world_size, 10)
-    c.set_speed_ratio(slow_rank, ratio)
-    assert c.batch_counts == expected
-    assert c.anchor_rank == slow_rank
-
-
 def test_cadence_speed_ratio_self_corrects() -> None:
     c = ElCheController(2, 10, overhead_target=0.50)
-    c.set_speed_ratio(0, 2.0)  # wrong: rank 0 is actually the fast one
+    seed_plan(c, 0, 2.0)  # wrong: rank 0 is actually the fast one
     assert c.batch_counts == [10, 20]
     for _ in range(5):
         c.report_timing([500.0, 2000.0], [10, 20], 10.0)  # 50 vs 100 ms/batch
@@ -264,7 +247,7 @@ def test_cadence_speed_ratio_self_corrects() -> None:
 
 def test_cadence_max_anchor_one() -> None:
     c = ElCheController(2, 1, max_anchor=1)
-    c.set_speed_ratio(1, 2.0)
+    seed_plan(c, 1, 2.0)
     assert c.batch_counts == [2, 1]
     for _ in range(8):
         c.report_timing([100.0, 200.0], [2, 1], 500.0)  # 50 vs 200 ms/batch
@@ -716,73 +699,6 @@ def test_relax_anchor_up_capped_by_max_anchor() -> None:
     assert c.anchor == 11
 
 
-# -- callback slack -------------------------------------------------------------------------
-
-
-def test_callback_slack_reduces_firing_rank_count() -> None:
-    c = ElCheController(2, 10, overhead_target=0.50)
-    c.report_timing([500.0, 1000.0], [10, 10], 10.0)
-    assert c.batch_counts == [20, 10]
-    c.set_callback_slack([200.0, 0.0])  # 4 batches at 50 ms
-    c.report_timing([1000.0, 1000.0], [20, 10], 10.0)
-    assert c.batch_counts == [16, 10]
-    assert c.pending_callback_slack_ms == [0.0, 0.0]
-    c.report_timing([800.0, 1000.0], [16, 10], 10.0)
-    assert c.batch_counts == [20, 10]
-
-
-def test_callback_slack_clamps_at_one() -> None:
-    c = ElCheController(2, 10, overhead_target=0.50)
-    feed(c, [500.0, 1000.0], 10.0)
-    c.set_callback_slack([10_000.0, 0.0])
-    feed(c, [500.0, 1000.0], 10.0)
-    assert c.batch_counts == [1, 10]
-
-
-def test_callback_slack_size_mismatch_is_noop() -> None:
-    c = ElCheController(2, 10, overhead_target=0.50)
-    c.report_timing([500.0, 1000.0], [10, 10], 10.0)
-    c.set_callback_slack([200.0, 0.0, 0.0])
-    assert c.pending_callback_slack_ms == [0.0, 0.0]
-    c.set_callback_slack([])
-    assert c.pending_callback_slack_ms == [0.0, 0.0]
-    c.report_timing([1000.0, 1000.0], [20, 10], 10.0)
-    assert c.batch_counts == [20, 10]
-
-
-def test_callback_slack_multi_rank() -> None:
-    c = ElCheController(3, 10, overhead_target=0.50)
-    c.report_timing([333.0, 500.0, 1000.0], [10, 10, 10], 10.0)
-    assert c.batch_counts == [30, 20, 10]
-    c.set_callback_slack([100.0, 100.0, 0.0])  # ceil(100/33.3) = 4, ceil(100/50) = 2
-    c.report_timing([30 * 33.3, 20 * 50.0, 1000.0], [30, 20, 10], 10.0)
-    assert c.batch_counts == [26, 18, 10]
-
-
-def test_callback_slack_ignores_nan_and_negative() -> None:
-    c = ElCheController(2, 10)
-    c.set_callback_slack([math.nan, -5.0])
-    assert c.pending_callback_slack_ms == [0.0, 0.0]
-
-
-# -- clamp_total ----------------------------------------------------------------------------
-
-
-def test_cadence_clamp_total() -> None:
-    c = ElCheController(2, 10, overhead_target=0.50)
-    feed(c, [500.0, 1000.0], 10.0)
-    assert c.clamp_total(15) == [10, 5]
-    assert c.batch_counts == [20, 10], "clamp_total does not change the controller"
-
-
-def test_cadence_clamp_total_hands_remainder_in_rank_order() -> None:
-    assert ElCheController(3, 10).clamp_total(20) == [7, 7, 6]
-
-
-def test_cadence_clamp_total_no_op_when_within() -> None:
-    assert ElCheController(2, 10).clamp_total(30) == [10, 10]
-
-
 # -- timing feed ----------------------------------------------------------------------------
 
 
@@ -803,68 +719,6 @@ def test_no_reading_reports_nothing() -> None:
     assert not c.calibrated
     assert c.phase == Phase.PROBE
     assert c.anchor_rank is None
-
-
-def _window(
-    wall: list[float], dms: list[float], dbatches: list[int], coherent: bool
-) -> WindowReport:
-    return WindowReport(
-        wall_ms=wall,
-        steps=[4, 4],
-        delivered_ms=dms,
-        delivered_batches=dbatches,
-        fill_ms=[0.0, 0.0],
-        delivered_coherent=coherent,
-        sync_ms=1.0,
-    )
-
-
-def test_coherent_report_feeds_the_delivered_scale() -> None:
-    c = ElCheController(2, 4)
-    c.report_window(_window([40.0, 100.0], [80.0, 220.0], [4, 4], coherent=True))
-    assert c.calibrated
-    assert c.smoothed_ms_or_none(0) == 20.0
-    assert c.smoothed_ms_or_none(1) == 55.0
-
-
-def test_incoherent_report_feeds_the_compute_scale() -> None:
-    c = ElCheController(2, 4)
-    c.report_window(_window([40.0, 100.0], [80.0, 0.0], [4, 0], coherent=False))
-    assert c.smoothed_ms_or_none(0) == 10.0
-    assert c.smoothed_ms_or_none(1) == 25.0
-
-
-def test_all_zero_window_reports_nothing() -> None:
-    c = ElCheController(2, 4)
-    c.report_window(WindowReport([0.0, 0.0], [0, 0], [0.0, 0.0], [0, 0], [0.0, 0.0], True, 1.0))
-    assert not c.calibrated
-    assert c.calibration_count == 0
-
-
-# -- derived outputs ------------------------------------------------------------------------
-
-
-def test_anchor_wall_ms() -> None:
-    c = ElCheController(2, 10, overhead_target=0.50)
-    assert c.anchor_wall_ms == 0.0
-    feed(c, [500.0, 1000.0], 10.0)
-    assert c.anchor_wall_ms == 1000.0
-
-
-def test_recent_batch_share() -> None:
-    c = ElCheController(2, 10, overhead_target=0.50)
-    assert c.recent_batch_share() == [0.5, 0.5]
-    c.set_speed_ratio(1, 3.0)
-    assert c.recent_batch_share() == [0.75, 0.25]
-    c.report_timing([500.0, 1000.0], [10, 10], 1.0)  # snapshot [20, 10]
-    assert c.recent_batch_share() == pytest.approx([2 / 3, 1 / 3])
-    for _ in range(10):
-        c.report_timing([250.0, 1000.0], [10, 10], 1.0)
-    # Rank 0's mean falls 37.5, 33.3, 31.25, 30, 25, ... ms: counts 27, 30, 32, (33 is inside
-    # the dead zone) 32, then 40 six times. The first [20, 10] snapshot has left the window.
-    fast = [27, 30, 32, 32] + [40] * 6
-    share = sum(fast) / (sum(fast) + 10 * len(fast))
-    assert c.recent_batch_share() == pytest.approx([share, 1 - share])
 
 
 # -- from_config ----------------------------------------------------------------------------
@@ -934,7 +788,7 @@ def test_state_dict_round_trip() -> None:
     assert resumed.state_dict() == state
     assert resumed.calibrated
     assert resumed.phase is Phase.STABLE
-    assert resumed.anchor_wall_ms == 3400.0
+    assert resumed.anchor * resumed.smoothed_ms(resumed.anchor_rank) == 3400.0  # the window's wall time
     assert (resumed.max_anchor, resumed.overhead_target) == (500, 0.3), "knobs are not restored"
     # Each ring restarts from one sample equal to the saved mean.
     resumed.report_timing([600.0, 1000.0, 0.0], [20, 10, 0], 1.0)
@@ -1005,8 +859,6 @@ def test_invariant_anchor_never_changes_inside_report_timing() -> None:
         rng = random.Random(seed)
         c = _random_controller(rng)
         for _ in range(50):
-            if rng.random() < 0.1:
-                c.set_callback_slack([rng.uniform(0.0, 3000.0) for _ in range(c.world_size)])
             before = c.anchor
             c.report_timing(*_random_report(rng, c))
             assert c.anchor == before, f"seed {seed}: report_timing moved the anchor"
@@ -1051,3 +903,22 @@ def test_invariant_nudge_down_is_never_overwritten_by_a_later_commit() -> None:
                 for _ in range(5):
                     c.apply_verdict(Stable())
     assert nudged_over_a_proposal > 50, "the scenarios must nudge over pending proposals"
+
+
+def test_epoch_size_caps_the_window_with_at_least_one_batch_per_rank():
+    c = ctl.ElCheController(world_size=3, anchor=10)
+    c.set_epoch_size(120)
+    assert c.max_total_batches == 120
+    c.set_epoch_size(2)  # fewer batches than ranks: every rank still plans one
+    assert c.max_total_batches == 3
+    with pytest.raises(ValueError, match="num_batches=-1"):
+        c.set_epoch_size(-1)
+
+
+def test_planned_batches_bound_the_lead_over_the_slowest_plan():
+    c = ctl.ElCheController(world_size=2, anchor=3, max_batch_diff=2)
+    c.batch_counts = [9, 3]
+    assert [c.planned_batches(0), c.planned_batches(1)] == [5, 3]
+    free = ctl.ElCheController(world_size=2, anchor=3)
+    free.batch_counts = [9, 3]
+    assert [free.planned_batches(0), free.planned_batches(1)] == [9, 3]

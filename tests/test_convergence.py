@@ -9,7 +9,8 @@ import statistics
 
 import pytest
 import torch.multiprocessing as mp
-from helpers import CONVERGENCE_ARMS, digits_convergence, free_port
+from convergence_helpers import CONVERGENCE_ARMS, digits_convergence
+from process_helpers import free_port
 
 SEEDS = 3
 EPOCHS = 30

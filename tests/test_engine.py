@@ -11,7 +11,7 @@ from lightning_elche import ElCheConfig
 from lightning_elche.averaging import round_weights
 from lightning_elche.engine import ElCheEngine
 from lightning_elche.planes.base import AveragingPlane, RoundResult
-from lightning_elche.rounds import META_SIZE, Meta, RanksOutOfStep, validate_table
+from lightning_elche.rounds import META_SIZE, Meta, RanksOutOfStep, StopRequest, validate_table
 
 
 class ScriptedPeer(AveragingPlane):
@@ -54,7 +54,8 @@ def make_engine(outer=None, non_blocking=False, **config):
     plane = ScriptedPeer(non_blocking)
     param = torch.ones(4)
     engine = ElCheEngine(ElCheConfig(**config), plane, rank=0, world_size=2, device=torch.device("cpu"),
-                         params=[param], signature=42.0, epoch_batches=1000, outer=outer)
+                         params=[param], signature=42.0, outer=outer)
+    engine.set_epoch_size(1000)
     return engine, plane, param
 
 
@@ -105,6 +106,34 @@ def test_stop_requests_travel_to_every_rank():
     plane.peer_rows.append({"STEPS": 10, "STOP_REQUESTED": 2.0})
     (outcome,) = engine.run_round(0, out_of_data=False, stop_level=1)
     assert outcome.stop_level == 2 and outcome.ends_window_sequence
+
+
+def test_a_saving_stop_in_a_non_blocking_round_is_carried_to_a_consensus_round():
+    # cpu_async: the round that carries a SIGTERM is in flight while the rank trains on, so the save
+    # waits for the next round, which every rank makes a consensus round (blocking, alpha 1).
+    engine, plane, _ = make_engine(non_blocking=True, mode="cpu_async")
+    run_window(engine, engine.planned_steps)
+    plane.peer_rows.append({"STEPS": 10, "STOP_REQUESTED": float(StopRequest.SIGTERM)})
+    assert engine.run_round(0, out_of_data=False, blocking=False) == []  # in flight
+    run_window(engine, 2)
+    (carried,) = engine.poll()
+    assert carried.stop_level is StopRequest.NONE and not carried.consensus
+    run_window(engine, engine.planned_steps)
+    plane.peer_rows.append({"STEPS": 10})
+    (acted,) = engine.run_round(0, out_of_data=False, blocking=False)  # forced to block
+    assert acted.consensus and acted.stop_level is StopRequest.SIGTERM and plane.adopted[-1] == 1.0
+    assert plane._local[Meta.STOP_REQUESTED].item() == float(StopRequest.SIGTERM)  # this rank carried it
+
+
+def test_a_saving_stop_while_ranks_drain_waits_for_the_epoch_end():
+    engine, plane, _ = make_engine()
+    run_window(engine, 3)
+    plane.peer_rows.append({"STEPS": 4, "OUT_OF_DATA": 0.0, "STOP_REQUESTED": float(StopRequest.REQUEUE)})
+    (draining,) = engine.run_round(0, out_of_data=True)
+    assert draining.stop_level is StopRequest.NONE and not draining.ends_window_sequence
+    plane.peer_rows.append({"STEPS": 1, "OUT_OF_DATA": 1.0})
+    (over,) = engine.run_round(0, out_of_data=True)
+    assert over.epoch_over and over.stop_level is StopRequest.REQUEUE
 
 
 def test_step_budget_counts_cohort_steps():

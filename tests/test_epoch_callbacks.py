@@ -60,7 +60,7 @@ def test_collectives_inside_a_single_rank_callback_are_refused():
     trainer = SimpleNamespace(strategy=strategy)
     with pytest.raises(RuntimeError, match=r"barrier\(\) inside an epoch callback .*epoch_callback_policy='rank0'"):
         EpochCallbacks([Collective()]).on_train_epoch_end(trainer, None)
-    assert strategy._single_rank_policy is None  # the guard is lifted again
+    assert strategy.session.single_rank_policy is None  # the guard is lifted again
 
 
 @pytest.mark.distributed

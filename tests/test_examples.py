@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_command
+from process_helpers import run_command
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 

@@ -10,8 +10,9 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import WideRegression, load_records
 from lightning.pytorch.callbacks import ModelCheckpoint
+from model_helpers import WideRegression
+from process_helpers import load_records
 
 from lightning_elche import ElCheStrategy
 from lightning_elche.testing import Throttle

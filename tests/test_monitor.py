@@ -21,8 +21,9 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import RecordingModel, load_records
 from lightning.pytorch.loggers import CSVLogger
+from model_helpers import RecordingModel
+from process_helpers import load_records
 
 from lightning_elche import ElCheConfig, ElCheStrategy
 from lightning_elche.monitor import (
@@ -340,8 +341,7 @@ class FakeStrategy:
         self.log_every_n_syncs = 1
         self.root_device = torch.device("cpu")
         self.peer = json.dumps(peer_payload).encode()
-        self.engine = SimpleNamespace(controller=SimpleNamespace(max_total_batches=160),
-                                      state=SimpleNamespace(cohort_step=0, totals=[]))
+        self.progress = SimpleNamespace(epoch_batches=160, cohort_step=0, totals=[])
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dtype == torch.int64:
@@ -387,7 +387,7 @@ def drive_synthetic_run(tmp_path: Path, epochs: int = 6, syncs_per_epoch: int = 
             if index in (30, 90, 160):
                 anchor = int(anchor * 1.4)
             plan.append((index, anchor, [3 * anchor // 10 + (index % 3 == 0), anchor // 10]))
-        strategy.engine.controller.max_total_batches = sum(sum(steps) for _, _, steps in plan)
+        strategy.progress.epoch_batches = sum(sum(steps) for _, _, steps in plan)
         monitor.on_train_epoch_start(trainer, None)
         peer.clear()
         for j, (index, anchor, steps) in enumerate(plan):
@@ -416,7 +416,7 @@ def drive_synthetic_run(tmp_path: Path, epochs: int = 6, syncs_per_epoch: int = 
         trainer._logger_connector.metrics["callback"] = val
         monitor.on_validation_end(trainer, None)
         monitor.on_train_epoch_end(trainer, None)
-    strategy.engine.state.totals = [SimpleNamespace(steps=700, samples=11200, compute_s=12.0, sync_s=1.5),
+    strategy.progress.totals = [SimpleNamespace(steps=700, samples=11200, compute_s=12.0, sync_s=1.5),
                                     SimpleNamespace(steps=230, samples=3680, compute_s=12.4, sync_s=0.4)]
     monitor.on_fit_end(trainer, None)
     info = {"syncs": index, "epochs": epochs, "peer": all_peer}

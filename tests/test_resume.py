@@ -8,7 +8,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import RecordingModel, load_records
+from model_helpers import RecordingModel
+from process_helpers import load_records
 from resume_helpers import RecordSaves, RecordStart
 from test_strategy_distributed import assert_exactly_once, elche, fit
 

@@ -25,7 +25,7 @@ import torch
 
 from lightning_elche import ElCheConfig
 from lightning_elche.averaging import round_weights
-from lightning_elche.data import ElCheSampler
+from lightning_elche.data import ElCheSampler, PoolDispatch
 from lightning_elche.engine import ElCheEngine, RoundOutcome
 from lightning_elche.planes.base import AveragingPlane, RoundResult
 from lightning_elche.rounds import Meta, validate_table
@@ -139,7 +139,7 @@ class SimulatedRank:
         while fetched and not self._leaving:
             batch = fetched.popleft()
             fetch()  # Lightning's fetcher keeps one batch ahead to know the last one
-            sampler.started_batches += 1
+            sampler.batch_started()
             self._pause()
             trained.extend(batch)
             engine.record_step(len(batch), None, 0.1)
@@ -166,8 +166,7 @@ class SimulatedRank:
             time.sleep(self.rng.uniform(0.0, 2.0 * self.mean_step_s))
 
     def _after_round(self, outcome: RoundOutcome) -> None:
-        if self.sampler.dispatch == "pool" and sum(outcome.planned) > 0:
-            self.sampler.set_speed_shares(outcome.planned)
+        self.sampler.on_round(outcome.planned)
         if outcome.epoch_over:
             self._leaving = True
 
@@ -193,7 +192,8 @@ def simulate(mode: str, world: int, seed: int, epochs: int = 3, batches: int = 4
         )
         plane = BoardPlane(board, r, non_blocking=config.mode.is_async)
         engine = ElCheEngine(config=config, plane=plane, rank=r, world_size=world, device=torch.device("cpu"),
-                             params=[], signature=1.0, epoch_batches=sampler.num_batches)
+                             params=[], signature=1.0)
+        engine.set_epoch_size(sampler.num_batches)
         ranks.append(SimulatedRank(r, sampler, engine, prefetch=rng.choice((0, 1, 2, 4, 8)),
                                    rng=random.Random(seed * 97 + r),
                                    mean_step_s=rng.choice((0.0002, 0.0005, 0.001, 0.002))))
@@ -244,11 +244,11 @@ def test_fixed_partition_ratios_train_each_sample_once(mode):
 def test_the_simulation_catches_a_rank_that_leaves_with_claimed_batches(monkeypatch):
     # The check must be able to fail: a sampler that stops claiming on every rank near the end
     # (what the cpu_async loss did) leaves part of the pool untrained.
-    def always_leave(self: ElCheSampler, key: str, last_claim: int) -> bool:
+    def always_leave(self: PoolDispatch, key: str, last_claim: int) -> bool:
         return last_claim >= 2 * self.world_size
 
-    monkeypatch.setattr(ElCheSampler, "_leaves_tail_to_faster_ranks", always_leave)
-    monkeypatch.setattr(ElCheSampler, "_fastest_rank", lambda self: None)
+    monkeypatch.setattr(PoolDispatch, "_leaves_tail_to_faster_ranks", always_leave)
+    monkeypatch.setattr(PoolDispatch, "_fastest_rank", lambda self: None)
     with pytest.raises(AssertionError, match="missing"):
         assert_exactly_once(simulate("cpu_async", 4, 7), epochs=3)
 

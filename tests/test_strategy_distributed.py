@@ -11,10 +11,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import CountCollectives, RecordingModel, StopAtStep, inverse_decay, load_records, run_command
+from callback_helpers import CountCollectives, StopAtStep
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from model_helpers import RecordingModel, inverse_decay
+from process_helpers import load_records, run_command
 
 from lightning_elche import DiLoCo, ElCheConfig, ElCheStrategy
 from lightning_elche.data import epoch_permutation
@@ -145,6 +147,8 @@ def test_max_steps_is_a_cohort_step_budget(tmp_path):
     r0, r1 = records
     assert r0["cohort_step"] == r1["cohort_step"]
     assert 45 <= r0["cohort_step"] < 45 + sum(r0["batch_counts"]) + 10
+    # The budget is taken over only after configure_optimizers, which sees the user's max_steps.
+    assert r0["max_steps_in_configure_optimizers"] == r1["max_steps_in_configure_optimizers"] == 45
     assert r0["params"] == r1["params"]
 
 

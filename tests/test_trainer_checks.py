@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import RecordingModel
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from model_helpers import RecordingModel
 
 import lightning_elche  # noqa: F401  (registers the strategy names)
 from lightning_elche import ElCheConfig, ElCheMode, ElCheStrategy

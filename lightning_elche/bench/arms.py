@@ -27,12 +27,12 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from lightning_elche import ElCheMode, ElCheStrategy
 from lightning_elche.bench.config import BenchConfig
 from lightning_elche.bench.plan import DDP, LOCAL_SGD
+from lightning_elche.loop_glue import register_ddp_comm_hook
 
 
 def available_elche_modes() -> tuple[tuple[str, ...], dict[str, str]]:
@@ -75,8 +75,7 @@ class PostLocalSGDStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         super().configure_ddp()
         if self.root_device.type != "cuda":  # Lightning registered it already on CUDA
-            _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
-                                    ddp_comm_hook=self._ddp_comm_hook)
+            register_ddp_comm_hook(self)
 
     def averagings(self, steps: int) -> int:
         """Parameter averages ``PeriodicModelAverager`` ran in ``steps`` optimizer steps."""

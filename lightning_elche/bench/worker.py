@@ -47,8 +47,10 @@ from lightning_elche.bench.workloads import (
     model_stats,
     train_loader,
 )
+from lightning_elche.loop_glue import ddp_model_averager
 from lightning_elche.planes import CollectivePlane
 from lightning_elche.rounds import META_SIZE
+from lightning_elche.strategy import ElCheStrategy
 from lightning_elche.testing import Throttle
 
 CONTROL_TIMEOUT_S = 1800
@@ -372,20 +374,20 @@ def run_multi(ctx: RankContext, job: Job) -> dict[str, Any]:
     trainer.fit(module, train_dataloaders=train_loader(workload.train_set(), batch, drop_last))
     record = _common_record(job, trainer, meter, throttle if ctx.rank == 1 else None, stats, time.time() - started)
     record.update({"batch_size": batch, "train_samples": len(workload.train_set())})
-    engine = getattr(strategy, "engine", None)
-    if engine is not None:
+    progress = strategy.progress if isinstance(strategy, ElCheStrategy) else None
+    if progress is not None:
         record["elche"] = {
-            "rounds": engine.state.rounds,
-            "cohort_step": engine.state.cohort_step,
-            "final_anchor": engine.controller.anchor,
-            "window_plan": list(engine.controller.batch_counts),
+            "rounds": progress.rounds,
+            "cohort_step": progress.cohort_step,
+            "final_anchor": progress.anchor,
+            "window_plan": list(progress.plan),
             "totals": [{"steps": t.steps, "samples": t.samples, "compute_s": t.compute_s, "sync_s": t.sync_s}
-                       for t in engine.state.totals],
+                       for t in progress.totals],
             "meta_bytes": META_SIZE * 8,
             "bf16_wire": bool(getattr(getattr(strategy, "elche", None), "bf16_wire", False)),
         }
     if isinstance(strategy, PostLocalSGDStrategy):
-        averager = strategy._model_averager
+        averager = ddp_model_averager(strategy)
         record["local_sgd"] = {
             "period": strategy.period,
             "warmup": strategy.warmup,

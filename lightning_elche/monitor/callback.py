@@ -21,7 +21,9 @@ from typing import Any, Literal, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_elche.checks import require_int
 from lightning_elche.engine import RoundOutcome
+from lightning_elche.loop_glue import logged_callback_metrics
 from lightning_elche.monitor.dashboard import dashboard_data, validate_theme, write_dashboard
 from lightning_elche.monitor.record import (
     CORE_REDUCTIONS,
@@ -95,17 +97,15 @@ class ElCheMonitor(Callback):
         super().__init__()
         if max_log_size in (None, 0):
             max_log_size = DEFAULT_MAX_LOG_BYTES
-        if isinstance(max_log_size, bool) or not isinstance(max_log_size, int) or max_log_size < MIN_LOG_BYTES:
-            raise ValueError(
-                f"ElCheMonitor(max_log_size={max_log_size!r}) is invalid: expected an integer number of bytes "
-                f">= {MIN_LOG_BYTES}, or 0/None for the default {DEFAULT_MAX_LOG_BYTES}."
-            )
-        if reports_per_epoch is not None and (
-            isinstance(reports_per_epoch, bool) or not isinstance(reports_per_epoch, int) or reports_per_epoch < 0
-        ):
-            raise ValueError(
-                f"ElCheMonitor(reports_per_epoch={reports_per_epoch!r}) is invalid: expected an integer >= 0 "
-                "(0 or None: off)."
+        max_log_size = require_int(
+            f"ElCheMonitor(max_log_size={max_log_size!r})", max_log_size, MIN_LOG_BYTES,
+            f"expected an integer number of bytes >= {MIN_LOG_BYTES}, or 0/None for the default "
+            f"{DEFAULT_MAX_LOG_BYTES}",
+        )
+        if reports_per_epoch is not None:
+            reports_per_epoch = require_int(
+                f"ElCheMonitor(reports_per_epoch={reports_per_epoch!r})", reports_per_epoch, 0,
+                "expected an integer >= 0 (0 or None: off)",
             )
         for name, value in (("record_log_dir", record_log_dir), ("dashboard_html", dashboard_html),
                             ("timeline", timeline)):
@@ -256,8 +256,8 @@ class ElCheMonitor(Callback):
             self._accumulator.reset()
 
     def _steps_per_epoch(self, trainer: Trainer) -> int:
-        engine = self._strategy.engine if self._strategy is not None else None
-        batches = engine.controller.max_total_batches if engine is not None else 0
+        progress = self._strategy.progress if self._strategy is not None else None
+        batches = progress.epoch_batches if progress is not None else 0
         if batches <= 0:
             per_rank = trainer.num_training_batches
             batches = int(per_rank) * self._world if math.isfinite(per_rank) else 1
@@ -389,10 +389,10 @@ class ElCheMonitor(Callback):
             t = self._now()
             values = self._validation_metrics(trainer)
             self._val_keys.update(values)
-            engine = self._strategy.engine if self._strategy is not None else None
+            progress = self._strategy.progress if self._strategy is not None else None
             record = {"kind": "eval", "ts": time.time(), "t": t, "epoch": int(trainer.current_epoch),
                       "global_step": int(trainer.global_step),
-                      "cohort_step": engine.state.cohort_step if engine is not None else None, "metrics": values}
+                      "cohort_step": progress.cohort_step if progress is not None else None, "metrics": values}
             if self._rank_log is not None:
                 self._rank_log.append({**record, "node": f"rank{self._rank}"})
             if self.is_root:
@@ -411,7 +411,7 @@ class ElCheMonitor(Callback):
         # During on_validation_end the logger connector's results are the validation loop's, so
         # its "callback" metrics are exactly what validation logged.
         try:
-            logged = trainer._logger_connector.metrics["callback"]
+            logged = logged_callback_metrics(trainer)
         except Exception:  # another Lightning layout: fall back to the naming convention
             logged = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val")}
         out: dict[str, float] = {}
@@ -540,8 +540,8 @@ class ElCheMonitor(Callback):
             self._active = False
 
     def _rank_totals(self) -> list[dict[str, Any]]:
-        engine = self._strategy.engine if self._strategy is not None else None
-        if engine is None:
+        progress = self._strategy.progress if self._strategy is not None else None
+        if progress is None:
             return []
         return [{"rank": k, "steps": tot.steps, "samples": tot.samples, "compute_s": tot.compute_s,
-                 "sync_s": tot.sync_s} for k, tot in enumerate(engine.state.totals)]
+                 "sync_s": tot.sync_s} for k, tot in enumerate(progress.totals)]

@@ -12,13 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lightning_elche.checks import require_int
+
 
 class ReportScheduler:
     """Decides at which syncs of an epoch a sub-epoch report fires."""
 
     def __init__(self, per_epoch: int) -> None:
-        if isinstance(per_epoch, bool) or not isinstance(per_epoch, int) or per_epoch < 1:
-            raise ValueError(f"reports_per_epoch={per_epoch!r} is invalid: expected an integer >= 1.")
+        per_epoch = require_int(f"reports_per_epoch={per_epoch!r}", per_epoch, 1)
         self.per_epoch = per_epoch
         self.steps_per_epoch = 1
         self.work = 0

@@ -10,7 +10,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning.pytorch as pl  # noqa: E402
-from helpers import RecordingModel, RecordRounds, StopAtStep  # noqa: E402
+from callback_helpers import RecordRounds, StopAtStep  # noqa: E402
+from model_helpers import RecordingModel  # noqa: E402
 
 from lightning_elche import ElCheStrategy  # noqa: E402
 
