@@ -41,7 +41,7 @@ _REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"(?<![\w.])lightning_elche(?!\w)(?!\.pytorch_lightning(?!\w))"), MIRROR_PACKAGE),
 )
 # What may remain after the rewrite and would still load the ``lightning`` package.
-_LEFTOVER = re.compile(r"^\s*(?:import\s+lightning(?![\w])|from\s+lightning(?:\.|\s+import))", re.MULTILINE)
+_LEFTOVER = re.compile(r"^[ \t]*(?:import\s+lightning(?![\w])|from\s+lightning(?:\.|\s+import))", re.MULTILINE)
 
 
 def rewrite_source(source: str) -> str:

@@ -136,8 +136,8 @@ def test_rewrite_maps_imports(line: str, expected: str) -> None:
 
 def test_an_unmappable_lightning_import_is_refused_naming_module_and_line(tmp_path: Path) -> None:
     source = tmp_path / "user_module.py"
-    source.write_text("import os\nimport lightning as L\n")
-    with pytest.raises(ImportError, match=r"user_module.*line\(s\) \[2\].*'lightning' package"):
+    source.write_text("import os\n\n\ndef f():\n    import lightning as L\n")
+    with pytest.raises(ImportError, match=r"user_module.*line\(s\) \[5\].*'lightning' package"):
         exec_rewritten(str(source), {"__name__": "lightning_elche.pytorch_lightning.user_module"})
     assert leftover_lightning_imports(rewrite_source("import lightning\nfrom lightning.pytorch import X\n")) == []
 

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pytest's own dependency on Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 # Distributions whose floor the oldest leg tests, and the pyproject.toml section that declares it.
