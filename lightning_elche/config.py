@@ -149,8 +149,9 @@ class ElCheConfig:
         no_divergence_guard: disable the convergence guard.
         max_overshoot: batches a ``cpu_async`` rank may run past its planned sync (None = auto).
         gamma: exponent of the realized-work weight n_k**gamma of each rank's parameters (finite).
-        bf16_wire: ship the CPU plane's snapshots and consensus as bfloat16 (``cpu_*`` modes only:
-            the ``nccl_*`` reduce never leaves the devices, so the knob is refused there).
+        bf16_wire: ship each rank's parameter change since the last consensus as bfloat16; the
+            weights, the reference and the sums stay f32 (``cpu_*`` modes only: the ``nccl_*``
+            reduce never leaves the devices, so the knob is refused there).
     """
 
     mode: Union[ElCheMode, str] = ElCheMode.nccl_cadence
