@@ -17,6 +17,14 @@ from lightning_elche.checks import invalid, require_int, require_real
 SM_GRANULARITY = 8
 
 
+def _has_green_contexts() -> bool:
+    try:
+        from torch.cuda import green_contexts  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def green_context_sms(total_sms: int, slowdown: float) -> int:
     """SMs to leave a rank so that compute-bound work runs about ``slowdown`` times slower.
 
@@ -67,11 +75,18 @@ class Throttle(Callback):
     def _resolve(self, device: torch.device) -> Optional[str]:
         if self.slowdown == 1.0:
             return None
-        if self.method == "auto":
-            return "sm_limit" if device.type == "cuda" else "sleep"
+        if self.method == "auto" and device.type != "cuda":
+            return "sleep"
         if self.method == "sm_limit" and device.type != "cuda":
             raise ValueError("Throttle(method='sm_limit') needs a CUDA device.")
-        return self.method
+        method = self.method if self.method != "auto" else "sm_limit"
+        if method == "sm_limit" and not _has_green_contexts():
+            raise RuntimeError(
+                f"Throttle(method={self.method!r}) limits SMs with CUDA green contexts "
+                f"(torch.cuda.green_contexts), which torch {torch.__version__} lacks: use torch >= 2.10 "
+                "or Throttle(method='sleep')."
+            )
+        return method
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.global_rank != self.rank:
