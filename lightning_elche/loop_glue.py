@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 
 import lightning
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _distributed_is_initialized
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook, _sync_module_states
@@ -157,7 +157,7 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
         shuffle, seed = isinstance(sampler, RandomSampler), 0
     else:
         raise TypeError(
-            f"ElCheStrategy cannot honour a custom sampler ({type(sampler).__name__}): it assigns "
+            f"ElCheStrategy cannot honour a custom sampler ({user_sampler_name(sampler)}): it assigns "
             "samples to ranks by speed. Use shuffle=True/False in the DataLoader."
         )
     assert dataloader.batch_size is not None
@@ -181,6 +181,14 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
         augment=dataset.augment if augmented else 1,  # type: ignore[union-attr]
         pick_keys=augmented,
     )
+
+
+def user_sampler_name(sampler: Any) -> str:
+    """The class name of the sampler the user passed: Lightning wraps a custom sampler in a
+    ``DistributedSamplerWrapper`` under a distributed strategy, which is not what the user wrote."""
+    if type(sampler) is DistributedSamplerWrapper:
+        sampler = sampler.dataset._sampler
+    return type(sampler).__name__
 
 
 def check_step_schedulers(trainer: Trainer) -> None:
