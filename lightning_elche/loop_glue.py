@@ -257,6 +257,41 @@ class LightningPatches:
         fit_loop.setup_data = setup_data_with_cohort_batches  # type: ignore[method-assign]
         self._undo.append(lambda: vars(fit_loop).pop("setup_data", None))  # back to the class's method
 
+    def watch_batches(self, trainer: Trainer, after_batch_hooks: Callable[[], None],
+                      on_epoch_skipped: Callable[[], None]) -> None:
+        """Call ``after_batch_hooks()`` once a training batch's ``on_train_batch_end`` hooks have run
+        (before an end-of-epoch validation and before the epoch loop reads ``trainer.should_stop``),
+        and ``on_epoch_skipped()`` when ``on_train_batch_start`` returned -1 (Lightning then leaves
+        the epoch on this rank alone). No strategy hook runs at either point, so the epoch loop's
+        two methods are wrapped.
+        """
+        epoch_loop = trainer.fit_loop.epoch_loop
+        advance, on_advance_end = epoch_loop.advance, epoch_loop.on_advance_end
+
+        def advance_watching_for_skip(data_fetcher: Any) -> None:
+            try:
+                advance(data_fetcher)
+            except StopIteration:
+                # Lightning's -1 path marks the batch ready but never starts it; a plain end of
+                # data raises before the batch is ready.
+                current = epoch_loop.batch_progress.current
+                if current.ready != current.started:
+                    on_epoch_skipped()
+                raise
+
+        def on_advance_end_after_batch_hooks(data_fetcher: Any) -> None:
+            after_batch_hooks()
+            on_advance_end(data_fetcher)
+
+        epoch_loop.advance = advance_watching_for_skip  # type: ignore[method-assign]
+        epoch_loop.on_advance_end = on_advance_end_after_batch_hooks  # type: ignore[method-assign]
+
+        def restore() -> None:
+            vars(epoch_loop).pop("advance", None)
+            vars(epoch_loop).pop("on_advance_end", None)
+
+        self._undo.append(restore)
+
     def silence_per_step_sigterm_broadcast(self, trainer: Trainer) -> None:
         """Stop Lightning's broadcast of a SIGTERM flag before every training batch.
 
