@@ -7,8 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torchmetrics
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from model_helpers import RecordingModel
+from torch.utils.data import DataLoader
 
 
 class StopAfterBatch(Callback):
@@ -80,3 +83,58 @@ def first_layer_mean(record: dict[str, Any], n: int = 512) -> torch.Tensor:
     weight, bias = (torch.tensor(p) for p in record["last_epoch_start_params"][:2])
     x = IndexedRegression(n).x
     return (x @ weight.view(16, 8).T + bias).mean(dim=0)
+
+
+class EcosystemModel(BoringModel):
+    """Lightning's ``BoringModel`` with what a typical project adds: a torchmetrics metric, two
+    validation loaders, an epoch-interval StepLR, DataLoader workers; records what every rank ended with."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.train_mse = torchmetrics.MeanSquaredError()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        output = self(batch)
+        self.train_mse(output, torch.ones_like(output))
+        self.log("train_mse", self.train_mse, on_step=False, on_epoch=True)
+        return self.loss(output)
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log("val_loss", self.loss(self(batch)), on_epoch=True, sync_dist=True)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomDataset(32, 128), batch_size=4, shuffle=True, num_workers=1)
+
+    def val_dataloader(self) -> list[DataLoader]:
+        return [DataLoader(RandomDataset(32, 32), batch_size=8), DataLoader(RandomDataset(32, 16), batch_size=8)]
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+    def on_fit_end(self) -> None:
+        engine = self.trainer.strategy.engine
+        Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps({
+            "params": [p.detach().float().flatten().tolist() for p in self.parameters()],
+            "callback_metrics": {k: float(v) for k, v in self.trainer.callback_metrics.items()},
+            "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
+            "rounds": engine.state.rounds,
+            "steps": [t.steps for t in engine.state.totals],
+        }))
+
+
+class RecordingBoringModel(BoringModel):
+    """Lightning's ``BoringModel`` unchanged, plus a record of each rank's weights and rounds."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_fit_end(self) -> None:
+        engine = self.trainer.strategy.engine
+        Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps({
+            "params": [p.detach().flatten().tolist() for p in self.parameters()],
+            "rounds": engine.state.rounds,
+            "steps": [t.steps for t in engine.state.totals],
+        }))

@@ -3,6 +3,7 @@ is refused with a message naming the feature and what to do instead."""
 
 from __future__ import annotations
 
+import csv
 from datetime import timedelta
 from pathlib import Path
 
@@ -11,11 +12,15 @@ import pytest
 import torch
 from compat_helpers import (
     BatchNormRecordingModel,
+    EcosystemModel,
+    RecordingBoringModel,
     SkipRestOfEpoch,
     StopAfterBatch,
     first_layer_mean,
 )
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import LearningRateMonitor, StochasticWeightAveraging, TQDMProgressBar
+from lightning.pytorch.demos.boring_classes import BoringDataModule
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.tuner import Tuner
 from model_helpers import RecordingModel
@@ -100,3 +105,34 @@ def test_swa_with_batchnorm_ends_with_the_same_weights_and_statistics_on_every_r
     # -0.111 on rank 0, -0.193 on rank 1); ElChe gives the cohort's value instead.
     d0, d1 = swa_fit(ddp_dir, DDPStrategy(start_method="spawn", timeout=PG_TIMEOUT))
     assert d0["params"] == d1["params"]
+
+
+def test_boring_model_and_boring_datamodule(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    trainer = trainer_for(tmp_path, elche(mode="nccl_sync"), max_epochs=1, limit_val_batches=1.0)
+    trainer.fit(RecordingBoringModel(str(tmp_path)), datamodule=BoringDataModule())
+    r0, r1 = load_records(tmp_path)
+    assert r0["params"] == r1["params"] and r0["rounds"] == r1["rounds"] > 0
+    assert sum(r0["steps"]) == 64  # BoringDataModule's 64 training samples, batch size 1, once each
+
+
+@pytest.mark.timeout(300)  # DataLoader worker processes inside the two ranks: slow to start on a busy machine
+def test_torchmetrics_loggers_lr_monitor_tqdm_bf16_clipping_epoch_scheduler_workers_two_val_loaders(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=elche(), max_epochs=2, precision="bf16-mixed",
+        gradient_clip_val=0.5, callbacks=[LearningRateMonitor(logging_interval="step")], log_every_n_steps=4,
+        logger=CSVLogger(str(tmp_path), name="logs"), enable_progress_bar=True, enable_checkpointing=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    assert isinstance(trainer.progress_bar_callback, TQDMProgressBar)
+    trainer.fit(EcosystemModel(str(tmp_path)))
+    r0, r1 = load_records(tmp_path)
+    assert r0["params"] == r1["params"] and r0["rounds"] == r1["rounds"] > 0
+    assert sum(r0["steps"]) == 2 * 128 // 4  # every batch once per epoch, over both ranks
+    # torchmetrics syncs at the epoch end and Lightning reduces sync_dist values there: one value everywhere.
+    for key in ("train_mse", "val_loss/dataloader_idx_0", "val_loss/dataloader_idx_1"):
+        assert key in r0["callback_metrics"] and r0["callback_metrics"][key] == r1["callback_metrics"][key]
+    assert r0["lr"] == r1["lr"] == pytest.approx(0.1 * 0.5**2)  # the epoch StepLR stepped once per epoch
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
+    assert any(row.get("lr-SGD") for row in rows) and any(row.get("elche/syncs") for row in rows)

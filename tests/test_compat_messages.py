@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler, TensorDataset
 
 from lightning_elche import ElCheConfig
 from lightning_elche.engine import FitProgress, RankTotals
@@ -57,3 +57,22 @@ def test_summary_after_a_resume_says_which_steps_the_rows_count():
 def test_summary_of_a_fresh_fit_has_rows_that_add_up_to_the_cohort_steps():
     text = format_summary(progress(60, (40, 20)))
     assert "60 cohort steps," in text and "rows: the whole run" in text and "resumed" not in text
+
+
+def test_an_iterable_dataset_is_refused_naming_the_alternative():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(torch.arange(8.0))
+
+    with pytest.raises(TypeError, match="cannot dispatch an IterableDataset.*map-style Dataset"):
+        sampler_for(DataLoader(Stream(), batch_size=4), ElCheConfig.preset("nccl_sync"), 0, 2, "prefix", 4)
+
+
+def test_a_custom_batch_sampler_is_refused_naming_its_class():
+    class PairedBatches(BatchSampler):
+        pass
+
+    data = TensorDataset(torch.arange(16.0))
+    loader = DataLoader(data, batch_sampler=PairedBatches(SequentialSampler(data), batch_size=4, drop_last=False))
+    with pytest.raises(TypeError, match=r"custom batch_sampler \(PairedBatches\).*batch_size"):
+        sampler_for(loader, ElCheConfig.preset("nccl_sync"), 0, 2, "prefix", 4)
