@@ -4,6 +4,7 @@ is refused with a message naming the feature and what to do instead."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 from datetime import timedelta
 from pathlib import Path
 
@@ -136,3 +137,23 @@ def test_torchmetrics_loggers_lr_monitor_tqdm_bf16_clipping_epoch_scheduler_work
     assert r0["lr"] == r1["lr"] == pytest.approx(0.1 * 0.5**2)  # the epoch StepLR stepped once per epoch
     rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
     assert any(row.get("lr-SGD") for row in rows) and any(row.get("elche/syncs") for row in rows)
+
+
+def test_rich_progress_bar_and_tensorboard_logger(tmp_path):
+    # Optional packages of Lightning: `pip install rich tensorboard` (or tensorboardX) to run this.
+    pytest.importorskip("rich", reason="RichProgressBar needs the rich package")
+    if importlib.util.find_spec("tensorboard") is None:
+        pytest.importorskip("tensorboardX", reason="TensorBoardLogger needs tensorboard or tensorboardX")
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=elche(), max_epochs=1, callbacks=[RichProgressBar()],
+        logger=TensorBoardLogger(str(tmp_path), name="tb"), log_every_n_steps=2, enable_checkpointing=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    trainer.fit(RecordingBoringModel(str(tmp_path)))
+    r0, r1 = load_records(tmp_path)
+    assert r0["params"] == r1["params"] and r0["rounds"] == r1["rounds"] > 0
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*")), "no TensorBoard event file"
