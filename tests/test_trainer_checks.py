@@ -12,6 +12,7 @@ from model_helpers import RecordingModel
 
 import lightning_elche  # noqa: F401  (registers the strategy names)
 from lightning_elche import ElCheConfig, ElCheMode, ElCheStrategy
+from lightning_elche.loop_glue import check_step_schedulers
 from lightning_elche.strategy import resolve_config
 from lightning_elche.trainer_checks import check_trainer
 
@@ -126,3 +127,16 @@ def test_strategy_is_picklable_before_fit():
 
     strategy = pickle.loads(pickle.dumps(ElCheStrategy(mode="nccl_sync")))
     assert strategy.elche.mode is ElCheMode.nccl_sync and strategy.engine is None
+
+
+def test_a_step_scheduler_with_frequency_other_than_one_is_refused(tmp_path):
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+    trainer = attached_trainer(tmp_path)
+    optimizer = trainer.strategy.optimizers[0]
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, 10)
+    trainer.strategy.lr_scheduler_configs = [LRSchedulerConfig(schedule, interval="step", frequency=2)]
+    with pytest.raises(MisconfigurationException, match="frequency=2.*Use frequency=1"):
+        check_step_schedulers(trainer)
+    trainer.strategy.lr_scheduler_configs = [LRSchedulerConfig(schedule, interval="step", frequency=1)]
+    check_step_schedulers(trainer)
