@@ -269,13 +269,14 @@ class LightningPatches:
         advance, on_advance_end = epoch_loop.advance, epoch_loop.on_advance_end
 
         def advance_watching_for_skip(data_fetcher: Any) -> None:
+            current = epoch_loop.batch_progress.current
+            unstarted = current.ready - current.started
             try:
                 advance(data_fetcher)
             except StopIteration:
-                # Lightning's -1 path marks the batch ready but never starts it; a plain end of
+                # Lightning's -1 path marks this batch ready but never starts it; a plain end of
                 # data raises before the batch is ready.
-                current = epoch_loop.batch_progress.current
-                if current.ready != current.started:
+                if current.ready - current.started > unstarted:
                     on_epoch_skipped()
                 raise
 
