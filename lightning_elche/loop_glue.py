@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 import lightning
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _distributed_is_initialized
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook, _sync_module_states
@@ -160,7 +160,7 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
         shuffle, seed = isinstance(sampler, RandomSampler), 0
     else:
         raise TypeError(
-            f"ElCheStrategy cannot honour a custom sampler ({type(sampler).__name__}): it assigns "
+            f"ElCheStrategy cannot honour a custom sampler ({user_sampler_name(sampler)}): it assigns "
             "samples to ranks by speed. Use shuffle=True/False in the DataLoader."
         )
     assert dataloader.batch_size is not None
@@ -184,6 +184,14 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
         augment=dataset.augment if augmented else 1,  # type: ignore[union-attr]
         pick_keys=augmented,
     )
+
+
+def user_sampler_name(sampler: Any) -> str:
+    """The class name of the sampler the user passed: Lightning wraps a custom sampler in a
+    ``DistributedSamplerWrapper`` under a distributed strategy, which is not what the user wrote."""
+    if type(sampler) is DistributedSamplerWrapper:
+        sampler = sampler.dataset._sampler
+    return type(sampler).__name__
 
 
 def check_step_schedulers(trainer: Trainer) -> None:
@@ -251,6 +259,42 @@ class LightningPatches:
 
         fit_loop.setup_data = setup_data_with_cohort_batches  # type: ignore[method-assign]
         self._undo.append(lambda: vars(fit_loop).pop("setup_data", None))  # back to the class's method
+
+    def watch_batches(self, trainer: Trainer, after_batch_hooks: Callable[[], None],
+                      on_epoch_skipped: Callable[[], None]) -> None:
+        """Call ``after_batch_hooks()`` once a training batch's ``on_train_batch_end`` hooks have run
+        (before an end-of-epoch validation and before the epoch loop reads ``trainer.should_stop``),
+        and ``on_epoch_skipped()`` when ``on_train_batch_start`` returned -1 (Lightning then leaves
+        the epoch on this rank alone). No strategy hook runs at either point, so the epoch loop's
+        two methods are wrapped.
+        """
+        epoch_loop = trainer.fit_loop.epoch_loop
+        advance, on_advance_end = epoch_loop.advance, epoch_loop.on_advance_end
+
+        def advance_watching_for_skip(data_fetcher: Any) -> None:
+            current = epoch_loop.batch_progress.current
+            unstarted = current.ready - current.started
+            try:
+                advance(data_fetcher)
+            except StopIteration:
+                # Lightning's -1 path marks this batch ready but never starts it; a plain end of
+                # data raises before the batch is ready.
+                if current.ready - current.started > unstarted:
+                    on_epoch_skipped()
+                raise
+
+        def on_advance_end_after_batch_hooks(data_fetcher: Any) -> None:
+            after_batch_hooks()
+            on_advance_end(data_fetcher)
+
+        epoch_loop.advance = advance_watching_for_skip  # type: ignore[method-assign]
+        epoch_loop.on_advance_end = on_advance_end_after_batch_hooks  # type: ignore[method-assign]
+
+        def restore() -> None:
+            vars(epoch_loop).pop("advance", None)
+            vars(epoch_loop).pop("on_advance_end", None)
+
+        self._undo.append(restore)
 
     def silence_per_step_sigterm_broadcast(self, trainer: Trainer) -> None:
         """Stop Lightning's broadcast of a SIGTERM flag before every training batch.

@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_elche.averaging import AveragedLayout
+from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checks import require_int
 from lightning_elche.config import ElCheConfig, ElCheMode, Transport
 from lightning_elche.coverage import EpochCoverage
@@ -177,6 +178,7 @@ class ElCheStrategy(DDPStrategy):
         self._restored_state: Optional[dict[str, Any]] = None
         self._restored_coverage: Optional[EpochCoverage] = None
         self._round_listeners: list[RoundListener] = []
+        self._averaged_buffers: list[Tensor] = []  # the buffer tensors the rounds reduce
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -285,6 +287,7 @@ class ElCheStrategy(DDPStrategy):
     def _build_engine(self) -> ElCheEngine:
         assert self.lightning_module is not None
         layout = AveragedLayout(self.lightning_module)
+        self._averaged_buffers = list(layout.buffers.tensors)
         outer = copy.deepcopy(self.outer_optimizer) if self.outer_optimizer is not None else OuterAvg()
         plane_outer = None if isinstance(outer, OuterAvg) else outer
         run_mode = self.elche.run_mode
@@ -353,6 +356,7 @@ class ElCheStrategy(DDPStrategy):
         self._patches.silence_per_step_sigterm_broadcast(trainer)
         if not self._patches.route_stop_signals(trainer, self._on_stop_signal):
             rank_zero_warn("ElCheStrategy could not install its stop-signal handlers outside the main thread.")
+        self._patches.watch_batches(trainer, lambda: self._after_batch_hooks(trainer), self._refuse_skipped_epoch)
 
     def _on_stop_signal(self, request: StopRequest, signum: int) -> None:
         # Only recorded: every rank saves and stops after the next round. Lightning's launcher
@@ -369,6 +373,22 @@ class ElCheStrategy(DDPStrategy):
             self._engine.start_epoch()
         if self._sampler is not None:
             self._sampler.batch_started()
+
+    def _after_batch_hooks(self, trainer: Trainer) -> None:
+        # A should_stop set in on_train_batch_end comes after this batch's optimizer step, where
+        # the hold-back runs: this rank would leave the epoch alone. It travels to the next round
+        # instead (the next epoch's first round when this batch ended the epoch).
+        if self._session.hold_back_local_stop(trainer.should_stop):
+            trainer.should_stop = False
+
+    def _refuse_skipped_epoch(self) -> None:
+        raise RuntimeError(
+            f"ElCheStrategy: on_train_batch_start returned -1 (skip the rest of the epoch) on rank {self.global_rank}. "
+            "Under ElChe the ranks hold different, speed-dependent shares of the epoch, so one rank cannot leave "
+            "it alone: its peers would wait for it in the next sync, and the samples it already claimed would "
+            "never be trained. To end training early, set trainer.should_stop = True (every rank stops at the "
+            "next sync); to train on part of the data, fit on a torch.utils.data.Subset."
+        )
 
     def _batch_samples(self, batch: Any) -> int:
         try:
@@ -594,6 +614,11 @@ class ElCheStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self._session.end_training()
+        if self._engine is not None and self.lightning_module is not None:
+            # After the callbacks' on_train_end (SWA's BatchNorm pass has ended): buffers a callback
+            # replaced left the rounds; every rank gets the cohort's value (one collective per fit).
+            average_replaced_buffers(self.lightning_module, self._averaged_buffers, self.world_size,
+                                     self._metadata_device())
         if self.summary and self.is_global_zero and self._engine is not None and self._engine.state.rounds:
             rank_zero_info(format_summary(self._engine.progress()))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, ModelCheckpoint, Timer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_elche.loop_glue import checkpoint_step_triggers, timer_step_duration, uses_sync_batchnorm
@@ -24,6 +24,25 @@ def _refuse(setting: str, value: Any, why: str, instead: str) -> Misconfiguratio
 def check_trainer(trainer: pl.Trainer) -> None:
     """Raise ``MisconfigurationException`` for the first unsupported setting found."""
     uneven = "ranks take different numbers of steps under ElChe"
+    for callback in trainer.callbacks:
+        # Tuner(trainer).lr_find / scale_batch_size add these callbacks and run a short fit of their own.
+        if isinstance(callback, (LearningRateFinder, BatchSizeFinder)):
+            tuner = "Tuner.lr_find / LearningRateFinder" if isinstance(callback, LearningRateFinder) else (
+                "Tuner.scale_batch_size / BatchSizeFinder")
+            raise _refuse(
+                tuner, type(callback).__name__,
+                "the tuner runs its own short fit that stops each rank at its own step count, decides from "
+                "one rank's losses and broadcasts during training steps, and " + uneven,
+                "Tune with a single-device Trainer first (Trainer(devices=1), Tuner(trainer).lr_find(model)), "
+                "then pass the value it suggests to the model you fit with ElCheStrategy.",
+            )
+    if trainer.fast_dev_run:
+        raise _refuse(
+            "Trainer(fast_dev_run)", trainer.fast_dev_run,
+            "it limits every rank to the same number of batches, and " + uneven,
+            "For a smoke test, run fast_dev_run with a single-device Trainer, or fit ElChe for max_epochs=1 on "
+            "a small torch.utils.data.Subset of the training set.",
+        )
     if trainer.fit_loop.epoch_loop.min_steps not in (None, -1, 0):
         raise _refuse(
             "Trainer(min_steps)", trainer.fit_loop.epoch_loop.min_steps,
@@ -64,12 +83,16 @@ def check_trainer(trainer: pl.Trainer) -> None:
             "Trainer(overfit_batches)", trainer.overfit_batches,
             "it fixes a per-rank batch count", "Pass a small Subset of the training set instead.",
         )
-    if trainer.limit_train_batches not in (1.0, None):
+    limit = trainer.limit_train_batches
+    # Only the float 1.0 (the default: the whole epoch) is the same on every rank; an int, even 1,
+    # is a per-rank batch count.
+    if limit is not None and not (isinstance(limit, float) and limit == 1.0):
+        meaning = f"{limit} batch(es) per rank" if isinstance(limit, int) else f"{limit:.0%} of each rank's batches"
         raise _refuse(
-            "Trainer(limit_train_batches)", trainer.limit_train_batches,
-            "ElChe hands each rank as many batches as its speed earns, so a per-rank limit "
-            "would drop samples unevenly",
-            "Pass a torch.utils.data.Subset of the training set instead.",
+            "Trainer(limit_train_batches)", limit,
+            f"it means {meaning}, but ElChe hands each rank as many batches as its speed earns, so a "
+            "per-rank limit would end the ranks' epochs at different rounds and drop samples unevenly",
+            "Leave limit_train_batches=1.0 and pass a torch.utils.data.Subset of the training set instead.",
         )
     if uses_sync_batchnorm(trainer.strategy):
         raise _refuse(

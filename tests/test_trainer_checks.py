@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, ModelCheckpoint, Timer
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from model_helpers import RecordingModel
 
 import lightning_elche  # noqa: F401  (registers the strategy names)
 from lightning_elche import ElCheConfig, ElCheMode, ElCheStrategy
+from lightning_elche.loop_glue import check_step_schedulers
 from lightning_elche.strategy import resolve_config
 from lightning_elche.trainer_checks import check_trainer
 
@@ -42,6 +43,12 @@ def test_a_supported_configuration_passes(tmp_path):
         ({"val_check_interval": 0.5}, "val_check_interval", "check_val_every_n_epoch"),
         ({"val_check_interval": 100, "check_val_every_n_epoch": None}, "val_check_interval", "check_val_every_n_epoch"),
         ({"limit_train_batches": 10}, "limit_train_batches", "Subset"),
+        ({"limit_train_batches": 1}, "limit_train_batches)=1: it means 1 batch(es) per rank", "Subset"),
+        ({"limit_train_batches": 0.5}, "limit_train_batches)=0.5: it means 50% of each rank's batches", "Subset"),
+        ({"fast_dev_run": 5}, "fast_dev_run)=5", "single-device Trainer"),
+        ({"fast_dev_run": True}, "fast_dev_run)=True", "single-device Trainer"),
+        ({"callbacks": [LearningRateFinder()]}, "Tuner.lr_find", "single-device Trainer"),
+        ({"callbacks": [BatchSizeFinder()]}, "Tuner.scale_batch_size", "single-device Trainer"),
         ({"overfit_batches": 2}, "overfit_batches", "Subset"),
         ({"sync_batchnorm": True}, "sync_batchnorm", "running statistics are averaged"),
     ],
@@ -53,6 +60,18 @@ def test_unsupported_settings_are_refused_with_an_alternative(tmp_path, kwargs, 
     with pytest.raises(MisconfigurationException) as info:
         check_trainer(trainer)
     assert setting in str(info.value) and instead in str(info.value)
+
+
+def test_fast_dev_run_is_named_not_the_limit_it_implies(tmp_path):
+    trainer = attached_trainer(tmp_path, fast_dev_run=5)
+    assert trainer.limit_train_batches == 5  # what Lightning turns it into; the message must not say so
+    with pytest.raises(MisconfigurationException) as info:
+        check_trainer(trainer)
+    assert "fast_dev_run" in str(info.value) and "limit_train_batches" not in str(info.value)
+
+
+def test_the_default_limit_of_the_whole_epoch_passes(tmp_path):
+    check_trainer(attached_trainer(tmp_path, limit_train_batches=1.0))
 
 
 def test_manual_optimization_is_refused(tmp_path):
@@ -108,3 +127,16 @@ def test_strategy_is_picklable_before_fit():
 
     strategy = pickle.loads(pickle.dumps(ElCheStrategy(mode="nccl_sync")))
     assert strategy.elche.mode is ElCheMode.nccl_sync and strategy.engine is None
+
+
+def test_a_step_scheduler_with_frequency_other_than_one_is_refused(tmp_path):
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+    trainer = attached_trainer(tmp_path)
+    optimizer = trainer.strategy.optimizers[0]
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, 10)
+    trainer.strategy.lr_scheduler_configs = [LRSchedulerConfig(schedule, interval="step", frequency=2)]
+    with pytest.raises(MisconfigurationException, match="frequency=2.*Use frequency=1"):
+        check_step_schedulers(trainer)
+    trainer.strategy.lr_scheduler_configs = [LRSchedulerConfig(schedule, interval="step", frequency=1)]
+    check_step_schedulers(trainer)
