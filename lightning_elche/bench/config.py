@@ -236,11 +236,12 @@ _GPU_BUDGETS = {
 
 
 def budget_for(rig: Rig, name: str) -> Budget:
-    """The preset of ``name`` for the rig's accelerator. The presets are sized for 2 ranks; an
-    N-rank rig keeps the throughput samples per rank (so an epoch lasts as long on each rank)."""
+    """The preset of ``name`` for the rig's accelerator. The presets are sized for 2 ranks; on an
+    N-rank rig ``quick`` and ``full`` keep the throughput samples per rank (an epoch lasts as long
+    on each rank), while ``tiny`` (a structural check) keeps the total, so its epochs get shorter."""
     table = _GPU_BUDGETS if rig.accelerator == "cuda" else _CPU_BUDGETS
     budget = table[name]
-    if rig.world_size != 2:
+    if rig.world_size != 2 and name != "tiny":
         budget = replace(budget, tp_samples=budget.tp_samples * rig.world_size // 2)
     return budget
 

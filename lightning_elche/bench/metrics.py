@@ -220,7 +220,7 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
 def mean_round_seconds(records: Sequence[dict[str, Any]], rounds: int) -> Optional[float]:
     """Mean wall-clock seconds of an ElChe round: the fit's training time ÷ its rounds."""
     ends = [r["t_end"] for r in records if r.get("t_end") is not None]
-    starts = [r["t_fit0"] for r in records if r.get("t_fit0")]
+    starts = [r["t_fit0"] for r in records if r.get("t_fit0") is not None]
     if not ends or not starts or rounds <= 0:
         return None
     return (max(ends) - min(starts) - max(r.get("eval_s", 0.0) for r in records)) / rounds

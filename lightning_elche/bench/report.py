@@ -77,10 +77,14 @@ def throughput_table(section: dict[str, Any], world: int = 2) -> list[str]:
     return lines
 
 
+def _rank_list(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
 def balance_lines(section: dict[str, Any]) -> list[str]:
     """N-rank rigs: each speed class's solo rate, the speed shares, and how far each arm's batch
     shares are from them (the shares cover the whole fit, epoch 0 included)."""
-    solos = [f"{arm} {_rate(row['samples_per_s'])}/s (ranks {', '.join(str(r) for r in row.get('ranks', []))})"
+    solos = [f"`{arm}` {_rate(row['samples_per_s'])}/s ({_rank_list(row.get('ranks', []))})"
              for arm, row in section["arms"].items() if row.get("kind") == "solo"]
     errors = [f"`{arm}` {_num(None if row.get('share_error') is None else 100 * row['share_error'], 0, ' %')}"
               for arm, row in section["arms"].items() if row.get("kind") != "solo"]
