@@ -93,6 +93,23 @@ def launch(config: BenchConfig, plan: list[Group], run_dir: str, t0: float) -> i
             proc.join()
 
 
+def check_machine(config: BenchConfig) -> Optional[str]:
+    """Why this machine cannot run the rig (None: it can). A CPU rig with more ranks than logical
+    CPUs runs, with a warning: its ranks share cores, so its rates say little."""
+    world = config.rig.world_size
+    if config.rig.accelerator == "cuda":
+        import torch
+
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < world:
+            return (f"--rig {config.rig.name} runs one process per GPU and needs {world} GPUs; this machine has "
+                    f"{found}. Rigs for fewer GPUs: gpu2-hetero, gpu2-homo (2), gpu4-hetero (4).")
+    elif (os.cpu_count() or 1) < world:
+        print(f"[bench] warning: --rig {config.rig.name} runs {world} ranks on {os.cpu_count()} logical CPU(s): the "
+              "ranks share cores, so rates and efficiencies are not meaningful (structure only).", file=sys.stderr)
+    return None
+
+
 def load_records(run_dir: str) -> dict[str, list[dict[str, Any]]]:
     """{record name: [rank 0's, rank 1's, ...]} from ``<name>.rank<r>.json`` files."""
     found: dict[str, dict[int, dict[str, Any]]] = {}
@@ -228,6 +245,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         config = build_config(args, modes, skipped)
     except ValueError as error:
         print(f"[bench] {error}", file=sys.stderr)
+        return 2
+    problem = check_machine(config)
+    if problem is not None:
+        print(f"[bench] {problem}", file=sys.stderr)
         return 2
     plan = build_plan(config)
     out_dir = Path(config.out_dir)
