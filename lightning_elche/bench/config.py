@@ -140,7 +140,7 @@ def _gpu_hetero_rig(world: int) -> Rig:
         name=f"gpu{world}-hetero",
         accelerator="cuda",
         backend="nccl",
-        settings=(Setting("sm" + "-".join("all" if n is None else str(n) for n in GPU_SM_SPREAD), rank_sms=spread),),
+        settings=(Setting("spread", rank_sms=spread),),
         conv_workload="char",
         description=f"{world} GPUs (NCCL), one process per GPU, CUDA green contexts of {sms} SMs",
         world_size=world,
