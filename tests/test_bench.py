@@ -207,7 +207,8 @@ def _four_rank_pass() -> dict[str, Any]:
     # DDP: lockstep, every rank 40 steps of 10 in 10 s -> 160 samples/s, each rank waits on the slow ones.
     ddp = [_fit_record(r, steps=40, batch=10, span=10.0) for r in range(4)]
     # ElChe: steps in proportion to speed (40, 20, 40, 20) in 5 s -> 240 samples/s, 10 rounds.
-    totals = [{"steps": n, "samples": 10 * n, "compute_s": 4.0, "sync_s": 1.0} for n in (40, 20, 40, 20)]
+    # The engine's totals count the whole fit (epoch 0's equal start included): 50, 30, 50, 30.
+    totals = [{"steps": n, "samples": 10 * n, "compute_s": 4.0, "sync_s": 1.0} for n in (50, 30, 50, 30)]
     elche_info = {"rounds": 10, "cohort_step": 0, "final_anchor": 2, "window_plan": [2, 1, 2, 1],
                   "totals": totals, "meta_bytes": 96, "bf16_wire": False}
     elche = [_fit_record(r, steps=n, batch=10, span=5.0, elche=elche_info) for r, n in enumerate((40, 20, 40, 20))]
@@ -230,7 +231,9 @@ def test_n_rank_pass_sums_each_ranks_class_rate_and_compares_shares_with_speeds(
     # DDP gives every rank a quarter: the fast ranks get 25 % / 33 % -> 25 % short, the slow 50 % over.
     assert arms["ddp"]["batch_share"] == pytest.approx([0.25] * 4)
     assert arms["ddp"]["share_error"] == pytest.approx(0.5)
+    # The share error compares the shares from epoch 1 on; the table's batch share is the whole fit's.
     assert arms["nccl_cadence"]["share_error"] == pytest.approx(0.0)
+    assert arms["nccl_cadence"]["batch_share"] == pytest.approx([5 / 16, 3 / 16, 5 / 16, 3 / 16])
     # DDP's idle estimate uses each rank's class rate: a fast rank needs 0.1 s per step alone and
     # takes 0.25 s; a slow one needs 0.2 s.
     assert arms["ddp"]["idle"] == pytest.approx([0.6, 0.2, 0.6, 0.2])

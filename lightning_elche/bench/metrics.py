@@ -8,7 +8,8 @@ Formulas (``docs/benchmarks.md`` explains them):
   class (same pass; ranks with the same throttle share one solo fit): solo rank 0 + solo rank 1 on
   2 ranks;
 * speed share of a rank = its class's solo rate ÷ ideal (the batch share a perfectly balanced arm
-  gives it); share error of an arm = the largest |batch share ÷ speed share − 1| over ranks;
+  gives it); share error of an arm = the largest |steady batch share ÷ speed share − 1| over ranks,
+  the steady batch share counting each rank's batches from epoch 1 on;
 * a ring all-reduce of N bytes makes each of W ranks send ``2 (W-1)/W · N`` bytes; an all-gather of
   m bytes per rank makes each send ``(W-1) · m``; a broadcast of N bytes puts ``(W-1) · N`` on the wire;
 * bytes sent per sample = bytes all ranks sent during the fit ÷ samples all ranks trained;
@@ -202,6 +203,7 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
             out["stall"] = stall
         out["round_s"] = mean_round_seconds(records, info["rounds"])
     idle, how = idle_fractions(kind, records, solo_rates, records[0]["batch_size"])
+    steady = [r["steps"] for r in records]  # each rank's batches from epoch 1 on (the meter's count)
     out.update({
         "syncs": syncs,
         "samples_per_sync": samples / syncs if syncs else None,
@@ -211,6 +213,7 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
         "idle_method": how,
         "steps": steps,
         "batch_share": [s / sum(steps) if sum(steps) else None for s in steps],
+        "steady_batch_share": [s / sum(steady) if sum(steady) else None for s in steady],
         "stopped_by_cap": any(r["stopped_by_cap"] for r in records),
         "model": stats,
     })
@@ -260,7 +263,7 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
     speed_share = [rate / ideal if ideal > 0 else 0.0 for rate in rates]
     for arm, job_id in multi:
         arms[arm] = multi_rank_metrics(arm, records[job_id], rates)
-        arms[arm]["share_error"] = share_error(arms[arm]["batch_share"], speed_share)
+        arms[arm]["share_error"] = share_error(arms[arm]["steady_batch_share"], speed_share)
     ddp_rate = arms.get(DDP, {}).get("samples_per_s")
     for row in arms.values():
         row["efficiency"] = row["samples_per_s"] / ideal if ideal > 0 else None

@@ -83,7 +83,7 @@ def _rank_list(ranks: list[int]) -> str:
 
 def balance_lines(section: dict[str, Any]) -> list[str]:
     """N-rank rigs: each speed class's solo rate, the speed shares, and how far each arm's batch
-    shares are from them (the shares cover the whole fit, epoch 0 included)."""
+    shares from epoch 1 on are from them."""
     solos = [f"`{arm}` {_rate(row['samples_per_s'])}/s ({_rank_list(row.get('ranks', []))})"
              for arm, row in section["arms"].items() if row.get("kind") == "solo"]
     errors = [f"`{arm}` {_num(None if row.get('share_error') is None else 100 * row['share_error'], 0, ' %')}"
@@ -92,7 +92,7 @@ def balance_lines(section: dict[str, Any]) -> list[str]:
               for arm, row in section["arms"].items() if row.get("kind") == "elche"]
     lines = [f"Solo rate of each speed class: {'; '.join(solos)}.",
              f"Speed share per rank (the balanced batch share): {_pair(section.get('speed_share'))}.",
-             f"Largest deviation of a rank's batch share from its speed share: {', '.join(errors)}."]
+             f"Largest deviation of a rank's batch share (epoch 1 on) from its speed share: {', '.join(errors)}."]
     if rounds:
         lines.append(f"Mean round of the ElChe arms: {', '.join(rounds)}.")
     return lines
