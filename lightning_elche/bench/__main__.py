@@ -1,10 +1,11 @@
 """``python -m lightning_elche.bench --rig RIG [--budget tiny|quick|full]``.
 
 Rigs: ``cpu2``, ``gpu2-hetero``, ``gpu2-homo`` (2 ranks), ``cpu4``, ``cpu8``, ``gpu4-hetero``,
-``gpu8-hetero`` (N ranks). Starts the rank processes, waits for them, turns their records into the report, and writes
-``<out>/<rig>.md``, ``<out>/<rig>.json`` and ``<out>/<rig>-*.png``. Exit status: 0 on success, 3
-when the throttled devices are not measurably slower than rank 0's (the workload is input-bound),
-1 on any other failure.
+``gpu8-hetero`` (N ranks). Starts the rank processes, waits for them, turns their records into
+the report, and writes ``<out>/<rig>.md``, ``<out>/<rig>.json`` and ``<out>/<rig>-*.png``.
+Exit status: 0 on success, 2 on a bad command line or a machine without the rig's GPUs, 3 when
+the throttled devices are not measurably slower than rank 0's (the workload is input-bound), 1 on
+any other failure.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def git_commit() -> tuple[str, bool]:
 def launch(config: BenchConfig, plan: list[Group], run_dir: str, t0: float) -> int:
     """Run every rank process to the end; returns 0, ``EXIT_THROTTLE`` or a failure status.
 
-    If one rank fails, the others (blocked in a collective) get ``GRACE_S`` seconds and is then
+    If one rank fails, the others (blocked in a collective) get ``GRACE_S`` seconds and are then
     killed: only the processes started here are ever signalled.
     """
     if config.rig.accelerator == "cpu":
