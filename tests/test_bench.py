@@ -137,6 +137,144 @@ def test_wide_resnet_has_four_times_the_channels():
         throughput_net("vgg")
 
 
+# -- N-rank rigs (no processes) --------------------------------------------------------------
+
+
+def test_n_rank_rigs_give_every_rank_a_throttle_and_share_solos_within_a_speed_class():
+    cpu4, cpu8 = RIGS["cpu4"], RIGS["cpu8"]
+    assert (cpu4.world_size, cpu8.world_size) == (4, 8)
+    spread = cpu8.settings[0]
+    assert [spread.rank_throttle(r)[0] for r in range(8)] == [1.0, 1.5, 2.0, 3.0] * 2
+    assert spread.representatives(8) == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert spread.solo_ranks(8) == [0, 1, 2, 3] and spread.throttled
+    assert cpu4.settings[0].solo_ranks(4) == [0, 1, 2, 3]
+    homogeneous = cpu4.settings[1]
+    assert not homogeneous.throttled and homogeneous.solo_ranks(4) == [0]
+    gpu4, gpu8 = RIGS["gpu4-hetero"], RIGS["gpu8-hetero"]
+    assert (gpu4.world_size, gpu8.world_size, gpu8.accelerator, gpu8.backend) == (4, 8, "cuda", "nccl")
+    assert [gpu4.settings[0].rank_throttle(r)[1] for r in range(4)] == [None, 96, 64, 32]
+    assert gpu8.settings[0].representatives(8) == [0, 1, 2, 3, 0, 1, 2, 3]
+    # The 2-rank settings still throttle rank 1 only.
+    assert RIGS["cpu2"].settings[0].rank_throttle(0) == (1.0, None)
+    assert RIGS["cpu2"].settings[0].rank_throttle(1) == (3.0, None)
+    assert RIGS["gpu2-hetero"].settings[0].rank_throttle(1) == (1.0, 32)
+    assert RIGS["cpu2"].settings[0].solo_ranks(2) == [0, 1]
+
+
+def test_n_rank_budgets_keep_the_samples_per_rank_and_2_rank_budgets_are_unchanged():
+    assert _config(["--rig", "cpu2", "--budget", "quick"]).budget.tp_samples == 1024
+    assert _config(["--rig", "cpu4", "--budget", "quick"]).budget.tp_samples == 2048
+    assert _config(["--rig", "cpu8", "--budget", "quick"]).budget.tp_samples == 4096
+    assert _config(["--rig", "gpu8-hetero", "--budget", "full"]).budget.tp_samples == 4 * 32768
+    assert _config(["--rig", "cpu4", "--budget", "tiny"]).budget.tp_samples == 1024  # tiny keeps the total
+    plan = build_plan(_config(["--rig", "cpu4", "--budget", "tiny"]))
+    assert [g.jobs[0].setting.label for g in plan if g.section == THROUGHPUT] == ["spread", "k1"]
+
+
+def test_n_rank_setting_errors_name_the_knob():
+    from lightning_elche.bench.config import Setting
+
+    with pytest.raises(ValueError, match="throttles 3 ranks but the rig has 4"):
+        Setting("bad", rank_slowdowns=(1.0, 2.0, 3.0)).check_world(4)
+    with pytest.raises(ValueError, match="rank_slowdowns"):
+        Setting("bad", rank_slowdowns=(1.0, 0.5))
+    with pytest.raises(ValueError, match="not both"):
+        Setting("bad", rank_slowdowns=(1.0, 2.0), rank_sms=(None, 32))
+    with pytest.raises(ValueError, match="--slowdowns='2'"):
+        _config(["--rig", "cpu4", "--slowdowns", "2"])
+    with pytest.raises(ValueError, match="expected 4 comma-separated"):
+        _config(["--rig", "cpu4", "--rank-slowdowns", "1,2"])
+    with pytest.raises(ValueError, match="N-rank CPU rigs"):
+        _config(["--rig", "cpu2", "--rank-slowdowns", "1,2"])
+    custom = _config(["--rig", "cpu4", "--rank-slowdowns", "1,2,2,4"]).headline
+    assert custom.representatives(4) == [0, 1, 1, 3]
+
+
+def _fit_record(rank: int, steps: int, batch: int, span: float, **extra: Any) -> dict[str, Any]:
+    """A rank record as the worker writes it: ``steps`` steps of ``batch`` in ``span`` seconds."""
+    return {"rank": rank, "t_fit0": 0.0, "t_start": 1.0, "t_end": 1.0 + span, "eval_s": 0.0,
+            "samples": steps * batch, "steps": steps, "total_samples": steps * batch, "total_steps": steps,
+            "epochs": 3, "batch_size": batch, "stopped_by_cap": False, "trace": [],
+            "model": {"grad_bytes": 4000, "buffer_bytes": 0, "param_bytes": 4000, "float_buffer_bytes": 0},
+            **extra}
+
+
+def _four_rank_pass() -> dict[str, Any]:
+    """Ranks 0 and 2 are fast (100 samples/s alone), ranks 1 and 3 slow (50/s): the slow class's
+    solo is rank 1's, so the ideal is 2 x 100 + 2 x 50 = 300 samples/s."""
+    solo = [_fit_record(0, steps=100, batch=10, span=10.0, solo_of_rank=0),
+            _fit_record(0, steps=50, batch=10, span=10.0, solo_of_rank=1)]
+    # DDP: lockstep, every rank 40 steps of 10 in 10 s -> 160 samples/s, each rank waits on the slow ones.
+    ddp = [_fit_record(r, steps=40, batch=10, span=10.0) for r in range(4)]
+    # ElChe: steps in proportion to speed (40, 20, 40, 20) in 5 s -> 240 samples/s, 10 rounds.
+    # The engine's totals count the whole fit (epoch 0's equal start included): 50, 30, 50, 30.
+    totals = [{"steps": n, "samples": 10 * n, "compute_s": 4.0, "sync_s": 1.0} for n in (50, 30, 50, 30)]
+    elche_info = {"rounds": 10, "cohort_step": 0, "final_anchor": 2, "window_plan": [2, 1, 2, 1],
+                  "totals": totals, "meta_bytes": 96, "bf16_wire": False}
+    elche = [_fit_record(r, steps=n, batch=10, span=5.0, elche=elche_info) for r, n in enumerate((40, 20, 40, 20))]
+    records = {"p-solo": solo, "p-ddp": ddp, "p-nccl_cadence": elche}
+    jobs = [("solo", "p-solo"), ("ddp", "p-ddp"), ("nccl_cadence", "p-nccl_cadence")]
+    return metrics.throughput_pass(jobs, records, representatives=[0, 1, 0, 1])
+
+
+def test_n_rank_pass_sums_each_ranks_class_rate_and_compares_shares_with_speeds():
+    tp = _four_rank_pass()
+    assert tp["ideal_samples_per_s"] == pytest.approx(300.0)
+    assert tp["measured_slowdown"] == pytest.approx(2.0)
+    assert tp["speed_share"] == pytest.approx([1 / 3, 1 / 6, 1 / 3, 1 / 6])
+    arms = tp["arms"]
+    assert set(arms) == {"solo_rank0", "solo_rank1", "ddp", "nccl_cadence"}
+    assert arms["solo_rank0"]["ranks"] == [0, 2] and arms["solo_rank1"]["ranks"] == [1, 3]
+    assert arms["ddp"]["efficiency"] == pytest.approx(160 / 300)
+    assert arms["nccl_cadence"]["efficiency"] == pytest.approx(240 / 300)
+    assert arms["nccl_cadence"]["speedup_vs_ddp"] == pytest.approx(1.5)
+    # DDP gives every rank a quarter: the fast ranks get 25 % / 33 % -> 25 % short, the slow 50 % over.
+    assert arms["ddp"]["batch_share"] == pytest.approx([0.25] * 4)
+    assert arms["ddp"]["share_error"] == pytest.approx(0.5)
+    # The share error compares the shares from epoch 1 on; the table's batch share is the whole fit's.
+    assert arms["nccl_cadence"]["share_error"] == pytest.approx(0.0)
+    assert arms["nccl_cadence"]["batch_share"] == pytest.approx([5 / 16, 3 / 16, 5 / 16, 3 / 16])
+    # DDP's idle estimate uses each rank's class rate: a fast rank needs 0.1 s per step alone and
+    # takes 0.25 s; a slow one needs 0.2 s.
+    assert arms["ddp"]["idle"] == pytest.approx([0.6, 0.2, 0.6, 0.2])
+    assert arms["nccl_cadence"]["idle"] == pytest.approx([0.2] * 4)
+    assert arms["nccl_cadence"]["round_s"] == pytest.approx(0.6)  # (6 s - 0) / 10 rounds
+    # Bytes: 10 rounds x 4 ranks x a ring all-reduce of 4000 B (6000 B) + the metadata all-gather.
+    assert arms["nccl_cadence"]["bytes_per_sample"] == pytest.approx(10 * (4 * 6000 + 4 * 3 * 96) / 1200)
+    merged = metrics.aggregate_passes([tp, _four_rank_pass()])
+    assert merged["speed_share"] == pytest.approx(tp["speed_share"])
+    assert merged["arms"]["ddp"]["share_error"] == pytest.approx(0.5)
+
+
+def test_two_rank_pass_is_unchanged_without_representatives():
+    solo = [_fit_record(0, steps=90, batch=10, span=9.0), _fit_record(0, steps=30, batch=10, span=9.0)]
+    ddp = [_fit_record(r, steps=30, batch=10, span=6.0) for r in range(2)]
+    tp = metrics.throughput_pass([("solo", "s"), ("ddp", "d")], {"s": solo, "d": ddp})
+    assert tp["measured_slowdown"] == pytest.approx(3.0)
+    assert set(tp["arms"]) == {"solo_rank0", "solo_rank1", "ddp"}
+    assert "ranks" not in tp["arms"]["solo_rank1"]
+    assert tp["ideal_samples_per_s"] == pytest.approx(100.0 + 100.0 / 3)
+    with pytest.raises(ValueError, match="no record of rank"):
+        metrics.throughput_pass([("solo", "s"), ("ddp", "d")], {"s": solo[:1], "d": ddp}, representatives=[0, 1])
+
+
+def test_n_rank_report_has_a_column_per_rank_and_the_committed_2_rank_tables_replot_unchanged(tmp_path):
+    from lightning_elche.bench.report import balance_lines, markdown, throughput_table
+
+    section = {**_four_rank_pass()}
+    table = throughput_table(section, world=4)
+    assert "idle r0 / r1 / r2 / r3 | batch share r0 / r1 / r2 / r3 |" in table[0]
+    assert any(line.startswith("| `ddp` |") and "60% / 20% / 60% / 20% (est.)" in line for line in table)
+    assert any("ideal (sum of the 4 ranks' solo rates) | 300 |" in line for line in table)
+    balance = "\n".join(balance_lines(section))
+    assert "`solo_rank1` 50.0/s (ranks 1, 3)" in balance and "`ddp` 50 %" in balance and "`nccl_cadence` 0 %" in balance
+    assert "33% / 17% / 33% / 17%" in balance
+    committed = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+    result = json.loads((committed / "cpu2.json").read_text())
+    assert markdown(result) == (committed / "cpu2.md").read_text()
+    assert "idle r0 / r1 | batch share r0 / r1 |" in markdown(result)
+
+
 # -- end to end ------------------------------------------------------------------------------
 
 
@@ -217,3 +355,44 @@ def test_throttle_that_does_not_bite_stops_the_run(tmp_path):
     error = json.loads((out / "cpu2.error.json").read_text())
     assert error["throttle_check"]["measured_slowdown"] < 50
     assert not (out / "cpu2.json").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(330)
+def test_cpu4_tiny_end_to_end_reports_every_arm_for_four_ranks(tmp_path):
+    """4 CPU ranks with the spread k = 1, 1.5, 2, 3: every throughput arm, one solo per speed class,
+    4 per-rank columns. Convergence only for DDP (the cpu2 run covers every arm there), so it is
+    the throughput section and the microbenchmark at 4 ranks that this run checks (about a minute
+    on 2 idle cores; minutes when the machine is shared)."""
+    out = tmp_path / "bench"
+    status, output = run_command(
+        [sys.executable, "-m", "lightning_elche.bench", "--rig", "cpu4", "--budget", "tiny", "--only-headline",
+         "--conv-arms", "ddp", "--micro-iters", "2", "--no-plots", "--out", str(out)], tmp_path, 320)
+    assert status == 0, output[-4000:]
+    result = json.loads((out / "cpu4.json").read_text())
+    assert result["rig"] == "cpu4" and result["world_size"] == 4
+    modes, _ = available_elche_modes()
+    arms = result["arms"]
+    solos = {"solo_rank0", "solo_rank1", "solo_rank2", "solo_rank3"}
+    assert set(arms) == solos | {"ddp", "ddp_post_local_sgd", *modes}
+    for arm in solos:
+        assert positive(arms[arm]["samples_per_s"]) and arms[arm]["ranks"] == [int(arm[-1])], arm
+    for arm in ("ddp", "ddp_post_local_sgd", *modes):
+        row = arms[arm]
+        assert positive(row["samples_per_s"]) and positive(row["efficiency"]) and positive(row["speedup_vs_ddp"]), arm
+        assert isinstance(row["syncs"], int) and row["syncs"] > 0 and positive(row["bytes_per_sample"]), arm
+        assert len(row["idle"]) == 4 and all(fraction(v) for v in row["idle"]), (arm, row["idle"])
+        assert len(row["batch_share"]) == 4 and sum(row["batch_share"]) == pytest.approx(1.0), arm
+        assert isinstance(row["share_error"], float) and row["share_error"] >= 0.0, arm
+    for mode in modes:
+        assert positive(arms[mode]["round_s"]) and len(arms[mode]["elche"]["totals"]) == 4, mode
+    assert len(result["speed_share"]) == 4 and sum(result["speed_share"]) == pytest.approx(1.0)
+    ideal = sum(arms[f"solo_rank{r}"]["samples_per_s"] for r in range(4))
+    assert result["ideal_samples_per_s"] == pytest.approx(ideal)
+    for row in result["microbenchmark"].values():
+        for key in ("raw_busbw_gb_s", "plane_busbw_gb_s", "flat_busbw_gb_s", "metadata_exchange_s", "pool_claim_s"):
+            assert positive(row[key]), key
+    assert set(result["convergence"]["arms"]) == {"solo_rank0", "ddp"}
+    table = (out / "cpu4.md").read_text()
+    assert "| idle r0 / r1 / r2 / r3 | batch share r0 / r1 / r2 / r3 |" in table
+    assert "## All-reduce microbenchmark (4 ranks, no throttle)" in table and "| `cpu_async` |" in table

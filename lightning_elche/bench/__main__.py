@@ -1,9 +1,11 @@
-"""``python -m lightning_elche.bench --rig cpu2|gpu2-hetero|gpu2-homo [--budget tiny|quick|full]``.
+"""``python -m lightning_elche.bench --rig RIG [--budget tiny|quick|full]``.
 
-Starts the two rank processes, waits for them, turns their records into the report, and writes
-``<out>/<rig>.md``, ``<out>/<rig>.json`` and ``<out>/<rig>-*.png``. Exit status: 0 on success, 3
-when the throttled device is not measurably slower than the other (the workload is input-bound),
-1 on any other failure.
+Rigs: ``cpu2``, ``gpu2-hetero``, ``gpu2-homo`` (2 ranks), ``cpu4``, ``cpu8``, ``gpu4-hetero``,
+``gpu8-hetero`` (N ranks). Starts the rank processes, waits for them, turns their records into
+the report, and writes ``<out>/<rig>.md``, ``<out>/<rig>.json`` and ``<out>/<rig>-*.png``.
+Exit status: 0 on success, 2 on a bad command line or a machine without the rig's GPUs, 3 when
+the throttled devices are not measurably slower than rank 0's (the workload is input-bound), 1 on
+any other failure.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Optional
 
 from lightning_elche.bench import metrics
 from lightning_elche.bench.arms import available_elche_modes
-from lightning_elche.bench.config import WORLD_SIZE, BenchConfig, build_config, parse_args
+from lightning_elche.bench.config import BenchConfig, build_config, parse_args
 from lightning_elche.bench.plan import CONVERGENCE, SOLO_RANK0, THROUGHPUT, Group, build_plan, convergence_arms
 from lightning_elche.bench.report import markdown, plot, write_json
 from lightning_elche.bench.worker import EXIT_THROTTLE, worker_main
@@ -57,9 +59,9 @@ def git_commit() -> tuple[str, bool]:
 
 
 def launch(config: BenchConfig, plan: list[Group], run_dir: str, t0: float) -> int:
-    """Run both rank processes to the end; returns 0, ``EXIT_THROTTLE`` or a failure status.
+    """Run every rank process to the end; returns 0, ``EXIT_THROTTLE`` or a failure status.
 
-    If one rank fails, the other (blocked in a collective) gets ``GRACE_S`` seconds and is then
+    If one rank fails, the others (blocked in a collective) get ``GRACE_S`` seconds and are then
     killed: only the processes started here are ever signalled.
     """
     if config.rig.accelerator == "cpu":
@@ -68,7 +70,7 @@ def launch(config: BenchConfig, plan: list[Group], run_dir: str, t0: float) -> i
     port = free_port()
     procs = [
         ctx.Process(target=worker_main, args=(rank, config, plan, run_dir, port, t0), name=f"elche-bench-rank{rank}")
-        for rank in range(WORLD_SIZE)
+        for rank in range(config.rig.world_size)
     ]
     for proc in procs:
         proc.start()
@@ -90,6 +92,23 @@ def launch(config: BenchConfig, plan: list[Group], run_dir: str, t0: float) -> i
             if proc.is_alive():
                 proc.kill()
             proc.join()
+
+
+def check_machine(config: BenchConfig) -> Optional[str]:
+    """Why this machine cannot run the rig (None: it can). A CPU rig with more ranks than logical
+    CPUs runs, with a warning: its ranks share cores, so its rates say little."""
+    world = config.rig.world_size
+    if config.rig.accelerator == "cuda":
+        import torch
+
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < world:
+            return (f"--rig {config.rig.name} runs one process per GPU and needs {world} GPUs; this machine has "
+                    f"{found}. Rigs for fewer GPUs: gpu2-hetero, gpu2-homo (2), gpu4-hetero (4).")
+    elif (os.cpu_count() or 1) < world:
+        print(f"[bench] warning: --rig {config.rig.name} runs {world} ranks on {os.cpu_count()} logical CPU(s): the "
+              "ranks share cores, so rates and efficiencies are not meaningful (structure only).", file=sys.stderr)
+    return None
 
 
 def load_records(run_dir: str) -> dict[str, list[dict[str, Any]]]:
@@ -123,7 +142,9 @@ def throughput_sections(config: BenchConfig, plan: list[Group], records: dict[st
     sections: dict[str, dict[str, Any]] = {}
     for setting in config.settings:
         groups = [g for g in plan if g.section == THROUGHPUT and g.jobs[0].setting == setting and _ran(g, records)]
-        passes = [metrics.throughput_pass([(job.arm, job.job_id) for job in g.jobs], records) for g in groups]
+        representatives = setting.representatives(config.rig.world_size)
+        passes = [metrics.throughput_pass([(job.arm, job.job_id) for job in g.jobs], records, representatives)
+                  for g in groups]
         if passes:
             section = metrics.aggregate_passes(passes)
             section["setting"] = {"label": setting.label, "description": setting.describe()}
@@ -171,6 +192,7 @@ def summarize(config: BenchConfig, plan: list[Group], records: dict[str, list[di
     first_tp = next(g for g in plan if g.section == THROUGHPUT)
     result: dict[str, Any] = {
         "rig": config.rig.name,
+        "world_size": config.rig.world_size,
         "device": describe_devices(records["device"]),
         "config": dataclasses.asdict(config),
         "elche_modes": list(config.elche_modes),
@@ -180,10 +202,11 @@ def summarize(config: BenchConfig, plan: list[Group], records: dict[str, list[di
         "passes": headline["passes"],
         "ideal_samples_per_s": headline["ideal_samples_per_s"],
         "measured_slowdown": headline["measured_slowdown"],
+        "speed_share": headline["speed_share"],
         "throttle_check": records.get("throttle_check", [None])[0],
         "arms": arms,
         "convergence": conv,
-        "microbenchmark": metrics.microbenchmark(records["micro"], WORLD_SIZE),
+        "microbenchmark": metrics.microbenchmark(records["micro"], config.rig.world_size),
         "other_settings": sections,
         "skipped_groups": records.get("skipped", [{"groups": []}])[0]["groups"],
         "elche_traces": elche_traces(config, plan, records),
@@ -224,6 +247,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as error:
         print(f"[bench] {error}", file=sys.stderr)
         return 2
+    problem = check_machine(config)
+    if problem is not None:
+        print(f"[bench] {problem}", file=sys.stderr)
+        return 2
     plan = build_plan(config)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -239,8 +266,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         records = load_records(run_dir)
         if status == EXIT_THROTTLE:
             check = records.get("throttle_check", [{}])[0]
-            print(f"[bench] the throttled device ran only {check.get('measured_slowdown', float('nan')):.2f}x slower "
-                  f"than rank 0's alone (need >= {config.min_slowdown:g}x): the workload is input-bound (or the "
+            print(f"[bench] the slowest throttled device ran only {check.get('measured_slowdown', float('nan')):.2f}x "
+                  f"slower than rank 0's alone (need >= {config.min_slowdown:g}x): the workload is input-bound (or the "
                   "throttle does not bite), so this rig shows no heterogeneity. Use a larger batch or model.",
                   file=sys.stderr)
             write_json({**stamp, "error": "throttle not measurable: workload input-bound", "throttle_check": check},

@@ -16,23 +16,77 @@ MIN_MEASURED_SLOWDOWN = 1.3
 
 @dataclass(frozen=True)
 class Setting:
-    """One heterogeneity setting of a rig: how rank 1 is slowed down.
+    """One heterogeneity setting of a rig: how its ranks are slowed down.
+
+    A 2-rank setting slows rank 1 only (``slowdown`` or ``sms``); an N-rank setting gives every
+    rank its own throttle (``rank_slowdowns`` or ``rank_sms``, one entry per rank). Ranks with the
+    same throttle form a *speed class*, whose solo rate is measured once (by its first rank).
 
     Args:
         label: short name used in job ids and tables (``k3``, ``sm32``, ``homo``).
-        slowdown: ``Throttle`` factor for the ``sleep`` method (CPU); 1 = no throttle.
+        slowdown: ``Throttle`` factor of rank 1 for the ``sleep`` method (CPU); 1 = no throttle.
         sms: SMs left to rank 1 by a CUDA green context (GPU); ``None`` = no SM limit.
+        rank_slowdowns: N-rank CPU settings: the ``sleep`` factor of each rank (1 = none).
+        rank_sms: N-rank GPU settings: the SMs of each rank's green context (``None`` = all).
     """
 
     label: str
     slowdown: float = 1.0
     sms: Optional[int] = None
+    rank_slowdowns: tuple[float, ...] = ()
+    rank_sms: tuple[Optional[int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.rank_slowdowns and self.rank_sms:
+            raise ValueError(f"setting {self.label}: give rank_slowdowns or rank_sms, not both")
+        if (self.rank_slowdowns or self.rank_sms) and (self.slowdown != 1.0 or self.sms is not None):
+            raise ValueError(f"setting {self.label}: per-rank throttles exclude the 2-rank slowdown/sms")
+        if any(not math.isfinite(k) or k < 1 for k in self.rank_slowdowns):
+            raise ValueError(f"setting {self.label}: rank_slowdowns={self.rank_slowdowns} must be numbers >= 1")
+        if any(n is not None and n < 1 for n in self.rank_sms):
+            raise ValueError(f"setting {self.label}: rank_sms={self.rank_sms} must be SM counts >= 1 or None")
+
+    @property
+    def per_rank(self) -> bool:
+        return bool(self.rank_slowdowns or self.rank_sms)
 
     @property
     def throttled(self) -> bool:
+        if self.per_rank:
+            return any(k > 1.0 for k in self.rank_slowdowns) or any(n is not None for n in self.rank_sms)
         return self.slowdown > 1.0 or self.sms is not None
 
+    def check_world(self, world: int) -> None:
+        """Refuse a per-rank setting whose length is not the world size."""
+        length = len(self.rank_slowdowns or self.rank_sms)
+        if self.per_rank and length != world:
+            raise ValueError(f"setting {self.label} throttles {length} ranks but the rig has {world}")
+
+    def rank_throttle(self, rank: int) -> tuple[float, Optional[int]]:
+        """(sleep factor, SM count or None) of ``rank``: 2-rank settings throttle rank 1 only."""
+        if self.rank_slowdowns:
+            return self.rank_slowdowns[rank], None
+        if self.rank_sms:
+            return 1.0, self.rank_sms[rank]
+        return (self.slowdown, self.sms) if rank == 1 else (1.0, None)
+
+    def representatives(self, world: int) -> list[int]:
+        """Per rank, the first rank with the same throttle (the one whose solo fit measures it)."""
+        first: dict[tuple[float, Optional[int]], int] = {}
+        return [first.setdefault(self.rank_throttle(rank), rank) for rank in range(world)]
+
+    def solo_ranks(self, world: int) -> list[int]:
+        """The ranks that run a solo fit: one per speed class."""
+        return sorted(set(self.representatives(world)))
+
     def describe(self) -> str:
+        if self.rank_sms:
+            sms = ", ".join("all" if n is None else str(n) for n in self.rank_sms)
+            return f"ranks 0-{len(self.rank_sms) - 1} on CUDA green contexts of {sms} SMs"
+        if self.rank_slowdowns:
+            ks = ", ".join(f"{k:g}" for k in self.rank_slowdowns)
+            return (f"ranks 0-{len(self.rank_slowdowns) - 1} throttled k = {ks} (each sleeps k - 1 times its "
+                    "step time after each step)")
         if self.sms is not None:
             return f"rank 1 on a CUDA green context of {self.sms} SMs"
         if self.slowdown > 1.0:
@@ -50,6 +104,47 @@ class Rig:
     settings: tuple[Setting, ...]
     conv_workload: str
     description: str
+    world_size: int = 2
+    """Rank processes, one per device (GPU rigs) or one per CPU core's worth of work (CPU rigs)."""
+
+    def __post_init__(self) -> None:
+        for setting in self.settings:
+            setting.check_world(self.world_size)
+
+
+CPU_SPREAD = (1.0, 1.5, 2.0, 3.0)
+"""Sleep factors of the N-rank CPU rigs (repeated for 8 ranks): a spread of speeds, not two."""
+GPU_SM_SPREAD = (None, 96, 64, 32)
+"""SMs of each rank's green context on the N-rank GPU rigs (None: the whole device, 132 on a H200)."""
+
+
+def _cpu_rig(world: int) -> Rig:
+    repeat = world // len(CPU_SPREAD)
+    spread = CPU_SPREAD * repeat
+    return Rig(
+        name=f"cpu{world}",
+        accelerator="cpu",
+        backend="gloo",
+        settings=(Setting("spread", rank_slowdowns=spread), Setting("k1", rank_slowdowns=(1.0,) * world)),
+        conv_workload="digits",
+        description=f"{world} CPU ranks (gloo), one torch thread each, sleep throttles "
+                    f"k = {', '.join(f'{k:g}' for k in spread)}",
+        world_size=world,
+    )
+
+
+def _gpu_hetero_rig(world: int) -> Rig:
+    spread = GPU_SM_SPREAD * (world // len(GPU_SM_SPREAD))
+    sms = ", ".join("all" if n is None else str(n) for n in spread)
+    return Rig(
+        name=f"gpu{world}-hetero",
+        accelerator="cuda",
+        backend="nccl",
+        settings=(Setting("spread", rank_sms=spread),),
+        conv_workload="char",
+        description=f"{world} GPUs (NCCL), one process per GPU, CUDA green contexts of {sms} SMs",
+        world_size=world,
+    )
 
 
 RIGS: dict[str, Rig] = {
@@ -77,6 +172,10 @@ RIGS: dict[str, Rig] = {
         conv_workload="char",
         description="2 identical GPUs (NCCL), no throttle",
     ),
+    "cpu4": _cpu_rig(4),
+    "cpu8": _cpu_rig(8),
+    "gpu4-hetero": _gpu_hetero_rig(4),
+    "gpu8-hetero": _gpu_hetero_rig(8),
 }
 
 
@@ -137,9 +236,14 @@ _GPU_BUDGETS = {
 
 
 def budget_for(rig: Rig, name: str) -> Budget:
-    """The preset of ``name`` for the rig's accelerator."""
+    """The preset of ``name`` for the rig's accelerator. The presets are sized for 2 ranks; on an
+    N-rank rig ``quick`` and ``full`` keep the throughput samples per rank (an epoch lasts as long
+    on each rank), while ``tiny`` (a structural check) keeps the total, so its epochs get shorter."""
     table = _GPU_BUDGETS if rig.accelerator == "cuda" else _CPU_BUDGETS
-    return table[name]
+    budget = table[name]
+    if rig.world_size != 2 and name != "tiny":
+        budget = replace(budget, tp_samples=budget.tp_samples * rig.world_size // 2)
+    return budget
 
 
 @dataclass(frozen=True)
@@ -189,6 +293,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="convergence workload (default: digits on CPU, char on GPU)")
     parser.add_argument("--slowdowns", default=None,
                         help="CPU rigs: comma-separated k values, the first is the headline (default 3,1)")
+    parser.add_argument("--rank-slowdowns", default=None,
+                        help="N-rank CPU rigs: comma-separated k of each rank, replacing the rig's headline spread "
+                             "(default 1,1.5,2,3, repeated for cpu8)")
     parser.add_argument("--tp-seconds", type=float, default=None, help="length of a throughput fit")
     parser.add_argument("--conv-epochs", type=int, default=None, help="epochs of a convergence fit")
     parser.add_argument("--local-sgd-period", type=int, default=8, help="K of the post-local-SGD arm")
@@ -222,12 +329,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def settings_for(rig: Rig, slowdowns: Optional[str]) -> tuple[Setting, ...]:
-    """The rig's settings, or CPU ``--slowdowns`` (``"3,1"``) turned into settings."""
+def settings_for(rig: Rig, slowdowns: Optional[str], rank_slowdowns: Optional[str] = None) -> tuple[Setting, ...]:
+    """The rig's settings, CPU ``--slowdowns`` (``"3,1"``) turned into settings, or the N-rank
+    CPU rigs' headline spread replaced by ``--rank-slowdowns`` (``"1,2,2,4"``)."""
+    if rank_slowdowns is not None:
+        if rig.accelerator != "cpu" or rig.world_size == 2:
+            raise ValueError(f"--rank-slowdowns={rank_slowdowns!r} applies to the N-rank CPU rigs (cpu4, cpu8) only")
+        try:
+            values = tuple(float(v) for v in rank_slowdowns.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if len(values) != rig.world_size or any(not math.isfinite(v) or v < 1 for v in values):
+            raise ValueError(f"--rank-slowdowns={rank_slowdowns!r}: expected {rig.world_size} comma-separated "
+                             "numbers >= 1, one per rank")
+        return (Setting("custom", rank_slowdowns=values), *rig.settings[1:])
     if slowdowns is None:
         return rig.settings
-    if rig.accelerator != "cpu":
-        raise ValueError("--slowdowns applies to the cpu2 rig; GPU rigs throttle by SM count")
+    if rig.accelerator != "cpu" or rig.world_size != 2:
+        raise ValueError(f"--slowdowns={slowdowns!r} applies to the cpu2 rig only (rank 1's k); GPU rigs throttle "
+                         "by SM count and the N-rank CPU rigs take --rank-slowdowns")
     values = [float(v) for v in slowdowns.split(",") if v.strip()]
     if not values or any(not math.isfinite(v) or v < 1 for v in values):
         raise ValueError(f"--slowdowns={slowdowns!r}: expected numbers >= 1")
@@ -254,7 +374,7 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
     if args.deadline_s is not None:
         overrides["deadline_s"] = args.deadline_s
     budget = replace(budget, **overrides)  # type: ignore[arg-type]
-    settings = settings_for(rig, args.slowdowns)
+    settings = settings_for(rig, args.slowdowns, args.rank_slowdowns)
     conv_arms = None
     if args.conv_arms is not None:
         conv_arms = tuple(a.strip() for a in args.conv_arms.split(",") if a.strip())

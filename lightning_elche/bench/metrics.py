@@ -4,7 +4,12 @@ Formulas (``docs/benchmarks.md`` explains them):
 
 * steady-state samples/s = samples every rank trained from the start of epoch 1 to the end of the
   last epoch ÷ (latest end − earliest start);
-* efficiency = samples/s ÷ ideal, ideal = solo rank 0 + solo rank 1 (same pass);
+* efficiency = samples/s ÷ ideal, ideal = the sum over ranks of the solo rate of each rank's speed
+  class (same pass; ranks with the same throttle share one solo fit): solo rank 0 + solo rank 1 on
+  2 ranks;
+* speed share of a rank = its class's solo rate ÷ ideal (the batch share a perfectly balanced arm
+  gives it); share error of an arm = the largest |steady batch share ÷ speed share − 1| over ranks,
+  the steady batch share counting each rank's batches from epoch 1 on;
 * a ring all-reduce of N bytes makes each of W ranks send ``2 (W-1)/W · N`` bytes; an all-gather of
   m bytes per rank makes each send ``(W-1) · m``; a broadcast of N bytes puts ``(W-1) · N`` on the wire;
 * bytes sent per sample = bytes all ranks sent during the fit ÷ samples all ranks trained;
@@ -18,7 +23,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
-from lightning_elche.bench.plan import DDP, LOCAL_SGD, SOLO_RANK0, SOLO_RANK1
+from lightning_elche.bench.plan import DDP, LOCAL_SGD
 
 TOLERANCE_ACC = 0.005
 """Default target = Lightning DDP's worst-seed final accuracy minus 0.5 percentage points ..."""
@@ -158,7 +163,7 @@ def stall_per_sync(trace: Sequence[dict[str, Any]], totals: Sequence[dict[str, A
 
 
 def arm_kind(arm: str) -> str:
-    if arm in (SOLO_RANK0, SOLO_RANK1):
+    if arm.startswith("solo_rank"):
         return "solo"
     if arm == DDP:
         return "ddp"
@@ -168,7 +173,8 @@ def arm_kind(arm: str) -> str:
 
 
 def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: Sequence[float]) -> dict[str, Any]:
-    """Throughput, syncs, bytes per sample, idle and batch share of one 2-rank fit."""
+    """Throughput, syncs, bytes per sample, idle and batch share of one multi-rank fit;
+    ``solo_rates``: the solo rate of each rank's speed class, per rank."""
     world = len(records)
     kind = arm_kind(arm)
     stats = records[0]["model"]
@@ -195,7 +201,9 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
         stall = stall_per_sync(records[0].get("trace", []), info["totals"])
         if stall is not None:
             out["stall"] = stall
+        out["round_s"] = mean_round_seconds(records, info["rounds"])
     idle, how = idle_fractions(kind, records, solo_rates, records[0]["batch_size"])
+    steady = [r["steps"] for r in records]  # each rank's batches from epoch 1 on (the meter's count)
     out.update({
         "syncs": syncs,
         "samples_per_sync": samples / syncs if syncs else None,
@@ -205,37 +213,73 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
         "idle_method": how,
         "steps": steps,
         "batch_share": [s / sum(steps) if sum(steps) else None for s in steps],
+        "steady_batch_share": [s / sum(steady) if sum(steady) else None for s in steady],
         "stopped_by_cap": any(r["stopped_by_cap"] for r in records),
         "model": stats,
     })
     return out
 
 
-def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """One pass: ``jobs`` = [(arm, job id)], the first being the solo pair."""
+def mean_round_seconds(records: Sequence[dict[str, Any]], rounds: int) -> Optional[float]:
+    """Mean wall-clock seconds of an ElChe round: the fit's training time ÷ its rounds."""
+    ends = [r["t_end"] for r in records if r.get("t_end") is not None]
+    starts = [r["t_fit0"] for r in records if r.get("t_fit0") is not None]
+    if not ends or not starts or rounds <= 0:
+        return None
+    return (max(ends) - min(starts) - max(r.get("eval_s", 0.0) for r in records)) / rounds
+
+
+def share_error(batch_share: Sequence[Optional[float]], speed_share: Sequence[float]) -> Optional[float]:
+    """The largest |batch share ÷ speed share − 1| over ranks (0: perfectly proportional)."""
+    errors = [abs(b / s - 1.0) for b, s in zip(batch_share, speed_share, strict=True) if b is not None and s > 0]
+    return max(errors) if errors and len(errors) == len(speed_share) else None
+
+
+def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dict[str, Any]]],
+                    representatives: Optional[Sequence[int]] = None) -> dict[str, Any]:
+    """One pass: ``jobs`` = [(arm, job id)], the first being the solo job.
+
+    ``representatives[r]`` is the rank whose solo fit measured rank ``r``'s speed class (default:
+    every rank ran its own solo, as on the 2-rank rigs). Solo arms are named by that rank.
+    """
     (_, solo_id), *multi = jobs
     solo = records[solo_id]
-    rates = [steady_rate([r]) for r in solo]
+    class_rate = {int(r.get("solo_of_rank", k)): steady_rate([r]) for k, r in enumerate(solo)}
+    by_rank = {int(r.get("solo_of_rank", k)): r for k, r in enumerate(solo)}
+    reps = list(representatives) if representatives is not None else sorted(class_rate)
+    missing = sorted(set(reps) - set(class_rate))
+    if missing:
+        raise ValueError(f"solo job {solo_id} has no record of rank(s) {missing}")
+    rates = [class_rate[rep] for rep in reps]
     ideal = sum(rates)
     arms: dict[str, Any] = {}
-    for rank, (name, rate) in enumerate(zip((SOLO_RANK0, SOLO_RANK1), rates, strict=True)):
-        arms[name] = {"kind": "solo", "samples_per_s": rate, "syncs": 0, "bytes_per_sample": 0.0,
-                      "idle": [0.0], "idle_method": "single process", "epochs": solo[rank]["epochs"],
-                      "throttle": solo[rank].get("throttle")}
+    for rep in sorted(class_rate):
+        record = by_rank[rep]
+        arms[f"solo_rank{rep}"] = {"kind": "solo", "samples_per_s": class_rate[rep], "syncs": 0,
+                                   "bytes_per_sample": 0.0, "idle": [0.0], "idle_method": "single process",
+                                   "epochs": record["epochs"], "throttle": record.get("throttle")}
+        if len(reps) != 2:
+            arms[f"solo_rank{rep}"]["ranks"] = [r for r, x in enumerate(reps) if x == rep]
+    speed_share = [rate / ideal if ideal > 0 else 0.0 for rate in rates]
     for arm, job_id in multi:
         arms[arm] = multi_rank_metrics(arm, records[job_id], rates)
+        arms[arm]["share_error"] = share_error(arms[arm]["steady_batch_share"], speed_share)
     ddp_rate = arms.get(DDP, {}).get("samples_per_s")
     for row in arms.values():
         row["efficiency"] = row["samples_per_s"] / ideal if ideal > 0 else None
         row["speedup_vs_ddp"] = _ratio(row["samples_per_s"], ddp_rate)
+    slowest = min(rates[1:]) if len(rates) > 1 else None
     return {
         "ideal_samples_per_s": ideal,
-        "measured_slowdown": rates[0] / rates[1] if rates[1] > 0 else None,
+        # Rank 0's device against the slowest other: on 2 ranks, solo rank 0 ÷ solo rank 1.
+        "measured_slowdown": rates[0] / slowest if slowest else None,
+        "speed_share": speed_share,
         "arms": arms,
     }
 
 
-_AGGREGATED = ("samples_per_s", "efficiency", "speedup_vs_ddp", "syncs", "samples_per_sync", "bytes_per_sample")
+_AGGREGATED = ("samples_per_s", "efficiency", "speedup_vs_ddp", "syncs", "samples_per_sync", "bytes_per_sample",
+               "share_error")
 
 
 def aggregate_passes(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -247,6 +291,7 @@ def aggregate_passes(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "passes": len(passes),
         "ideal_samples_per_s": _median(p["ideal_samples_per_s"] for p in passes),
         "measured_slowdown": _median(p["measured_slowdown"] for p in passes),
+        "speed_share": [_median(p["speed_share"][r] for p in passes) for r in range(len(last["speed_share"]))],
         "arms": {},
     }
     for arm in passes[0]["arms"]:  # the first pass runs the arms in their base order
@@ -327,7 +372,7 @@ def convergence(runs: dict[str, list[dict[str, Any]]], quality: str, higher_is_b
 
 def microbenchmark(per_rank: Sequence[dict[str, Any]], world: int) -> dict[str, Any]:
     """Bus bandwidth of a raw all-reduce, of ElChe's flat-parameter all-reduce and of its whole
-    averaging path, from the slower rank's timings."""
+    averaging path, from the slowest rank's timings (also of the metadata exchange and the pool claim)."""
     out: dict[str, Any] = {}
     for section, first in per_rank[0].items():
         raw = max(r[section]["raw_all_reduce_s"] for r in per_rank)
@@ -350,4 +395,6 @@ def microbenchmark(per_rank: Sequence[dict[str, Any]], world: int) -> dict[str, 
             "flat_busbw_gb_s": flat_bw / 1e9,
             "flat_vs_raw": flat_bw / raw_bw if raw_bw > 0 else None,
         }
+        if "pool_claim_s" in first:  # runs before the pooled dispatch's timing existed lack it
+            out[section]["pool_claim_s"] = max(r[section]["pool_claim_s"] for r in per_rank)
     return out

@@ -1,10 +1,11 @@
-"""The ordered list of fits one invocation runs, identical in both rank processes.
+"""The ordered list of fits one invocation runs, identical in every rank process.
 
-Fits are grouped: a throughput *pass* (the two solo fits, then every 2-rank arm) or a convergence
-*seed* (rank 0's device alone, then every 2-rank arm). Arms are interleaved: each group runs every
-arm once, and the order of the 2-rank arms rotates from group to group so that a slow drift of the
-machine does not favour one arm. Every group but the first of each section may be skipped when the
-budget's deadline is near (the report lists skipped groups).
+Fits are grouped: a throughput *pass* (the concurrent solo fits, one per speed class of the
+setting, then every multi-rank arm) or a convergence *seed* (rank 0's device alone, then every
+multi-rank arm). Arms are interleaved: each group runs every arm once, and the order of the
+multi-rank arms rotates from group to group so that a slow drift of the machine does not favour
+one arm. Every group but the first of each section may be skipped when the budget's deadline is
+near (the report lists skipped groups).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 from lightning_elche.bench.config import BenchConfig, Setting
 
 SOLO_PAIR = "solo"
-"""Throughput job in which rank 0's device and rank 1's (throttled) device each train alone, concurrently."""
+"""Throughput job in which the first rank of each speed class trains its device alone (with its
+throttle), all of them concurrently; on 2 ranks, rank 0 and rank 1."""
 SOLO_RANK0 = "solo_rank0"
 SOLO_RANK1 = "solo_rank1"
 DDP = "ddp"
@@ -25,7 +27,7 @@ CONVERGENCE = "convergence"
 
 @dataclass(frozen=True)
 class Job:
-    """One fit (or, for ``solo``, two concurrent single-device fits)."""
+    """One fit (or, for ``solo``, concurrent single-device fits, one per speed class)."""
 
     job_id: str
     section: str
@@ -46,12 +48,12 @@ class Group:
 
 
 def multi_rank_arms(config: BenchConfig) -> list[str]:
-    """The 2-rank arms in their base order: Lightning DDP, post-local SGD, then each ElChe mode."""
+    """The multi-rank arms in their base order: Lightning DDP, post-local SGD, then each ElChe mode."""
     return [DDP, LOCAL_SGD, *config.elche_modes]
 
 
 def convergence_arms(config: BenchConfig) -> list[str]:
-    """The 2-rank arms of the convergence section: ``--conv-arms`` if given, else every arm."""
+    """The multi-rank arms of the convergence section: ``--conv-arms`` if given, else every arm."""
     arms = multi_rank_arms(config)
     if config.conv_arms is None:
         return arms

@@ -49,9 +49,10 @@ def _pair(values: Optional[list[Optional[float]]], fmt: str = "pct") -> str:
     return " / ".join(_num(v) for v in values)
 
 
-def throughput_table(section: dict[str, Any]) -> list[str]:
+def throughput_table(section: dict[str, Any], world: int = 2) -> list[str]:
+    ranks = "r0 / r1" if world == 2 else " / ".join(f"r{r}" for r in range(world))
     lines = [
-        "| arm | samples/s | efficiency | vs DDP | syncs | bytes sent / sample | idle r0 / r1 | batch share r0 / r1 |",
+        f"| arm | samples/s | efficiency | vs DDP | syncs | bytes sent / sample | idle {ranks} | batch share {ranks} |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for arm, row in section["arms"].items():
@@ -62,7 +63,8 @@ def throughput_table(section: dict[str, Any]) -> list[str]:
             f"{_num(row.get('speedup_vs_ddp'), suffix='x')} | {_count(row.get('syncs'))} | "
             f"{_bytes(row.get('bytes_per_sample'))} | {idle} | {share} |"
         )
-    lines.append(f"| ideal (solo rank 0 + solo rank 1) | {_rate(section['ideal_samples_per_s'])} | 1.00 | | | | | |")
+    ideal = "solo rank 0 + solo rank 1" if world == 2 else f"sum of the {world} ranks' solo rates"
+    lines.append(f"| ideal ({ideal}) | {_rate(section['ideal_samples_per_s'])} | 1.00 | | | | | |")
     for arm, row in section["arms"].items():
         stall = row.get("stall")
         if stall:
@@ -70,7 +72,36 @@ def throughput_table(section: dict[str, Any]) -> list[str]:
                 f"rank {k} {_num(ms, 3, ' ms')} ({_num(None if f is None else 100 * f, 2, ' %')} of a step)"
                 for k, (ms, f) in enumerate(zip(stall["mean_ms"], stall["fraction_of_step"], strict=True)))
             lines += ["", f"Accelerator stall per sync, `{arm}`: {per_rank}."]
+    if world != 2:
+        lines += ["", *balance_lines(section)]
     return lines
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def balance_lines(section: dict[str, Any]) -> list[str]:
+    """N-rank rigs: each speed class's solo rate, the speed shares, and how far each arm's batch
+    shares from epoch 1 on are from them."""
+    solos = [f"`{arm}` {_rate(row['samples_per_s'])}/s ({_rank_list(row.get('ranks', []))})"
+             for arm, row in section["arms"].items() if row.get("kind") == "solo"]
+    errors = [f"`{arm}` {_num(None if row.get('share_error') is None else 100 * row['share_error'], 0, ' %')}"
+              for arm, row in section["arms"].items() if row.get("kind") != "solo"]
+    rounds = [f"`{arm}` {_num(None if row.get('round_s') is None else 1000 * row['round_s'], 1, ' ms')}"
+              for arm, row in section["arms"].items() if row.get("kind") == "elche"]
+    lines = [f"Solo rate of each speed class: {'; '.join(solos)}.",
+             f"Speed share per rank (the balanced batch share): {_pair(section.get('speed_share'))}.",
+             f"Largest deviation of a rank's batch share (epoch 1 on) from its speed share: {', '.join(errors)}."]
+    if rounds:
+        lines.append(f"Mean round of the ElChe arms: {', '.join(rounds)}.")
+    return lines
+
+
+def slowdown_line(section: dict[str, Any], world: int) -> str:
+    if world == 2:
+        return f"Measured solo slowdown of rank 1: {_num(section['measured_slowdown'])}x."
+    return f"Measured solo slowdown of the slowest speed class against rank 0: {_num(section['measured_slowdown'])}x."
 
 
 def convergence_table(conv: dict[str, Any]) -> list[str]:
@@ -94,10 +125,13 @@ def convergence_table(conv: dict[str, Any]) -> list[str]:
 
 
 def micro_table(micro: dict[str, Any]) -> list[str]:
+    # The pool-claim column exists from the runs that measured it on (older JSON replots unchanged).
+    claims = all("pool_claim_s" in row for row in micro.values())
     lines = [
         "| model | flat bytes | raw `all_reduce` busbw | ElChe flat-parameter all-reduce busbw | ratio | "
-        "whole averaging path (`CollectivePlane.average`) busbw | ratio | metadata exchange |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "whole averaging path (`CollectivePlane.average`) busbw | ratio | metadata exchange |"
+        + (" pool dispatch claim |" if claims else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if claims else ""),
     ]
     for row in micro.values():
         lines.append(
@@ -105,11 +139,22 @@ def micro_table(micro: dict[str, Any]) -> list[str]:
             f"{_num(row.get('flat_busbw_gb_s'), 2, ' GB/s')} | {_num(row.get('flat_vs_raw'))} | "
             f"{_num(row['plane_busbw_gb_s'], 2, ' GB/s')} | {_num(row['plane_vs_raw'])} | "
             f"{_num(row['metadata_exchange_s'] * 1e6, 0, ' µs')} |"
+            + (f" {_num(row['pool_claim_s'] * 1e6, 0, ' µs')} |" if claims else "")
         )
     return lines
 
 
+def arm_description(arm: str) -> str:
+    if arm in ARM_DESCRIPTIONS:
+        return ARM_DESCRIPTIONS[arm]
+    if arm.startswith("solo_rank"):
+        return f"rank {arm.removeprefix('solo_rank')}'s device alone, with its throttle (single-process fit); " \
+               "measures every rank of its speed class"
+    return arm
+
+
 def markdown(result: dict[str, Any]) -> str:
+    world = int(result.get("world_size", 2))
     out = [
         f"# lightning-elche benchmark: `{result['rig']}`",
         "",
@@ -125,9 +170,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"Workload: {result['throughput_workload']}, per-device batch {result['config']['budget']['tp_batch']}; "
         f"steady state (epoch 0 excluded), median of {result.get('passes', 1)} pass(es).",
         "",
-        *throughput_table(result),
+        *throughput_table(result, world),
         "",
-        f"Measured solo slowdown of rank 1: {_num(result['measured_slowdown'])}x.",
+        slowdown_line(result, world),
     ]
     conv = result.get("convergence")
     if conv:
@@ -143,12 +188,13 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             *convergence_table(conv),
         ]
-    out += ["", "## All-reduce microbenchmark (2 ranks, no throttle)", "", *micro_table(result["microbenchmark"])]
+    out += ["", f"## All-reduce microbenchmark ({world} ranks, no throttle)", "",
+            *micro_table(result["microbenchmark"])]
     for label, section in result.get("other_settings", {}).items():
-        out += ["", f"## Throughput: {section['description']} (`{label}`)", "", *throughput_table(section), "",
-                f"Measured solo slowdown of rank 1: {_num(section['measured_slowdown'])}x."]
+        out += ["", f"## Throughput: {section['description']} (`{label}`)", "", *throughput_table(section, world), "",
+                slowdown_line(section, world)]
     out += ["", "## Notes", ""]
-    out += [f"- `{arm}`: {ARM_DESCRIPTIONS.get(arm, arm)}." for arm in result["arms"]]
+    out += [f"- `{arm}`: {arm_description(arm)}." for arm in result["arms"]]
     for mode, why in result.get("elche_modes_skipped", {}).items():
         out.append(f"- `{mode}` not run: {why}.")
     if result.get("skipped_groups"):
@@ -211,7 +257,9 @@ def plot(result: dict[str, Any], out_dir: Path, stem: str) -> dict[str, Any]:
             top.plot(xs, [t["share"][0] for t in trace], ".", color=color, ms=3, alpha=0.5)
             bottom.step(xs, [t["anchor"] for t in trace], where="post", color=color, lw=1.2, label=mode)
         solo = [result["arms"].get(f"solo_rank{k}", {}).get("samples_per_s") for k in (0, 1)]
-        if all(solo) and sum(solo) > 0:
+        if result.get("world_size", 2) != 2 and result.get("speed_share"):
+            top.axhline(result["speed_share"][0], color="grey", ls="--", lw=0.8, label="solo speed share")
+        elif all(solo) and sum(solo) > 0:
             top.axhline(solo[0] / sum(solo), color="grey", ls="--", lw=0.8, label="solo speed share")
         top.set_ylabel("rank 0's batch share\n(line: plan, dots: each round)")
         top.set_ylim(0, 1)

@@ -1,14 +1,15 @@
-"""What each of the two rank processes runs: set up once, then every fit of the plan in order.
+"""What each rank process runs: set up once, then every fit of the plan in order.
 
-The harness starts the two rank processes itself (``spawn``) and initializes the process group
-once; Lightning then finds ``LOCAL_RANK`` in the environment and an initialized group, so it
-launches nothing and runs each ``Trainer.fit`` in place, exactly as under ``torchrun``. One world
-serves every fit of the run: this keeps process start-up (seconds per fit, most of a short fit)
-out of the budget and lets arms interleave cheaply. A separate gloo group carries the harness's
-own small decisions (stop a fit, skip a group) so they never touch the training backend.
+The harness starts the rank processes (``Rig.world_size`` of them, one per device) itself
+(``spawn``) and initializes the process group once; Lightning then finds ``LOCAL_RANK`` in the
+environment and an initialized group, so it launches nothing and runs each ``Trainer.fit`` in
+place, exactly as under ``torchrun``. One world serves every fit of the run: this keeps process
+start-up (seconds per fit, most of a short fit) out of the budget and lets arms interleave
+cheaply. A separate gloo group carries the harness's own small decisions (stop a fit, skip a
+group) so they never touch the training backend.
 
 Each fit writes one JSON record per rank to the run directory (``<job id>.rank<r>.json``): spawn
-returns nothing to the parent, which reads the records when both ranks are done.
+returns nothing to the parent, which reads the records when every rank is done.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 from lightning_elche.averaging import AveragedLayout, FlatTensors, round_weights
 from lightning_elche.bench.arms import PostLocalSGDStrategy, make_strategy
-from lightning_elche.bench.config import PG_TIMEOUT_S, WORLD_SIZE, BenchConfig, Setting
+from lightning_elche.bench.config import PG_TIMEOUT_S, BenchConfig
 from lightning_elche.bench.meter import BenchMeter
 from lightning_elche.bench.plan import CONVERGENCE, SOLO_PAIR, SOLO_RANK0, THROUGHPUT, Group, Job
 from lightning_elche.bench.workloads import (
@@ -107,6 +108,10 @@ class RankContext:
     def accelerator(self) -> str:
         return self.config.rig.accelerator
 
+    @property
+    def world(self) -> int:
+        return self.config.rig.world_size
+
     def workload(self, section: str) -> Workload:
         if section not in self.workloads:
             budget = self.config.budget
@@ -133,11 +138,11 @@ class RankContext:
 # -- set-up --------------------------------------------------------------------------------
 
 
-def _set_rank_environment(rank: int, port: int) -> None:
+def _set_rank_environment(rank: int, port: int, world: int) -> None:
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(WORLD_SIZE),
+        "WORLD_SIZE": str(world),
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "NODE_RANK": "0",
@@ -150,18 +155,19 @@ def _set_rank_environment(rank: int, port: int) -> None:
 
 def _init_process_group(rank: int, port: int, config: BenchConfig) -> tuple[torch.device, Any]:
     timeout = timedelta(seconds=PG_TIMEOUT_S)
+    world = config.rig.world_size
     if config.rig.accelerator == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        torch.set_num_threads(max(1, (os.cpu_count() or WORLD_SIZE) // WORLD_SIZE))  # as Lightning's DDP would
+        torch.set_num_threads(max(1, (os.cpu_count() or world) // world))  # as Lightning's DDP would
         torch.backends.cudnn.benchmark = True
         torch.set_float32_matmul_precision("high")
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timeout, device_id=device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timeout)
     # The harness's own group waits while the peer trains alone (a solo fit): a long timeout. A
     # dead peer is caught by the parent, which stops both processes.
@@ -234,8 +240,8 @@ def _micro_model(ctx: RankContext, section: str) -> dict[str, Any]:
     raw_s = _time_collective(ctx, lambda: dist.all_reduce(flat), iters)
     meta_device = ctx.device if ctx.config.rig.backend == "nccl" else torch.device("cpu")
     layout = AveragedLayout.fixed(FlatTensors(params), FlatTensors([]))
-    plane = CollectivePlane(layout, ctx.rank, WORLD_SIZE, meta_device)
-    weights = round_weights([1] * WORLD_SIZE, 1.0)
+    plane = CollectivePlane(layout, ctx.rank, ctx.world, meta_device)
+    weights = round_weights([1] * ctx.world, 1.0)
     plane_s = _time_collective(ctx, lambda: plane.average(weights), iters)
     plane.params.pack()
     flat_s = _time_collective(ctx, lambda: plane.sum_scaled(plane.params, 1.0), iters)
@@ -254,13 +260,25 @@ def _micro_model(ctx: RankContext, section: str) -> dict[str, Any]:
     }
 
 
+def _pool_claim_s(ctx: RankContext) -> float:
+    """Seconds per chunk claim of the pooled dispatch: ``store.add`` on the default group's
+    TCPStore, every rank claiming on one key at once (the contention of a pooled epoch)."""
+    store = dist.distributed_c10d._get_default_store()
+    key = "lightning_elche_bench/pool_probe"
+    return _time_collective(ctx, lambda: store.add(key, 1), 10 * ctx.config.budget.micro_iters)
+
+
 def microbenchmark(ctx: RankContext) -> dict[str, Any]:
     """Per model of the run: seconds per raw ``dist.all_reduce`` of a flat float32 tensor of its
     parameter count, per flat-parameter all-reduce as the plane issues it
     (``CollectivePlane.sum_scaled``: pre-scale and SUM all-reduce of its persistent flat buffer),
     per ``CollectivePlane.average`` of its parameters (pack, pre-scale, SUM all-reduce, divergence
-    norms, unpack: ElChe's whole averaging path), and per metadata exchange (a round's all-gather)."""
+    norms, unpack: ElChe's whole averaging path), per metadata exchange (a round's all-gather),
+    and (model-independent) per chunk claim of the pooled dispatch."""
     out = {section: _micro_model(ctx, section) for section in (THROUGHPUT, CONVERGENCE)}
+    claim_s = _pool_claim_s(ctx)
+    for row in out.values():
+        row["pool_claim_s"] = claim_s
     _release()
     return out
 
@@ -268,17 +286,19 @@ def microbenchmark(ctx: RankContext) -> dict[str, Any]:
 # -- fits ----------------------------------------------------------------------------------
 
 
-def _throttle(ctx: RankContext, setting: Setting, rank: int) -> Optional[Throttle]:
-    """The throttle that slows ``rank`` (a global rank of the fit) under ``setting``."""
-    if not setting.throttled:
-        return None
-    if setting.sms is not None:
+def _throttle(ctx: RankContext, job: Job, device_rank: int, fit_rank: int) -> Optional[Throttle]:
+    """The throttle of rank ``device_rank``'s device under the job's setting, acting on the
+    global rank ``fit_rank`` of the fit (0 in a single-process solo fit); None if unthrottled."""
+    slowdown, sms = job.setting.rank_throttle(device_rank)
+    if sms is not None:
         if ctx.device.type != "cuda":
-            raise ValueError(f"setting {setting.label} limits SMs and needs CUDA")
+            raise ValueError(f"setting {job.setting.label} limits SMs and needs CUDA")
         total = torch.cuda.get_device_properties(ctx.device).multi_processor_count
         # Half an SM of slack so that float rounding never drops a granule in green_context_sms.
-        return Throttle(rank, max(1.0, total / (setting.sms + 0.5)), method="sm_limit")
-    return Throttle(rank, setting.slowdown, method="sleep")
+        return Throttle(fit_rank, max(1.0, total / (sms + 0.5)), method="sm_limit")
+    if slowdown > 1.0:
+        return Throttle(fit_rank, slowdown, method="sleep")
+    return None
 
 
 def _trainer(ctx: RankContext, strategy: Any, devices: Any, max_epochs: int, callbacks: list[Any]) -> Trainer:
@@ -330,13 +350,13 @@ def _common_record(job: Job, trainer: Trainer, meter: BenchMeter, throttle: Opti
 
 
 def run_solo(ctx: RankContext, job: Job, as_rank: int) -> dict[str, Any]:
-    """One single-process fit of the device of rank ``as_rank`` (throttled if it is rank 1)."""
+    """One single-process fit of the device of rank ``as_rank``, with that rank's throttle."""
     workload = ctx.workload(job.section)
     budget = ctx.config.budget
     if job.section == THROUGHPUT:
-        # The throttled solo trains a 1/k share so that both solos run about as long (CPU contention).
-        nominal = job.setting.slowdown if job.setting.sms is None else 1.0
-        share = 0.5 / (nominal if as_rank == 1 else 1.0)
+        # A rank's solo trains 1/world of the data, over k if it sleeps, so that the concurrent solos
+        # run about as long (CPU contention).
+        share = 1.0 / ctx.world / job.setting.rank_throttle(as_rank)[0]
         batch, drop_last = budget.tp_batch, True
     else:
         share, batch, drop_last = 1.0, budget.conv_batch, False
@@ -345,19 +365,20 @@ def run_solo(ctx: RankContext, job: Job, as_rank: int) -> dict[str, Any]:
     stats = model_stats(module)
     max_epochs, stop_after, evaluate = _fit_limits(ctx, job)
     meter = BenchMeter(workload, evaluate=evaluate, stop_after_s=stop_after)
-    throttle = _throttle(ctx, job.setting, 0) if as_rank == 1 else None
+    throttle = _throttle(ctx, job, as_rank, 0)
     callbacks: list[Any] = [c for c in (throttle, meter) if c is not None]
     devices: Any = [ctx.device.index] if ctx.device.type == "cuda" else 1
     trainer = _trainer(ctx, "auto", devices, max_epochs, callbacks)
     started = time.time()
     trainer.fit(module, train_dataloaders=train_loader(workload.train_set(share), batch, drop_last))
     record = _common_record(job, trainer, meter, throttle, stats, time.time() - started)
-    record.update({"arm": f"solo_rank{as_rank}", "batch_size": batch, "train_samples": len(workload.train_set(share))})
+    record.update({"arm": f"solo_rank{as_rank}", "solo_of_rank": as_rank, "batch_size": batch,
+                   "train_samples": len(workload.train_set(share))})
     return record
 
 
 def run_multi(ctx: RankContext, job: Job) -> dict[str, Any]:
-    """One 2-rank fit of ``job.arm``, rank 1 throttled as the setting says."""
+    """One multi-rank fit of ``job.arm``, every rank throttled as the setting says."""
     workload = ctx.workload(job.section)
     budget = ctx.config.budget
     batch, drop_last = (budget.tp_batch, True) if job.section == THROUGHPUT else (budget.conv_batch, False)
@@ -367,13 +388,13 @@ def run_multi(ctx: RankContext, job: Job) -> dict[str, Any]:
     max_epochs, stop_after, evaluate = _fit_limits(ctx, job)
     meter = BenchMeter(workload, evaluate=evaluate, stop_after_s=stop_after, control_group=ctx.control,
                        trace_elche=job.arm in ctx.config.elche_modes)
-    throttle = _throttle(ctx, job.setting, 1)
+    throttle = _throttle(ctx, job, ctx.rank, ctx.rank)
     callbacks: list[Any] = [c for c in (throttle, meter) if c is not None]
     strategy = make_strategy(job.arm, ctx.config)
-    trainer = _trainer(ctx, strategy, WORLD_SIZE, max_epochs, callbacks)
+    trainer = _trainer(ctx, strategy, ctx.world, max_epochs, callbacks)
     started = time.time()
     trainer.fit(module, train_dataloaders=train_loader(workload.train_set(), batch, drop_last))
-    record = _common_record(job, trainer, meter, throttle if ctx.rank == 1 else None, stats, time.time() - started)
+    record = _common_record(job, trainer, meter, throttle, stats, time.time() - started)
     record.update({"batch_size": batch, "train_samples": len(workload.train_set())})
     progress = strategy.progress if isinstance(strategy, ElCheStrategy) else None
     if progress is not None:
@@ -406,7 +427,8 @@ def _release() -> None:
 
 def run_job(ctx: RankContext, job: Job) -> None:
     if job.arm == SOLO_PAIR:
-        write_record(ctx.run_dir, job.job_id, ctx.rank, run_solo(ctx, job, as_rank=ctx.rank))
+        if ctx.rank in job.setting.solo_ranks(ctx.world):  # one solo per speed class
+            write_record(ctx.run_dir, job.job_id, ctx.rank, run_solo(ctx, job, as_rank=ctx.rank))
     elif job.arm == SOLO_RANK0:
         if ctx.rank == 0:
             write_record(ctx.run_dir, job.job_id, 0, run_solo(ctx, job, as_rank=0))
@@ -417,10 +439,13 @@ def run_job(ctx: RankContext, job: Job) -> None:
 
 
 def throttle_ok(ctx: RankContext, job: Job) -> tuple[bool, dict[str, Any]]:
-    """Both ranks read both solo records of ``job`` and reach the same verdict."""
-    rates = [solo_rate(read_record(ctx.run_dir, job.job_id, r)) for r in range(WORLD_SIZE)]
-    measured = rates[0] / rates[1] if rates[1] > 0 else float("inf")
-    verdict = {"job": job.job_id, "solo_rates": rates, "measured_slowdown": measured,
+    """Every rank reads every solo record of ``job`` and reaches the same verdict: rank 0's device
+    must be at least ``min_slowdown`` times faster than the slowest other speed class."""
+    solo_ranks = job.setting.solo_ranks(ctx.world)
+    rates = [solo_rate(read_record(ctx.run_dir, job.job_id, r)) for r in solo_ranks]
+    slowest = min(rates[1:]) if len(rates) > 1 else rates[0]
+    measured = rates[0] / slowest if slowest > 0 else float("inf")
+    verdict = {"job": job.job_id, "solo_rates": rates, "solo_ranks": solo_ranks, "measured_slowdown": measured,
                "min_slowdown": ctx.config.min_slowdown}
     return measured >= ctx.config.min_slowdown, verdict
 
@@ -457,7 +482,7 @@ def worker_main(rank: int, config: BenchConfig, plan: list[Group], run_dir: str,
     """Entry point of a rank process (the target of a ``spawn`` process)."""
     status = 1
     try:
-        _set_rank_environment(rank, port)
+        _set_rank_environment(rank, port, config.rig.world_size)
         _quiet()
         device, control = _init_process_group(rank, port, config)
         ctx = RankContext(rank, config, run_dir, device, control, t0)
