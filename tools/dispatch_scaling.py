@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from scaling_cli import free_port, parse, world_size_parser
 
 from lightning_elche.data import ElCheSampler
 
@@ -215,22 +215,12 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[4], help="world sizes to measure")
-    parser.add_argument("--out", type=Path, required=True, help="directory for the JSON and Markdown results")
+    parser = world_size_parser(__doc__)
     parser.add_argument("--saturation-claims", type=int, default=2000, help="claims per rank when saturating")
     parser.add_argument("--fast-chunks", type=int, default=250, help="chunks per rank in the fast-ranks phase")
-    args = parser.parse_args()
-    if any(n < 2 for n in args.ranks):
-        parser.error(f"--ranks {args.ranks}: every world size must be >= 2")
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = parse(parser)
     results = []
     for world_size in args.ranks:
         result_path = args.out / f".dispatch_scaling-{world_size}.json"

@@ -16,11 +16,9 @@ writes ``DIR/round_cost.json`` and ``DIR/round_cost.md``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -30,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from scaling_cli import free_port, parse, world_size_parser
 
 from lightning_elche.averaging import round_weights
 from lightning_elche.config import ElCheConfig
@@ -185,23 +184,13 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[4], help="world sizes to measure")
-    parser.add_argument("--out", type=Path, required=True, help="directory for the JSON and Markdown results")
+    parser = world_size_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=500, help="rounds measured per world size")
-    args = parser.parse_args()
-    if any(n < 2 for n in args.ranks):
-        parser.error(f"--ranks {args.ranks}: every world size must be >= 2")
+    args = parse(parser)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: expected >= 1")
-    args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for world_size in args.ranks:
         exchange = measure_exchange(world_size, args.rounds, args.out)
