@@ -365,6 +365,34 @@ class LightningPatches:
         return True
 
 
+def init_process_group_per_attempt(strategy: Any) -> bool:
+    """Under torchrun's agent store, set up the default group on keys of this attempt only.
+
+    The agent keeps one store for every restart of the worker group, so the default group's keys
+    of a failed attempt are still there, and a restarted rank may read a dead peer's address and
+    fail to connect (seen with ``--max-restarts``). Prefixing the keys with the restart count keeps
+    the attempts apart. Does what ``DDPStrategy.setup_distributed`` does, with that store; returns
+    False (nothing done) outside torchrun's agent store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return False
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+    from lightning.fabric.utilities.seed import reset_seed
+
+    reset_seed()
+    strategy.set_world_ranks()
+    strategy._process_group_backend = strategy._get_process_group_backend()
+    environment = strategy.cluster_environment
+    client = dist.TCPStore(environment.main_address, environment.main_port, strategy.world_size, is_master=False,
+                           timeout=strategy._timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"/lightning_elche/attempt{attempt}", client)
+    device = strategy.root_device
+    _init_dist_connection(environment, strategy._process_group_backend, timeout=strategy._timeout, store=store,
+                          device_id=device if device.type != "cpu" else None)
+    return True
+
+
 def _under_job_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_JOB_ID" in os.environ
 

@@ -53,6 +53,7 @@ from lightning_elche.loop_glue import (
     check_lightning_version,
     check_step_schedulers,
     distributed_is_initialized,
+    init_process_group_per_attempt,
     sampler_for,
     save_and_requeue_slurm_job,
     slurm_requeue_signal,
@@ -242,6 +243,10 @@ class ElCheStrategy(DDPStrategy):
             self._session.single_rank_policy = None
 
     # -- hooks, in the order Lightning calls them -------------------------------------------------
+
+    def setup_distributed(self) -> None:
+        if not init_process_group_per_attempt(self):  # a restarted torchrun attempt must not see old keys
+            super().setup_distributed()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)

@@ -106,11 +106,12 @@ def test_slurm_requeue_signal_saves_the_hpc_checkpoint_requeues_and_the_requeued
 def test_torchrun_restarts_after_a_killed_worker_and_loses_at_most_the_work_since_the_last_sync_checkpoint(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-        *script(tmp_path, "nccl_cadence", "run", "--every-n-syncs", "2", "--fault", "KILL", "--fault-rank", "1",
-                "--fault-round", "5", "--ckpt", "last")[1:],
+        *script(tmp_path, "nccl_cadence", "run", "--every-n-syncs", "1", "--fault", "KILL", "--fault-rank", "1",
+                "--fault-round", "3", "--ckpt", "last")[1:],
     ]
     codes, logs = launch([(command, clean_environment())], tmp_path / "logs", 240)
     assert codes == [0], logs
+    assert (tmp_path / "signal-time.json").exists(), "rank 1 was never killed: the fit ended first"
     resumed_from = tmp_path / "resumed-from-attempt1.ckpt"
     assert resumed_from.exists(), logs
     checkpoint = load(resumed_from)

@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> None:
     callbacks: list[pl.Callback] = [
         DelaySteps(),
         ElCheCheckpoint(dirpath=str(out / "ckpt"), save_last=True, every_n_syncs=args.every_n_syncs,
-                        every_n_epochs=1, save_top_k=0 if args.every_n_syncs else 1),
+                        every_n_epochs=1),
     ]
     if args.fault and (args.fault != "KILL" or attempt == 0):
         callbacks.append(SignalAtStep(str(out), args.fault_rank, args.fault_step,
