@@ -122,7 +122,8 @@ def test_torchmetrics_loggers_lr_monitor_tqdm_bf16_clipping_epoch_scheduler_work
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=elche(), max_epochs=2, precision="bf16-mixed",
-        gradient_clip_val=0.5, callbacks=[LearningRateMonitor(logging_interval="step")], log_every_n_steps=4,
+        gradient_clip_val=0.5, callbacks=[LearningRateMonitor(logging_interval="step"), TQDMProgressBar()],
+        log_every_n_steps=4,
         logger=CSVLogger(str(tmp_path), name="logs"), enable_progress_bar=True, enable_checkpointing=False,
         enable_model_summary=False, default_root_dir=str(tmp_path),
     )
