@@ -169,17 +169,22 @@ def test_a_frozen_backbone_stays_bit_identical_and_costs_no_wire_bytes(tmp_path,
     assert frozen[0]["round_bytes"][0] == expected["frozen"] - 144
 
 
+def assert_unfrozen_backbone_trained_and_averaged(records: list[dict]) -> None:
+    """Identical replicas; the backbone trained once unfrozen; epoch 0 sent the head only."""
+    r0, r1 = records
+    assert r0["final"] == r1["final"], "replicas differ after fit"
+    assert r0["final"]["backbone.0.weight"] != r0["initial"]["backbone.0.weight"], "the unfrozen backbone did not train"
+    small, large = r0["round_bytes"][0], r0["round_bytes"][1]
+    assert r0["round_bytes"] == r1["round_bytes"] == [small, large, large] and large > 5 * small
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("mode", "bf16_wire", "outer"), [("cpu_async", True, None),
                                                           ("nccl_cadence", False, SlowMo(lr=1.0, momentum=0.5))])
 def test_unfreezing_between_epochs_is_averaged_from_the_next_round(tmp_path, mode, bf16_wire, outer):
     records = frozen_fit(tmp_path, mode, bf16_wire, outer=outer, epochs=3, unfreeze_at_epoch=1)
-    r0, r1 = records
-    assert r0["final"] == r1["final"], "replicas differ after fit"
-    assert r0["final"]["backbone.0.weight"] != r0["initial"]["backbone.0.weight"], "the unfrozen backbone did not train"
-    small, large = r0["round_bytes"][0], r0["round_bytes"][1]
-    assert r0["round_bytes"] == r1["round_bytes"] == [small, large, large] and large > 5 * small
+    assert_unfrozen_backbone_trained_and_averaged(records)
 
 
 @pytest.mark.distributed
@@ -189,11 +194,7 @@ def test_lightning_backbone_finetuning_is_followed_by_the_averaged_set(tmp_path)
     # with every parameter trainable) and unfreezes it at epoch 1, adding it to the optimizer.
     records = frozen_fit(tmp_path, "cpu_cadence", bf16_wire=True, epochs=3, frozen=False, trainable_only=True,
                          callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
-    r0, r1 = records
-    assert r0["final"] == r1["final"], "replicas differ after fit"
-    assert r0["final"]["backbone.0.weight"] != r0["initial"]["backbone.0.weight"], "the unfrozen backbone did not train"
-    small, large = r0["round_bytes"][0], r0["round_bytes"][1]
-    assert r0["round_bytes"] == r1["round_bytes"] == [small, large, large] and large > 5 * small
+    assert_unfrozen_backbone_trained_and_averaged(records)
 
 
 @pytest.mark.distributed
