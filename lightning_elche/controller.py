@@ -516,6 +516,27 @@ class ElCheController:
     def _slow_ms(self) -> float:
         return 0.0 if self.anchor_rank is None else self.smoothed_ms(self.anchor_rank)
 
+    # -- lost ranks -----------------------------------------------------------------------
+
+    def retain(self, ranks: Sequence[int]) -> None:
+        """Go on with ``ranks`` only (the others were lost mid-fit), renumbered in that order.
+
+        Their speed readings and counts carry over, so the next report re-plans the survivors
+        from what was measured; an anchor rank that was lost is elected again from that report.
+        A single survivor is allowed here (it averages with nobody, but keeps its cadence).
+        """
+        kept = [self._checked_rank("retained rank", rank) for rank in ranks]
+        if not kept or len(set(kept)) != len(kept):
+            raise ValueError(f"retained ranks {list(ranks)!r} are invalid: expected distinct ranks, at least one.")
+        self.batch_counts = [self.batch_counts[rank] for rank in kept]
+        self._ms_windows = [self._ms_windows[rank] for rank in kept]
+        self._zero_reports = [self._zero_reports[rank] for rank in kept]
+        self.anchor_rank = kept.index(self.anchor_rank) if self.anchor_rank in kept else None
+        initial = self._initial_anchor_rank
+        self._initial_anchor_rank = kept.index(initial) if initial in kept else None
+        self.world_size = len(kept)
+        self.proposed_anchor = None
+
     # -- checkpointing --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -25,6 +26,7 @@ from lightning_elche.config import ElCheConfig
 from lightning_elche.controller import ElCheController
 from lightning_elche.convergence import ConvergenceControl, Feedback
 from lightning_elche.guard import DivergenceReport, NudgeDown, Stable
+from lightning_elche.membership import PeerFailure
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane, RoundResult
 from lightning_elche.rounds import META_SIZE, Meta, RankReport, StopRequest
@@ -83,6 +85,8 @@ class FitProgress:
     epoch_batches: int
     """Batches per epoch over all ranks (0 until the training data is known)."""
     totals: tuple[RankTotals, ...]
+    lost_totals: tuple[RankTotals, ...] = ()
+    """Totals of the ranks lost during the fit, in the order they were lost."""
 
 
 @dataclass
@@ -92,6 +96,21 @@ class EngineState:
     rounds: int = 0
     cohort_step: int = 0
     totals: list[RankTotals] = field(default_factory=list)
+    lost_totals: list[RankTotals] = field(default_factory=list)
+    """The totals of ranks lost during the fit, in the order they were lost."""
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """The survivors of a lost rank, after the process groups were rebuilt (what the engine needs)."""
+
+    survivors: list[int]  # ranks in the numbering before the loss; new rank k is survivors[k]
+    rank: int  # this rank's new number
+    group: Optional[Any]  # the averaging plane's new group (None: the new default group)
+    stop: StopRequest = StopRequest.NONE  # RANKS_LOST when max_failure is reached
+
+
+PeerFailureHandler = Callable[[PeerFailure], Regroup]
 
 
 class ElCheEngine:
@@ -147,6 +166,10 @@ class ElCheEngine:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self._last_sync_s = 0.0
         self._lr = 0.0
+        self._forced_stop = StopRequest.NONE
+        self.on_peer_failure: Optional[PeerFailureHandler] = None
+        """Called when a round's collective fails: agrees on the lost ranks and rebuilds the groups.
+        None: the failure ends the fit."""
 
     # -- per step: no collective, no host sync --------------------------------------------
 
@@ -198,7 +221,12 @@ class ElCheEngine:
         return self._in_flight
 
     def run_round(
-        self, epoch: int, out_of_data: bool, stop_level: StopRequest = StopRequest.NONE, blocking: bool = True
+        self,
+        epoch: int,
+        out_of_data: bool,
+        stop_level: StopRequest = StopRequest.NONE,
+        blocking: bool = True,
+        epoch_batches: int = 0,
     ) -> list[RoundOutcome]:
         """Join one round at this rank's window boundary; returns the rounds completed by this call.
 
@@ -208,6 +236,7 @@ class ElCheEngine:
         and the rank goes back to training; :meth:`poll` completes it later.
 
         ``stop_level`` is this rank's stop request; an outcome carries the largest over all ranks.
+        ``epoch_batches``: batches this rank started in the epoch (what a lost rank leaves trained).
         """
         compute_s = self.clock.close_window(self._steps)
         round_start = time.perf_counter()
@@ -217,7 +246,7 @@ class ElCheEngine:
             return completed
         # Read after finishing the in-flight round: its outcome may have asked for it.
         self._consensus_round, self._consensus_next = self._consensus_next, False
-        self.plane.start(self._local_metadata(epoch, out_of_data, stop_level, compute_s))
+        self.plane.start(self._local_metadata(epoch, out_of_data, stop_level, compute_s, epoch_batches))
         self._reset_window()
         if blocking or self._consensus_round or not self.plane.non_blocking:
             completed.append(self._finish())
@@ -246,7 +275,15 @@ class ElCheEngine:
         return [outcome]
 
     def _finish(self) -> RoundOutcome:
-        result = self.plane.collect()
+        while True:
+            try:
+                result = self.plane.collect()
+                break
+            except PeerFailure as failure:
+                if self.on_peer_failure is None:
+                    raise
+                self._regroup(self.on_peer_failure(failure))
+                self.plane.retry()
         self._in_flight = False
         if result.divergence is not None:
             self._divergence = result.divergence
@@ -268,8 +305,11 @@ class ElCheEngine:
         elif isinstance(verdict, Stable):
             self.max_overshoot = min(self.max_overshoot + 1, OVERSHOOT_CEILING)
 
-    def _local_metadata(self, epoch: int, out_of_data: bool, stop_level: StopRequest, compute_s: float) -> Tensor:
+    def _local_metadata(
+        self, epoch: int, out_of_data: bool, stop_level: StopRequest, compute_s: float, epoch_batches: int
+    ) -> Tensor:
         values = [0.0] * META_SIZE
+        values[Meta.EPOCH_BATCHES] = epoch_batches
         values[Meta.STEPS] = self._steps
         values[Meta.SAMPLES] = self._samples
         values[Meta.COMPUTE_S] = compute_s
@@ -330,7 +370,9 @@ class ElCheEngine:
         # In-flight rounds are never consensus rounds (those block), so the flag set at the start
         # of the round being finished is this round's.
         consensus = self._consensus_round or not self.plane.non_blocking
-        stop_level = self._stop_to_act_on(StopRequest(max(r.stop_level for r in reports)), reports, consensus)
+        requested = StopRequest(max(max(r.stop_level for r in reports), self._forced_stop))
+        self._forced_stop = StopRequest.NONE
+        stop_level = self._stop_to_act_on(requested, reports, consensus)
         outcome = RoundOutcome(
             index=state.rounds,
             reports=reports,
@@ -386,6 +428,21 @@ class ElCheEngine:
         self._samples = 0
         self._loss_sum.zero_()
 
+    # -- lost ranks ------------------------------------------------------------------------
+
+    def _regroup(self, regroup: Regroup) -> None:
+        """Continue with the survivors: renumber the per-rank state, re-plan from the survivors'
+        measured speeds, and move the plane to the new group (it keeps the failed round)."""
+        survivors = regroup.survivors
+        lost = [k for k in range(self.world_size) if k not in survivors]
+        self.state.lost_totals.extend(self.state.totals[k] for k in lost)
+        self.state.totals = [self.state.totals[k] for k in survivors]
+        self.controller.retain(survivors)
+        self.rank, self.world_size = regroup.rank, len(survivors)
+        self.plane.regroup(regroup.group, regroup.rank, len(survivors))
+        # Every survivor learns the same limit at the same round: that round acts on it.
+        self._forced_stop = max(self._forced_stop, regroup.stop)
+
     # -- checkpoints -----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -416,6 +473,7 @@ class ElCheEngine:
             plan=tuple(self.controller.batch_counts),
             epoch_batches=self.controller.max_total_batches,
             totals=tuple(replace(t) for t in self.state.totals),
+            lost_totals=tuple(replace(t) for t in self.state.lost_totals),
         )
 
     def metrics(self, outcome: RoundOutcome) -> dict[str, float]:
@@ -425,6 +483,7 @@ class ElCheEngine:
             "elche/overhead": float(outcome.overhead),
             "elche/syncs": float(outcome.index),
             "elche/cohort_step": float(outcome.cohort_step),
+            "elche/alive": float(len(outcome.reports)),
         }
         metrics.update(outcome.feedback.metrics())
         if outcome.divergence is not None:

@@ -426,3 +426,50 @@ def _chained_handler(
     if callable(current) and current is not signal.default_int_handler:
         return current  # type: ignore[return-value]
     return None
+
+
+# -- after a lost rank: the survivors' view -------------------------------------------------------
+
+
+def reopen_training_epoch(trainer: Trainer) -> bool:
+    """Iterate the training DataLoader again within the current epoch (the sampler continues the
+    epoch with re-dispatched work); whether a batch came. Call only at the rank's last batch, when
+    the fetcher holds nothing more of the old iterator.
+
+    Lightning's fetcher looks one batch ahead to find the last batch; it is rewound to the new
+    iterator with that look-ahead refilled, and the epoch loop's last-batch flag is cleared so
+    that the loop runs on."""
+    from lightning.pytorch.loops.fetchers import _DataFetcher
+
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None or fetcher.batches:
+        return False
+    fetcher.iterator = iter(fetcher.combined_loader)
+    try:
+        fetcher.batches.append(_DataFetcher.__next__(fetcher))
+    except StopIteration:
+        fetcher.done = True
+        return False
+    fetcher.done = False
+    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = False
+    return True
+
+
+def renumber_lightning_ranks(trainer: Trainer, global_rank: int) -> None:
+    """After a regroup: rank-zero-only logging, the progress bar and the evaluation loaders follow
+    the rank's new number (``strategy.global_rank``/``world_size`` already answer it)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    rank_zero_only.rank = fabric_rank_zero_only.rank = utils_rank_zero_only.rank = global_rank
+    bar = trainer.progress_bar_callback
+    if global_rank == 0 and bar is not None and bar.is_disabled:
+        # Lightning disabled it at setup on every rank but 0: the new rank 0 shows it from here on.
+        bar.enable()
+        if hasattr(bar, "init_train_tqdm"):
+            bar.train_progress_bar = bar.init_train_tqdm()
+            bar.train_progress_bar.total = bar.total_train_batches if math.isfinite(bar.total_train_batches) else None
+    # Validation shards were cut for the old ranks (DistributedSampler): cut them again for the new.
+    for loop in (trainer.fit_loop.epoch_loop.val_loop,):
+        loop._combined_loader = None

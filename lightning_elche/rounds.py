@@ -33,6 +33,7 @@ class Meta(IntEnum):
     POST_NORM = 15
     WIRE = 16  # 0: f32 wire, 1: bf16 wire (CPU plane); must agree on every rank
     STALL_MS = 17  # device stall of this rank's previous sync (cpu_async on CUDA), -1 when unmeasured
+    EPOCH_BATCHES = 18  # batches this rank started in the current epoch (all trained by the round)
 
 
 META_SIZE = len(Meta)
@@ -46,6 +47,7 @@ class StopRequest(IntEnum):
     GRACEFUL = 1  # Trainer.should_stop set on one rank (EarlyStopping, a user callback)
     SIGTERM = 2  # the process was asked to terminate: every rank saves a consensus checkpoint and exits
     REQUEUE = 3  # SLURM's requeue signal: as SIGTERM, saved as Lightning's HPC checkpoint, then requeued
+    RANKS_LOST = 4  # max_failure reached: every survivor saves a consensus checkpoint and exits with an error
 
     @property
     def saves(self) -> bool:
@@ -72,6 +74,8 @@ class RankReport:
     finite: bool
     divergence: Optional[tuple[float, float, float]]
     stall_ms: Optional[float]
+    epoch: int = 0
+    epoch_batches: int = 0
 
     @classmethod
     def from_row(cls, row: list[float]) -> RankReport:
@@ -89,6 +93,8 @@ class RankReport:
             if row[Meta.HAS_DIVERGENCE] > 0.5
             else None,
             stall_ms=row[Meta.STALL_MS] if row[Meta.STALL_MS] >= 0 else None,
+            epoch=int(row[Meta.EPOCH]),
+            epoch_batches=int(row[Meta.EPOCH_BATCHES]),
         )
 
 

@@ -61,6 +61,11 @@ class CallbackRole:
             return
         self.fastest = min(range(self.world_size), key=lambda rank: (speeds[rank], rank))
 
+    def retain(self, survivors: list[int]) -> None:
+        """Ranks were lost: renumber the role; if its rank was lost, choose again from the next timings."""
+        self.world_size = len(survivors)
+        self.fastest = survivors.index(self.fastest) if self.fastest in survivors else None
+
     def rank_for(self, policy: str) -> Optional[int]:
         """The rank that runs epoch callbacks under ``policy``; None means every rank."""
         if policy == "all":
@@ -244,6 +249,11 @@ class Session:
             self.phase = before
 
     # -- failures ------------------------------------------------------------------------------
+
+    def regroup(self, survivors: list[int]) -> None:
+        """Ranks were lost mid-fit and the survivors (old numbers, in new-rank order) went on."""
+        self.world_size = len(survivors)
+        self.callback_role.retain(survivors)
 
     def peer_lost(self, rank: int, cause: BaseException) -> NoReturn:
         """Entry point for a rank that stopped answering the rounds (a timeout of the transport).

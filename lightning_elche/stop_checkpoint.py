@@ -14,21 +14,23 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 STOP_CHECKPOINT_NAME = "last-preempted.ckpt"
+RANKS_LOST_CHECKPOINT_NAME = "last-ranks-lost.ckpt"
 
 
-def stop_checkpoint_path(trainer: Trainer) -> str:
-    """The file a stop signal's checkpoint is written to (the same on every rank)."""
+def stop_checkpoint_path(trainer: Trainer, name: Optional[str] = None) -> str:
+    """The file a stop signal's checkpoint is written to (the same on every rank); ``name``
+    replaces :data:`STOP_CHECKPOINT_NAME` (a fit ended by lost ranks)."""
     callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
     # An ElCheCheckpoint (every_n_syncs) is where the user keeps the checkpoints to resume from.
     callbacks.sort(key=lambda cb: getattr(cb, "every_n_syncs", None) is None)
     directory = callbacks[0].dirpath if callbacks else trainer.default_root_dir
-    return os.path.join(str(directory), STOP_CHECKPOINT_NAME)
+    return os.path.join(str(directory), name or STOP_CHECKPOINT_NAME)
 
 
 def is_local_path(path: Any) -> bool:

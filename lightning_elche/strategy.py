@@ -13,11 +13,14 @@ set-up and epoch-level ``sync_dist``, but never wraps the model in ``Distributed
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import os
 import secrets
 import signal
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -45,8 +48,8 @@ from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checks import require_int
 from lightning_elche.config import ElCheConfig, ElCheMode, Transport
 from lightning_elche.coverage import EpochCoverage
-from lightning_elche.data import ElCheSampler
-from lightning_elche.engine import ElCheEngine, FitProgress, RoundOutcome
+from lightning_elche.data import ElCheSampler, LostWork
+from lightning_elche.engine import ElCheEngine, FitProgress, Regroup, RoundOutcome
 from lightning_elche.loop_glue import (
     LightningPatches,
     can_stop_early,
@@ -54,6 +57,8 @@ from lightning_elche.loop_glue import (
     check_step_schedulers,
     distributed_is_initialized,
     init_process_group_per_attempt,
+    renumber_lightning_ranks,
+    reopen_training_epoch,
     sampler_for,
     save_and_requeue_slurm_job,
     slurm_requeue_signal,
@@ -61,17 +66,33 @@ from lightning_elche.loop_glue import (
     train_dataloader_count,
     with_training_sampler,
 )
+from lightning_elche.membership import (
+    DEFAULT_LIVENESS_TIMEOUT,
+    Loss,
+    MaxFailure,
+    Membership,
+    PeerFailure,
+    RanksLost,
+    check_liveness_timeout,
+    check_max_failure,
+    failure_limit,
+    process_alive,
+)
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import AveragingPlane, CollectivePlane, CpuPlane
 from lightning_elche.rounds import StopRequest
 from lightning_elche.session import EpochCallbackPolicy, RoundAction, Session, check_policy
-from lightning_elche.stop_checkpoint import stop_checkpoint_path, written_whole
+from lightning_elche.stop_checkpoint import RANKS_LOST_CHECKPOINT_NAME, stop_checkpoint_path, written_whole
 from lightning_elche.summary import format_summary
 from lightning_elche.trainer_checks import check_trainer
 
 log = logging.getLogger(__name__)
 
 RoundListener = Callable[[RoundOutcome, dict[str, float]], None]
+
+
+class RankLostWarning(UserWarning):
+    """A rank was lost and the survivors went on without it."""
 
 
 def resolve_config(mode: Optional[Union[ElCheMode, str]], elche: Optional[ElCheConfig]) -> ElCheConfig:
@@ -111,6 +132,13 @@ class ElCheStrategy(DDPStrategy):
             before it fails with a clear error (instead of hanging).
         log_every_n_syncs: log the ``elche/*`` metrics every this many syncs (rank 0).
         summary: print a per-rank summary table at the end of ``fit``.
+        max_failure: how many lost ranks end the fit: ``None`` (default) goes on as long as one rank
+            is left, an int ends it at that many lost ranks, a float ``p`` in (0, 1] at
+            ``ceil(p * world_size)``. A lost rank (killed, crashed, stopped or hung) is dropped: the
+            survivors regroup, take over its untrained data and go on; at the limit every survivor
+            saves a consensus checkpoint (``last-ranks-lost.ckpt``) and exits with an error.
+        liveness_timeout: how long a rank may stay silent (no heartbeat) before its peers declare
+            it lost. A killed or crashed rank on the same host is noticed at once.
         epoch_callback_policy: which rank runs user epoch callbacks wrapped in
             :class:`~lightning_elche.EpochCallbacks` (or that check :attr:`runs_epoch_callbacks`):
             ``"fastest"`` (default, as flodl), ``"rank0"`` or ``"all"``. Callbacks that Lightning
@@ -131,6 +159,8 @@ class ElCheStrategy(DDPStrategy):
         log_every_n_syncs: int = 1,
         summary: bool = True,
         epoch_callback_policy: EpochCallbackPolicy = "fastest",
+        max_failure: MaxFailure = None,
+        liveness_timeout: timedelta = DEFAULT_LIVENESS_TIMEOUT,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -168,6 +198,9 @@ class ElCheStrategy(DDPStrategy):
         self.log_every_n_syncs = log_every_n_syncs
         self.summary = summary
         self.epoch_callback_policy = check_policy("ElCheStrategy", epoch_callback_policy)
+        self.max_failure = check_max_failure(max_failure)
+        self.liveness_timeout = check_liveness_timeout(liveness_timeout)
+        self._membership: Optional[Membership] = None
         # Everything below is built per fit, inside the rank processes (never pickled).
         self._session = Session(world_size=1)  # replaced in setup; its role answers before that
         self._engine: Optional[ElCheEngine] = None
@@ -185,6 +218,36 @@ class ElCheStrategy(DDPStrategy):
         state = super().__getstate__()
         state["_round_listeners"] = []  # listeners re-register in their callbacks' setup
         return state
+
+    # -- ranks: renumbered densely after a lost rank --------------------------------------------
+
+    @property
+    def global_rank(self) -> int:
+        membership = getattr(self, "_membership", None)
+        return membership.rank if membership is not None and membership.generation else super().global_rank
+
+    @property
+    def world_size(self) -> int:
+        membership = getattr(self, "_membership", None)
+        return membership.world_size if membership is not None and membership.generation else super().world_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # DDP counts devices; after a lost rank only the survivors shard the evaluation data.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def lost_ranks(self) -> list[Loss]:
+        """The ranks lost during the last fit, one entry per regroup (empty when none was lost)."""
+        return list(self._membership.losses) if self._membership is not None else []
+
+    def tolerates_rank_loss(self) -> bool:
+        """Whether a rank that exits now is survived (the launcher must then not kill the others)."""
+        membership = self._membership
+        if membership is None or not membership.active:
+            return False
+        limit = failure_limit(self.max_failure, membership.world_size + membership.lost_count)
+        return limit is None or membership.lost_count < limit
 
     # -- what callbacks may use --------------------------------------------------------------
 
@@ -268,6 +331,12 @@ class ElCheStrategy(DDPStrategy):
             # trainer.estimated_stepping_batches), and the dispatch needs this prefix then.
             prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
             self._session = Session(self.world_size, None if budget in (None, -1) else int(budget), prefix)
+            if self._membership is not None:
+                self._membership.close()
+            self._membership = Membership(
+                dist.distributed_c10d._get_default_store(), prefix, self.global_rank, self.world_size,
+                self.liveness_timeout, join_timeout=self.snapshot_timeout,
+            )
             self._patches.report_cohort_batches(trainer, lambda: self._sampler)
         super().setup(trainer)  # configure_ddp, then configure_optimizers (with the user's max_steps)
         if not fitting:
@@ -310,7 +379,8 @@ class ElCheStrategy(DDPStrategy):
                 layout, self.global_rank, self.world_size, self._metadata_device(),
                 gamma=self.elche.gamma, outer=plane_outer,
             )
-        return ElCheEngine(
+        plane.watch = self._membership
+        engine = ElCheEngine(
             config=self.elche,
             plane=plane,
             rank=self.global_rank,
@@ -322,6 +392,8 @@ class ElCheStrategy(DDPStrategy):
             step_budget=self._session.step_budget,
             outer=outer,
         )
+        engine.on_peer_failure = self._on_peer_failure
+        return engine
 
     def _metadata_device(self) -> torch.device:
         backend = dist.get_backend() if distributed_is_initialized() else "gloo"
@@ -421,7 +493,7 @@ class ElCheStrategy(DDPStrategy):
             self._after_round(trainer, outcome)
         if self._session.leaving:  # a round already decided that every rank stops after this batch
             return output
-        out_of_data = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        out_of_data = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch) and not self._reopen(trainer)
         if out_of_data or engine.window_due():
             self._sync(trainer, out_of_data)
         return output
@@ -436,12 +508,92 @@ class ElCheStrategy(DDPStrategy):
         blocking = out_of_data or self._engine.run_mode.blocking
         while not self._session.leaving:
             request = self._session.take_stop_request()
-            for outcome in self._engine.run_round(trainer.current_epoch, out_of_data, request, blocking):
+            batches = (self._sampler.started_batches or 0) if self._sampler is not None else 0
+            for outcome in self._engine.run_round(trainer.current_epoch, out_of_data, request, blocking, batches):
                 self._after_round(trainer, outcome)
             # A rank out of data keeps joining rounds (with zero mass) until every rank is, so
-            # that all ranks leave the epoch after the same round.
-            if not out_of_data:
+            # that all ranks leave the epoch after the same round; unless a lost rank's work came
+            # its way, which it trains first.
+            if not out_of_data or (not self._session.leaving and self._reopen(trainer)):
                 break
+
+    def _reopen(self, trainer: Trainer) -> bool:
+        """At this rank's last batch: continue the epoch if a lost rank's work came its way."""
+        sampler = self._sampler
+        if sampler is None or not sampler.wants_reopen:
+            return False
+        sampler.reopen()
+        return reopen_training_epoch(trainer)
+
+    # -- lost ranks ------------------------------------------------------------------------------
+
+    def _on_peer_failure(self, failure: PeerFailure) -> Regroup:
+        """A round failed: agree on the lost ranks, rebuild the groups on the survivors, hand the lost
+        ranks' untrained data to them and renumber Lightning's view. Runs on every survivor, in
+        the round that failed, in the same order."""
+        membership, engine = self._membership, self._engine
+        assert membership is not None and engine is not None
+        last = engine.last_outcome
+        trainer = self.lightning_module.trainer
+        loss = membership.agree(failure)
+        self._fence(loss)
+        group = self._rebuild_process_groups(membership.rank, membership.world_size)
+        renumber_lightning_ranks(trainer, membership.rank)
+        self._session.regroup(loss.survivors)
+        if self._sampler is not None:
+            epoch = self._session.epoch
+            trained = [
+                last.reports[k].epoch_batches if last is not None and last.reports[k].epoch == epoch else 0
+                for k in loss.lost
+            ]
+            self._sampler.regroup(loss.survivors, [LostWork(k, n) for k, n in zip(loss.lost, trained, strict=True)])
+            loss.trained_batches = dict(zip(loss.lost_original, trained, strict=True))
+        limit = failure_limit(self.max_failure, membership.world_size + membership.lost_count)
+        ended = limit is not None and membership.lost_count >= limit
+        self._warn_lost(loss, ended, limit)
+        return Regroup(loss.survivors, membership.rank, group,
+                       StopRequest.RANKS_LOST if ended else StopRequest.NONE)
+
+    def _fence(self, loss: Loss) -> None:
+        # A stopped or hung rank may wake up later: it is out for good, so end it where we can
+        # (same host). A rank elsewhere finds itself excluded at its next round and leaves.
+        assert self._membership is not None
+        for rank in loss.lost_original:
+            proc = self._membership.process_of(rank)
+            if proc is not None and process_alive(*proc):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(proc[1], signal.SIGKILL)
+
+    def _rebuild_process_groups(self, rank: int, world_size: int) -> Optional[Any]:
+        """The survivors' default group (and averaging side group), on store keys of this generation."""
+        assert self._membership is not None
+        backend = dist.get_backend()
+        for group in (self._side_group, dist.group.WORLD):
+            if group is not None:
+                with contextlib.suppress(Exception):
+                    group.abort()  # a collective stuck on the lost rank must not hold the group
+        dist.destroy_process_group()
+        store = dist.PrefixStore(f"{self._membership.fit_prefix}/gen{self._membership.generation}/",
+                                 self._membership.store)
+        device = self.root_device
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=self._timeout,
+                                device_id=device if device.type == "cuda" else None)
+        self._side_group = None
+        if self.elche.run_mode.transport is Transport.HOST:
+            self._side_group = dist.new_group(backend="gloo", timeout=self.snapshot_timeout)
+        return self._side_group
+
+    def _warn_lost(self, loss: Loss, ended: bool, limit: Optional[int]) -> None:
+        assert self._membership is not None
+        who = ", ".join(f"rank {r} ({why})" for r, why in loss.reasons.items())
+        then = (
+            f"max_failure={self.max_failure!r} reached ({self._membership.lost_count} lost of limit {limit}): every "
+            "survivor saves a consensus checkpoint and stops." if ended else
+            f"{self._membership.world_size} rank(s) go on; its untrained data of this epoch is re-dispatched."
+        )
+        message = f"ElCheStrategy lost {who} (original ranks). {then}"
+        log.warning(message)
+        warnings.warn(message, RankLostWarning, stacklevel=2)
 
     def _after_round(self, trainer: Trainer, outcome: RoundOutcome) -> None:
         """Everything a round changes on this rank, in order; identical decisions on every rank."""
@@ -531,8 +683,18 @@ class ElCheStrategy(DDPStrategy):
             if request is StopRequest.REQUEUE:
                 path = save_and_requeue_slurm_job(trainer, signum)
             else:
-                path = stop_checkpoint_path(trainer)
+                name = RANKS_LOST_CHECKPOINT_NAME if request is StopRequest.RANKS_LOST else None
+                path = stop_checkpoint_path(trainer, name)
                 trainer.save_checkpoint(path)
+        if request is StopRequest.RANKS_LOST:
+            assert self._membership is not None
+            losses = self._membership.losses
+            lost = ", ".join(f"rank {r} ({why})" for loss in losses for r, why in loss.reasons.items())
+            raise RanksLost(
+                f"ElCheStrategy: max_failure={self.max_failure!r} reached: lost {lost} (original ranks). The "
+                f"{self.world_size} survivor(s) saved the consensus checkpoint {path} in "
+                f"{time.perf_counter() - started:.2f} s; resume with Trainer.fit(ckpt_path=...)."
+            )
         rank_zero_info(
             f"ElCheStrategy: stopped by {request.name} at sync {self._engine.state.rounds if self._engine else 0}; "
             f"saved the consensus checkpoint {path} in {time.perf_counter() - started:.2f} s. "
@@ -625,11 +787,19 @@ class ElCheStrategy(DDPStrategy):
             average_replaced_buffers(self.lightning_module, self._averaged_buffers, self.world_size,
                                      self._metadata_device())
         if self.summary and self.is_global_zero and self._engine is not None and self._engine.state.rounds:
-            rank_zero_info(format_summary(self._engine.progress()))
+            lost = self._membership.lost_original if self._membership is not None else []
+            rank_zero_info(format_summary(self._engine.progress(), lost))
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self._membership is not None and self._membership.active and not isinstance(exception, RanksLost):
+            self._membership.leave(f"{type(exception).__name__}: {exception}".splitlines()[0])
 
     def teardown(self) -> None:
         # The engine stays readable after fit (its totals and controller state are the run's
         # record); only its transport is released.
+        if self._membership is not None:
+            self._membership.close()
         if self._engine is not None:
             self._engine.plane.close()
         if self._side_group is not None:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from lightning_elche.engine import FitProgress
+from collections.abc import Sequence
+
+from lightning_elche.engine import FitProgress, RankTotals
 
 
-def format_summary(progress: FitProgress) -> str:
+def format_summary(progress: FitProgress, lost_ranks: Sequence[int] = ()) -> str:
     """Per-rank work, throughput and idle share of this fit, plus the controller's state.
 
     The syncs and cohort steps in the header count the whole training run (a resumed fit
     continues the checkpoint's counters); the per-rank rows count this fit only. After a resume
     the header says how many of the run's steps this fit took, so the two never disagree silently.
+    Ranks lost during the fit (``lost_ranks``: their original numbers, in the order they were lost)
+    get a row each below the survivors, labelled ``lost<rank>``; the survivors are numbered anew.
     """
-    fit_steps = sum(t.steps for t in progress.totals)
+    fit_steps = sum(t.steps for t in progress.totals) + sum(t.steps for t in progress.lost_totals)
     total_steps = fit_steps or 1
     if progress.cohort_step != fit_steps:
         steps = (f"{progress.cohort_step} cohort steps since the run started ({fit_steps} in this fit, "
@@ -24,15 +28,21 @@ def format_summary(progress: FitProgress) -> str:
     lines = [
         f"ElChe summary: mode {progress.mode}, {progress.rounds} syncs, {steps}, final anchor {progress.anchor}, "
         f"window plan {list(progress.plan)}",
-        f"{'rank':>4} {'steps':>8} {'share':>7} {'samples':>9} {'samples/s':>10} {'idle':>6}"
+        f"{'rank':>6} {'steps':>8} {'share':>7} {'samples':>9} {'samples/s':>10} {'idle':>6}"
         f"   (rows: {rows}; samples/s over compute time; idle = time in syncs / (compute + syncs))",
     ]
-    for rank, totals in enumerate(progress.totals):
-        busy = totals.compute_s + totals.sync_s
-        rate = totals.samples / totals.compute_s if totals.compute_s > 0 else 0.0
-        idle = totals.sync_s / busy if busy > 0 else 0.0
-        lines.append(
-            f"{rank:>4} {totals.steps:>8} {totals.steps / total_steps:>7.1%} {totals.samples:>9} "
-            f"{rate:>10.1f} {idle:>6.1%}"
-        )
+    labels = [str(rank) for rank in range(len(progress.totals))]
+    labels += [f"lost{rank}" for rank in lost_ranks] or [f"lost{k}" for k in range(len(progress.lost_totals))]
+    for label, totals in zip(labels, (*progress.totals, *progress.lost_totals), strict=False):
+        lines.append(_row(label, totals, total_steps))
+    if progress.lost_totals:
+        lines.append(f"{len(progress.lost_totals)} rank(s) lost during the fit; the survivors were renumbered.")
     return "\n".join(lines)
+
+
+def _row(label: str, totals: RankTotals, total_steps: int) -> str:
+    busy = totals.compute_s + totals.sync_s
+    rate = totals.samples / totals.compute_s if totals.compute_s > 0 else 0.0
+    idle = totals.sync_s / busy if busy > 0 else 0.0
+    return (f"{label:>6} {totals.steps:>8} {totals.steps / total_steps:>7.1%} {totals.samples:>9} "
+            f"{rate:>10.1f} {idle:>6.1%}")

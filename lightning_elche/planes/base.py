@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_elche.averaging import AveragedLayout, RoundWeights
+from lightning_elche.membership import Membership
 from lightning_elche.rounds import Meta, RanksOutOfStep
 
 
@@ -61,12 +62,32 @@ class AveragingPlane(ABC):
     def close(self) -> None:  # noqa: B027 (optional hook, default: nothing to release)
         """Release threads, groups and buffers (idempotent)."""
 
+    # -- after a lost rank ---------------------------------------------------------------------
 
-def all_gather_flat(output: Tensor, local: Tensor, group: Optional[Any] = None) -> None:
-    """All-gather equal-sized tensors into one flat ``output`` (rank-major)."""
+    watch: Optional[Membership] = None
+    """Waits for the round's collectives while checking the peers' liveness (None: plain waits)."""
+
+    @abstractmethod
+    def regroup(self, group: Optional[Any], rank: int, world_size: int) -> None:
+        """Continue on the survivors' group, as ``rank`` of ``world_size``. The round whose
+        :meth:`collect` raised :class:`PeerFailure` is kept: :meth:`retry` runs it again."""
+
+    def retry(self) -> None:  # noqa: B027 (blocking planes run the whole round in collect)
+        """Run the failed round again, on the group given to :meth:`regroup`, with this rank's same
+        contribution; the next :meth:`collect` returns it."""
+
+    def _await(self, work: Any, host_blocking: bool = True) -> None:
+        if self.watch is None:
+            work.wait()
+        else:
+            self.watch.wait(work, host_blocking)
+
+
+def all_gather_flat(output: Tensor, local: Tensor, group: Optional[Any] = None, async_op: bool = False) -> Any:
+    """All-gather equal-sized tensors into one flat ``output`` (rank-major); the work when ``async_op``."""
     # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, local, group=group)
+    return gather(output, local, group=group, async_op=async_op)
 
 
 def stamp_layout(local: Tensor, layout: AveragedLayout) -> bool:

@@ -76,22 +76,34 @@ class CollectivePlane(AveragingPlane):
     def collect(self) -> RoundResult:
         assert self._local is not None, "collect() without start()"
         table = self.exchange(self._local).tolist()
-        self._local = None
         check_layout(table, self.layout, self.rank)
         validate_table(table)
         weights = round_weights([int(row[Meta.STEPS]) for row in table], self.gamma)
-        return RoundResult(table, weights, self.average(weights, self.outer))
+        result = RoundResult(table, weights, self.average(weights, self.outer))
+        self._local = None  # kept until here: a round that failed on a lost peer is run again
+        return result
+
+    def regroup(self, group: Optional[Any], rank: int, world_size: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self._meta_out = None
 
     def exchange(self, local: Tensor) -> Tensor:
         """All-gather one float64 vector per rank; a ``[world_size, len(local)]`` CPU tensor."""
         local = local.to(self.device, dtype=torch.float64)
         if self._meta_out is None or self._meta_out.numel() != self.world_size * local.numel():
             self._meta_out = torch.empty(self.world_size * local.numel(), dtype=torch.float64, device=self.device)
-        all_gather_flat(self._meta_out, local, group=self.group)
+        self._await(all_gather_flat(self._meta_out, local, group=self.group, async_op=True), self._host_blocking)
         return self._meta_out.view(self.world_size, -1).cpu()
 
+    @property
+    def _host_blocking(self) -> bool:
+        return self.device.type == "cpu"
+
     def average(self, weights: RoundWeights, outer: Optional[OuterOptimizer] = None) -> Optional[Tensor]:
-        """Average in place; returns this rank's divergence measurement (``None`` if nobody moved)."""
+        """Average in place; returns this rank's divergence measurement (``None`` if nobody moved).
+
+        Every collective runs on the flat buffers before anything is written back, so a round that
+        fails on a lost peer leaves the live parameters and buffers as they were (it can run again)."""
         if not weights.realized:
             return None
         params = self.params
@@ -101,22 +113,26 @@ class CollectivePlane(AveragingPlane):
         # Keep this replica's parameters to measure how far it drifted from the consensus.
         torch._foreach_copy_(self._pre, params.flats)
         self.sum_scaled(params, weights.param_factors[self.rank])
+        if self.buffers:
+            self.buffers.pack()
+            self.sum_scaled(self.buffers, weights.buffer_factors[self.rank])
         divergence = divergence_norms(self._pre, params.flats)
         if outer is not None:
             outer.step(params.flats)
         params.unpack()
         if self.buffers:
-            self.buffers.pack()
-            self.sum_scaled(self.buffers, weights.buffer_factors[self.rank])
             self.buffers.unpack()
         return divergence
 
     def sum_scaled(self, flat: FlatTensors, factor: float) -> None:
         """The wire part of a round: pre-scale each flat buffer by this rank's weight and SUM
-        all-reduce it in place (one collective per dtype group)."""
+        all-reduce it in place (one collective per dtype group, all in flight at once)."""
+        works = []
         for buffer in flat.flats:
             buffer.mul_(factor)
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
+            works.append(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        for work in works:
+            self._await(work, self._host_blocking)
 
     def close(self) -> None:
         # The engine outlives fit (its totals are the run's record): free the model-sized buffers.

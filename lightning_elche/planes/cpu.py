@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_elche.averaging import AveragedLayout, FlatTensors, divergence_norms, round_weights, weighted_sum_into
+from lightning_elche.membership import PeerFailure
 from lightning_elche.outer import OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane, RoundResult, all_gather_flat, check_layout, stamp_layout
 from lightning_elche.rounds import Meta, validate_table
@@ -146,6 +147,7 @@ class CpuPlane(AveragingPlane):
         self._results: queue.Queue[Any] = queue.Queue()
         self._done = threading.Event()
         self._busy = False
+        self._job: Optional[tuple[Tensor, Optional[torch.cuda.Event]]] = None
         self._thread = threading.Thread(target=self._serve, name=f"elche-cpu-plane-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -197,9 +199,13 @@ class CpuPlane(AveragingPlane):
         if self._busy:
             raise RuntimeError("CpuPlane.start() while a round is in flight: collect() it first.")
         self._snapshot(local)
+        self._job = self._metadata_to_host(local)
+        self._submit()
+
+    def _submit(self) -> None:
         self._busy = True
         self._done.clear()
-        self._jobs.put(self._metadata_to_host(local))
+        self._jobs.put(self._job)
 
     def _snapshot(self, local: Tensor) -> None:
         """Bring the layout up to date (stamping its signature into ``local``) and capture the replica."""
@@ -227,6 +233,17 @@ class CpuPlane(AveragingPlane):
 
     def ready(self) -> bool:
         return self._done.is_set()
+
+    def regroup(self, group: Optional[Any], rank: int, world_size: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self._gathered = None  # one slot per rank
+
+    def retry(self) -> None:
+        # The parameter snapshot is intact (the round reduces copies of it); the buffers are
+        # reduced in their mirror, so take them again.
+        if self.buffers is not None:
+            self.buffers.capture()
+        self._submit()
 
     def collect(self) -> RoundResult:
         if not self._busy:
@@ -285,6 +302,8 @@ class CpuPlane(AveragingPlane):
                 self._done.set()
 
     def _explain(self, error: BaseException) -> BaseException:
+        if isinstance(error, PeerFailure):
+            return error
         text = str(error)
         if isinstance(error, RuntimeError) and ("timed out" in text.lower() or "timeout" in text.lower()):
             return SnapshotTimeout(
@@ -298,7 +317,7 @@ class CpuPlane(AveragingPlane):
         if copied is not None:
             copied.synchronize()
         table_flat = torch.empty(self.world_size * local.numel(), dtype=torch.float64)
-        all_gather_flat(table_flat, local, group=self.group)
+        self._await(all_gather_flat(table_flat, local, group=self.group, async_op=True))
         table = table_flat.view(self.world_size, -1).tolist()
         check_layout(table, self.layout, self.rank)
         validate_table(table)
@@ -312,8 +331,12 @@ class CpuPlane(AveragingPlane):
         else:
             torch._foreach_copy_(self._consensus, self.params.buffers)
             torch._foreach_mul_(self._consensus, weights.param_factors[self.rank])
-            for flat in self._consensus:
-                dist.all_reduce(flat, group=self.group)
+            self._sum(self._consensus)
+        if self.buffers is not None:
+            self.buffers.wait()
+            torch._foreach_mul_(self.buffers.buffers, weights.buffer_factors[self.rank])
+            self._sum(self.buffers.buffers)
+        # Every collective is done: a round that failed on a lost peer changed no state and can run again.
         torch._foreach_copy_(self._scratch, self.params.buffers)
         divergence = divergence_norms(self._scratch, self._consensus)
         if self.outer is not None:
@@ -322,27 +345,31 @@ class CpuPlane(AveragingPlane):
             # What every rank adopts (after the outer step) is the next round's reference.
             torch._foreach_copy_(self._reference, self._consensus)
             self._exact_round = False
-        if self.buffers is not None:
-            self.buffers.wait()
-            factor = weights.buffer_factors[self.rank]
-            for flat in self.buffers.buffers:
-                flat.mul_(factor)
-                dist.all_reduce(flat, group=self.group)
         return RoundResult(table, weights, divergence)
+
+    def _sum(self, flats: list[Tensor]) -> None:
+        works = [dist.all_reduce(flat, group=self.group, async_op=True) for flat in flats]
+        for work in works:
+            self._await(work)
 
     def _reduce_deltas(self, factors: tuple[float, ...]) -> None:
         """``consensus = reference + Σ factors[k]·bf16(delta_k)``, in f32 on every rank.
 
         Gathering the bf16 deltas and summing them here keeps every accumulator in f32 (a bf16
         all-reduce would add in bf16); every rank sums in the same order, so all get the same bits."""
+        # The residual is carried only once every gather is done: a round that fails on a lost
+        # peer runs again from the same residual.
         encode_delta(self.params.buffers, self._reference, self._residual, self._scratch, self._wire,
-                     carry_residual=factors[self.rank] > 0.0)
+                     carry_residual=False)
         if self._gathered is None:
             self._gathered = [[torch.empty_like(w) for _ in range(self.world_size)] for w in self._wire]
         for mine, gathered, out in zip(self._wire, self._gathered, self._consensus, strict=True):
-            dist.all_gather(gathered, mine, group=self.group)
+            self._await(dist.all_gather(gathered, mine, group=self.group, async_op=True))
             weighted_sum_into(out, gathered, factors)
         torch._foreach_add_(self._consensus, self._reference)
+        if self._residual and factors[self.rank] > 0.0:
+            for lost, exact, sent in zip(self._residual, self._scratch, self._wire, strict=True):
+                torch.sub(exact, sent, out=lost)
 
 
 def encode_delta(

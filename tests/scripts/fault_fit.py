@@ -1,0 +1,138 @@
+"""Rank 0 of a CPU job (Lightning's popen launcher starts the others) in which ranks are lost.
+
+    python fault_fit.py OUT_DIR --mode M --devices 3 --fault kill:1:12 [--fault stop:2:30] [--max-failure N]
+
+A fault is ``KIND:RANK:STEP``: on original rank ``RANK``, before its optimizer step number ``STEP``
+(its own count), ``kill`` sends itself SIGKILL, ``stop`` SIGSTOP, ``raise`` raises in the step.
+Every rank appends each batch it trains to ``steps-rank<original rank>.jsonl`` (flushed at once,
+so a killed rank's record survives it); every rank that finishes writes ``result-rank<r>.json``
+(its final numbering, parameters and the losses it saw).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from multirank_helpers import IndexedSamples, StepDelay  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lightning_elche import ElCheStrategy  # noqa: E402
+
+ORIGINAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))  # one node: the rank given at launch
+
+
+class FaultLogModel(pl.LightningModule):
+    def __init__(self, out_dir: str, samples: int, batch_size: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.out_dir, self.samples, self.batch_size = out_dir, samples, batch_size
+        self._log: Optional[Any] = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, x, y = batch
+        if self._log is None:
+            self._log = open(Path(self.out_dir, f"steps-rank{ORIGINAL_RANK}.jsonl"), "a")  # noqa: SIM115
+        self._log.write(json.dumps({"epoch": self.current_epoch, "indices": idx.tolist(), "time": time.time()}) + "\n")
+        self._log.flush()
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        idx, x, y = batch
+        self.log("val_count", float(len(idx)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedSamples(self.samples), batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedSamples(96), batch_size=8)
+
+    def on_fit_end(self) -> None:
+        strategy = self.trainer.strategy
+        record = {
+            "original_rank": ORIGINAL_RANK,
+            "global_rank": self.trainer.global_rank,
+            "world_size": self.trainer.world_size,
+            "is_global_zero": self.trainer.is_global_zero,
+            "val_count": float(self.trainer.callback_metrics.get("val_count", -1.0)),
+            "params": [p.detach().flatten().tolist() for p in self.parameters()],
+            "losses": [
+                {"generation": loss.generation, "lost": loss.lost_original, "reasons": loss.reasons,
+                 "trained_batches": loss.trained_batches, "detected_at": loss.detected_at}
+                for loss in strategy.lost_ranks
+            ],
+        }
+        Path(self.out_dir, f"result-rank{ORIGINAL_RANK}.json").write_text(json.dumps(record))
+
+
+class InjectFault(pl.Callback):
+    """Before this rank's optimizer step number ``step``: kill, stop or raise (once)."""
+
+    def __init__(self, out_dir: str, kind: str, step: int) -> None:
+        self.out_dir, self.kind, self.step = out_dir, kind, step
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step != self.step:
+            return
+        Path(self.out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(
+            json.dumps({"kind": self.kind, "time": time.time(), "epoch": trainer.current_epoch}))
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            raise RuntimeError(f"injected fault on rank {ORIGINAL_RANK}")
+
+
+def main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    callbacks: list[pl.Callback] = [StepDelay(args.delays_ms)]
+    for fault in args.fault:
+        kind, rank, step = fault.split(":")
+        if int(rank) == ORIGINAL_RANK:
+            callbacks.append(InjectFault(args.out_dir, kind, int(step)))
+    max_failure: Any = args.max_failure
+    if max_failure is not None:
+        max_failure = float(max_failure) if "." in max_failure else int(max_failure)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.devices, max_epochs=args.epochs,
+        strategy=ElCheStrategy(mode=args.mode, max_failure=max_failure, summary=True,
+                               liveness_timeout=timedelta(seconds=args.liveness),
+                               snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120)),
+        callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=args.out_dir,
+    )
+    trainer.fit(FaultLogModel(args.out_dir, args.samples, args.batch_size))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--mode", default="nccl_cadence")
+    parser.add_argument("--devices", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=480)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--fault", action="append", default=[])
+    parser.add_argument("--max-failure", default=None)
+    parser.add_argument("--liveness", type=float, default=5.0)
+    parser.add_argument("--delays-ms", type=float, nargs="+", default=[2.0, 5.0, 3.0])
+    main(parser.parse_args())
