@@ -47,13 +47,15 @@ from lightning_elche.config import ElCheConfig, ElCheMode, Transport
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.data import ElCheSampler
 from lightning_elche.engine import ElCheEngine, FitProgress, RoundOutcome
+from lightning_elche.job_store import JobStoreLink, current_link
 from lightning_elche.loop_glue import (
     LightningPatches,
     can_stop_early,
     check_lightning_version,
     check_step_schedulers,
+    configure_launcher,
     distributed_is_initialized,
-    init_process_group_per_attempt,
+    init_process_group_on_job_store,
     sampler_for,
     save_and_requeue_slurm_job,
     slurm_requeue_signal,
@@ -244,9 +246,34 @@ class ElCheStrategy(DDPStrategy):
 
     # -- hooks, in the order Lightning calls them -------------------------------------------------
 
+    def _configure_launcher(self) -> None:
+        # Late-bound: the answer may change during the fit (and tests replace the method).
+        configure_launcher(self, tolerates_loss=lambda: self.tolerates_rank_loss())
+
     def setup_distributed(self) -> None:
-        if not init_process_group_per_attempt(self):  # a restarted torchrun attempt must not see old keys
-            super().setup_distributed()
+        # The job's store is hosted outside rank 0, so that losing rank 0 does not lose it.
+        init_process_group_on_job_store(self)
+
+    @property
+    def job_store(self) -> Optional[dist.Store]:
+        """The job's base store (served outside the ranks; None before ``setup_distributed``).
+
+        The rank registry of :mod:`lightning_elche.job_store` lives in it, and new process groups
+        are built on it: ``PrefixStore(job_store.generation_prefix(g), strategy.job_store)``.
+        """
+        link = current_link()
+        return link.store if link is not None else None
+
+    @property
+    def job_store_link(self) -> Optional[JobStoreLink]:
+        """This process's link to the job's store: the store, this rank's registry entry and the
+        key prefix of the default group the fit started with (None before ``setup_distributed``)."""
+        return current_link()
+
+    def tolerates_rank_loss(self) -> bool:
+        """Whether a rank may be lost now without ending the job (the launcher then spares the
+        survivors when a rank's process fails). Called from the launcher's observer thread."""
+        return False
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
