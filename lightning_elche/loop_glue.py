@@ -16,27 +16,41 @@ import math
 import os
 import re
 import signal
+import subprocess
+import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any, Optional, Union
 
 import lightning
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _distributed_is_initialized
+from lightning.fabric.utilities.distributed import (
+    DistributedSamplerWrapper,
+    _distributed_is_initialized,
+    _set_num_threads_if_needed,
+)
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook, _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.ddp import default_pg_timeout
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from lightning_elche import job_store
 from lightning_elche.augment import AugmentedDataset
 from lightning_elche.config import ElCheConfig
 from lightning_elche.data import ElCheSampler
+from lightning_elche.job_store import JobStoreLink
 from lightning_elche.rounds import StopRequest
 
 SUPPORTED_LIGHTNING = ">=2.6,<2.7"
@@ -365,32 +379,130 @@ class LightningPatches:
         return True
 
 
-def init_process_group_per_attempt(strategy: Any) -> bool:
-    """Under torchrun's agent store, set up the default group on keys of this attempt only.
+def init_process_group_on_job_store(strategy: Any) -> Optional[JobStoreLink]:
+    """``DDPStrategy.setup_distributed``, with the default group's store outside global rank 0.
 
-    The agent keeps one store for every restart of the worker group, so the default group's keys
-    of a failed attempt are still there, and a restarted rank may read a dead peer's address and
-    fail to connect (seen with ``--max-restarts``). Prefixing the keys with the restart count keeps
-    the attempts apart. Does what ``DDPStrategy.setup_distributed`` does, with that store; returns
-    False (nothing done) outside torchrun's agent store.
+    Lightning's ``env://`` set-up hosts the job's ``TCPStore`` inside rank 0, so that rank 0's death
+    takes the store, and every survivor with it. Instead, global rank 0 starts a store host on
+    MASTER_ADDR:MASTER_PORT (:mod:`lightning_elche.job_store`), every rank registers there and sets
+    up the default group on the generation-0 keys. Under torchrun's agent store (which already
+    lives outside the ranks) the keys are those of this restart attempt: the agent keeps one store
+    for every restart, and a restarted rank could otherwise read a dead peer's address.
+
+    Returns this process's link to the job's store; a later fit in a process whose default group
+    is already set up keeps the link it has (Lightning, too, leaves such a group alone).
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return False
     from lightning.fabric.utilities.distributed import _init_dist_connection
     from lightning.fabric.utilities.seed import reset_seed
 
     reset_seed()
     strategy.set_world_ranks()
     strategy._process_group_backend = strategy._get_process_group_backend()
+    if dist.is_initialized():
+        return job_store.current_link()
     environment = strategy.cluster_environment
-    client = dist.TCPStore(environment.main_address, environment.main_port, strategy.world_size, is_master=False,
-                           timeout=strategy._timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"/lightning_elche/attempt{attempt}", client)
+    timeout = strategy._timeout if strategy._timeout is not None else default_pg_timeout
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        client = job_store.connect(environment.main_address, environment.main_port, timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        link = job_store.join(dist.PrefixStore(f"/lightning_elche/attempt{attempt}", client), strategy.global_rank)
+    else:
+        link = job_store.open_job_store(environment.main_address, environment.main_port, strategy.global_rank,
+                                        strategy.world_size, timeout)
     device = strategy.root_device
-    _init_dist_connection(environment, strategy._process_group_backend, timeout=strategy._timeout, store=store,
-                          device_id=device if device.type != "cpu" else None)
-    return True
+    _init_dist_connection(environment, strategy._process_group_backend, timeout=timeout,
+                          store=link.default_group_store(), device_id=device if device.type != "cpu" else None)
+    return link
+
+
+def configure_launcher(strategy: Any, tolerates_loss: Callable[[], bool]) -> None:
+    """``DDPStrategy._configure_launcher``, with a popen launcher that spares the survivors of a loss.
+
+    Lightning's popen launcher (the default for ``devices=N``) kills every rank as soon as one
+    child exits non-zero; :class:`TolerantSubprocessLauncher` only reports such an exit while
+    ``tolerates_loss()``. The ``spawn``/``fork`` start methods keep Lightning's launcher, whose
+    ``torch.multiprocessing`` context ends every process when one fails.
+    """
+    if strategy._start_method != "popen":
+        DDPStrategy._configure_launcher(strategy)
+        return
+    assert strategy.cluster_environment is not None
+    strategy._launcher = TolerantSubprocessLauncher(strategy.cluster_environment, strategy.num_processes,
+                                                    strategy.num_nodes, tolerates_loss)
+
+
+class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's popen launcher with an observer that lets survivors live (see :class:`ChildObserver`).
+
+    The children are started exactly as Lightning starts them: subprocesses of rank 0, in its
+    session and process group (Ctrl-C still reaches every rank), without a parent-death signal,
+    so that rank 0's death does not take them down.
+    """
+
+    def __init__(self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int,
+                 tolerates_loss: Callable[[], bool]) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.tolerates_loss = tolerates_loss
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            ChildObserver(self.procs, os.getpid(), self.tolerates_loss).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class ChildObserver(threading.Thread):
+    """Watches the children of rank 0 for a non-zero exit.
+
+    While ``tolerates_loss()`` a failed child is only reported, once, and never held against the
+    job later; otherwise every child and rank 0 are killed, as Lightning's ``_ChildProcessObserver``
+    does (a rank blocked in a collective with a dead peer would hang). The tolerance is read when
+    the exit is seen, at most ``period_s`` after it.
+    """
+
+    def __init__(self, children: list[subprocess.Popen], main_pid: int, tolerates_loss: Callable[[], bool],
+                 period_s: float = 1.0) -> None:
+        super().__init__(daemon=True, name="elche-child-observer")  # ends with rank 0
+        self.children = children
+        self.main_pid = main_pid
+        self.tolerates_loss = tolerates_loss
+        self.period_s = period_s
+        self.tolerated: set[int] = set()
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.period_s)
+            if self.check():
+                return
+
+    def check(self) -> bool:
+        """Look at every child once; returns True when there is nothing left to watch."""
+        for index, child in enumerate(self.children):
+            code = child.poll()
+            if code is None or code == 0 or index in self.tolerated:
+                continue
+            local_rank = index + 1
+            if self._tolerating():
+                self.tolerated.add(index)
+                rank_zero_warn(f"The process of local rank {local_rank} (pid {child.pid}) exited with code {code}; "
+                               "ElCheStrategy tolerates the loss: the other ranks go on.")
+                continue
+            rank_zero_warn(f"The process of local rank {local_rank} (pid {child.pid}) exited with code {code}. "
+                           "Killing every other rank (as Lightning's launcher does): the job does not tolerate "
+                           "the loss of a rank now.")
+            for other in self.children:
+                other.send_signal(signal.SIGKILL)
+            os.kill(self.main_pid, signal.SIGKILL)
+            return True
+        return all(child.returncode is not None for child in self.children)
+
+    def _tolerating(self) -> bool:
+        try:
+            return bool(self.tolerates_loss())
+        except Exception:  # noqa: BLE001 (a broken answer must not keep a doomed job alive)
+            return False
 
 
 def _under_job_launcher() -> bool:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,8 +29,8 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 from lightning_elche.checks import require_int
+from lightning_elche.job_store import heartbeat_key, parse_process, proc_key, process_alive
 
-JOB_PREFIX = "lightning_elche/ranks"
 DEFAULT_LIVENESS_TIMEOUT = timedelta(seconds=30)
 _CHECK_INTERVAL_S = 0.5
 _TIMED_OUT = "timed out"
@@ -85,27 +83,6 @@ def check_liveness_timeout(value: Any) -> timedelta:
     return value
 
 
-def process_alive(host: str, pid: int) -> Optional[bool]:
-    """Whether process ``pid`` on ``host`` still runs; None when it is on another host (unknown).
-
-    A zombie (exited, not yet reaped by its parent) counts as gone."""
-    if host != socket.gethostname():
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    except OSError:
-        return None
-    return state not in ("Z", "X")
-
-
-def rank_key(rank: int, what: str) -> str:
-    """A job-level key of one rank (by its rank at process-group set-up)."""
-    return f"{JOB_PREFIX}/{rank}/{what}"
-
-
 @dataclass
 class Loss:
     """One agreed loss: the ranks that left, in the numbering before it, and why."""
@@ -125,7 +102,7 @@ class Heartbeat:
 
     def __init__(self, store: Any, rank: int, interval_s: float) -> None:
         self._store = store.clone() if hasattr(store, "clone") else store
-        self._key = rank_key(rank, "heartbeat")
+        self._key = heartbeat_key(rank)
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"elche-heartbeat-rank{rank}", daemon=True)
@@ -150,9 +127,11 @@ class Membership:
     Args:
         store: the job's store (outliving any one rank when the job has a store host).
         fit_prefix: a key prefix unique to this fit, identical on every rank.
-        rank, world_size: this rank and the world size at process-group set-up.
+        rank: this process's rank in the job's registry (:mod:`lightning_elche.job_store`).
+        members: the registry ranks of the fit's ranks, in rank order (the same on every rank).
         liveness_timeout: how long a heartbeat may stand still before its rank is declared lost.
         join_timeout: how long survivors wait for a live but absent peer to join a regroup.
+        renumbered: an earlier fit of the job lost ranks (``members`` are its survivors).
     """
 
     def __init__(
@@ -160,14 +139,16 @@ class Membership:
         store: Any,
         fit_prefix: str,
         rank: int,
-        world_size: int,
+        members: list[int],
         liveness_timeout: timedelta,
         join_timeout: timedelta,
+        renumbered: bool = False,
     ) -> None:
         self.store = store
         self.fit_prefix = fit_prefix
         self.original_rank = rank
-        self.members: list[int] = list(range(world_size))  # original ranks, in the current numbering
+        self.members = list(members)  # registry ranks, in the current numbering
+        self._inherited_renumbering = renumbered
         self.generation = 0
         self.losses: list[Loss] = []
         self.liveness_timeout_s = liveness_timeout.total_seconds()
@@ -175,7 +156,6 @@ class Membership:
         self._procs: dict[int, tuple[str, int]] = {}
         self._beats: dict[int, tuple[int, float]] = {}  # original rank -> (counter, local time it last moved)
         self._next_check = 0.0
-        store.set(rank_key(rank, "proc"), f"{socket.gethostname()}:{os.getpid()}")
         self.heartbeat = Heartbeat(store, rank, min(1.0, self.liveness_timeout_s / 10.0))
         self.active = True
         """Between set-up and the end of the fit: a peer that leaves is survived."""
@@ -189,6 +169,11 @@ class Membership:
     @property
     def world_size(self) -> int:
         return len(self.members)
+
+    @property
+    def renumbered(self) -> bool:
+        """Whether the ranks no longer carry their launch numbers (a rank was lost in this job)."""
+        return self._inherited_renumbering or bool(self.losses)
 
     @property
     def lost_count(self) -> int:
@@ -271,7 +256,7 @@ class Membership:
         proc = self._proc(peer)
         if proc is not None and process_alive(*proc) is False:
             return f"its process (pid {proc[1]}) is gone"
-        count = self.store.add(rank_key(peer, "heartbeat"), 0)
+        count = self.store.add(heartbeat_key(peer), 0)
         seen = self._beats.get(peer)
         if seen is None or seen[0] != count:
             self._beats[peer] = (count, now)
@@ -283,11 +268,10 @@ class Membership:
 
     def _proc(self, peer: int) -> Optional[tuple[str, int]]:
         if peer not in self._procs:
-            key = rank_key(peer, "proc")
+            key = proc_key(peer)
             if not self.store.check([key]):
                 return None
-            host, _, pid = self.store.get(key).decode().rpartition(":")
-            self._procs[peer] = (host, int(pid))
+            self._procs[peer] = parse_process(self.store.get(key).decode())
         return self._procs[peer]
 
     def process_of(self, peer: int) -> Optional[tuple[str, int]]:

@@ -50,13 +50,15 @@ from lightning_elche.config import ElCheConfig, ElCheMode, Transport
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.data import ElCheSampler, LostWork
 from lightning_elche.engine import ElCheEngine, FitProgress, Regroup, RoundOutcome
+from lightning_elche.job_store import JobStoreLink, current_link, generation_prefix, process_alive
 from lightning_elche.loop_glue import (
     LightningPatches,
     can_stop_early,
     check_lightning_version,
     check_step_schedulers,
+    configure_launcher,
     distributed_is_initialized,
-    init_process_group_per_attempt,
+    init_process_group_on_job_store,
     renumber_lightning_ranks,
     reopen_training_epoch,
     sampler_for,
@@ -76,7 +78,6 @@ from lightning_elche.membership import (
     check_liveness_timeout,
     check_max_failure,
     failure_limit,
-    process_alive,
 )
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import AveragingPlane, CollectivePlane, CpuPlane
@@ -223,13 +224,18 @@ class ElCheStrategy(DDPStrategy):
 
     @property
     def global_rank(self) -> int:
-        membership = getattr(self, "_membership", None)
-        return membership.rank if membership is not None and membership.generation else super().global_rank
+        renumbered = self._renumbered_membership()
+        return renumbered.rank if renumbered is not None else super().global_rank
 
     @property
     def world_size(self) -> int:
-        membership = getattr(self, "_membership", None)
-        return membership.world_size if membership is not None and membership.generation else super().world_size
+        renumbered = self._renumbered_membership()
+        return renumbered.world_size if renumbered is not None else super().world_size
+
+    def _renumbered_membership(self) -> Optional[Membership]:
+        # Ranks keep their launch numbers until a rank is lost (for the rest of the job after that).
+        membership: Optional[Membership] = getattr(self, "_membership", None)
+        return membership if membership is not None and membership.renumbered else None
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -242,7 +248,8 @@ class ElCheStrategy(DDPStrategy):
         return list(self._membership.losses) if self._membership is not None else []
 
     def tolerates_rank_loss(self) -> bool:
-        """Whether a rank that exits now is survived (the launcher must then not kill the others)."""
+        """Whether a rank may be lost now without ending the job (the launcher then spares the
+        survivors when a rank's process fails). Called from the launcher's observer thread."""
         membership = self._membership
         if membership is None or not membership.active:
             return False
@@ -307,9 +314,29 @@ class ElCheStrategy(DDPStrategy):
 
     # -- hooks, in the order Lightning calls them -------------------------------------------------
 
+    def _configure_launcher(self) -> None:
+        # Late-bound: the answer may change during the fit (and tests replace the method).
+        configure_launcher(self, tolerates_loss=lambda: self.tolerates_rank_loss())
+
     def setup_distributed(self) -> None:
-        if not init_process_group_per_attempt(self):  # a restarted torchrun attempt must not see old keys
-            super().setup_distributed()
+        # The job's store is hosted outside rank 0, so that losing rank 0 does not lose it.
+        init_process_group_on_job_store(self)
+
+    @property
+    def job_store(self) -> Optional[dist.Store]:
+        """The job's base store (served outside the ranks; None before ``setup_distributed``).
+
+        The rank registry of :mod:`lightning_elche.job_store` lives in it, and new process groups
+        are built on it: ``PrefixStore(job_store.generation_prefix(g), strategy.job_store)``.
+        """
+        link = current_link()
+        return link.store if link is not None else None
+
+    @property
+    def job_store_link(self) -> Optional[JobStoreLink]:
+        """This process's link to the job's store: the store, this rank's registry entry and the
+        key prefix of the default group the fit started with (None before ``setup_distributed``)."""
+        return current_link()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -331,12 +358,7 @@ class ElCheStrategy(DDPStrategy):
             # trainer.estimated_stepping_batches), and the dispatch needs this prefix then.
             prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
             self._session = Session(self.world_size, None if budget in (None, -1) else int(budget), prefix)
-            if self._membership is not None:
-                self._membership.close()
-            self._membership = Membership(
-                dist.distributed_c10d._get_default_store(), prefix, self.global_rank, self.world_size,
-                self.liveness_timeout, join_timeout=self.snapshot_timeout,
-            )
+            self._membership = self._join_membership(prefix)
             self._patches.report_cohort_batches(trainer, lambda: self._sampler)
         super().setup(trainer)  # configure_ddp, then configure_optimizers (with the user's max_steps)
         if not fitting:
@@ -349,6 +371,17 @@ class ElCheStrategy(DDPStrategy):
             self._session.callback_role.load_state_dict(self._restored_state.get("callback_role", {}))
             self._restored_state = None
         check_step_schedulers(trainer)
+
+    def _join_membership(self, fit_prefix: str) -> Membership:
+        link = self.job_store_link
+        assert link is not None, "setup_distributed joins the job store"
+        previous = self._membership
+        # A later fit of the same job keeps the numbering a loss gave the ranks.
+        members = previous.members if previous is not None else list(range(self.world_size))
+        if previous is not None:
+            previous.close()
+        return Membership(link.store, fit_prefix, link.rank, members, self.liveness_timeout,
+                          join_timeout=self.snapshot_timeout, renumbered=previous is not None and previous.renumbered)
 
     def configure_ddp(self) -> None:
         # No DistributedDataParallel: replicas train independently between syncs. Start them
@@ -573,7 +606,7 @@ class ElCheStrategy(DDPStrategy):
                 with contextlib.suppress(Exception):
                     group.abort()  # a collective stuck on the lost rank must not hold the group
         dist.destroy_process_group()
-        store = dist.PrefixStore(f"{self._membership.fit_prefix}/gen{self._membership.generation}/",
+        store = dist.PrefixStore(f"{self._membership.fit_prefix}/{generation_prefix(self._membership.generation)}/",
                                  self._membership.store)
         device = self.root_device
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=self._timeout,

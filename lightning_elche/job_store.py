@@ -1,0 +1,356 @@
+"""The job's key-value store, hosted by a process of its own, and the registry of the job's ranks.
+
+With Lightning's ``env://`` set-up the job's ``TCPStore`` lives inside global rank 0: when rank 0
+dies, every survivor loses the store it needs to claim data and to form a new group. Here global
+rank 0 starts a small store host instead (``python -m lightning_elche.job_store``, in a session of
+its own so that signals sent to rank 0's process group do not reach it), and every rank, rank 0
+included, connects to it as a client.
+
+The host leaves by itself once the job is over. Every rank registers
+``lightning_elche/ranks/<rank>/proc`` (``"<hostname>:<pid>"``) and marks
+``lightning_elche/ranks/<rank>/exited`` (a reason) when it ends; a heartbeat thread may bump
+``lightning_elche/ranks/<rank>/heartbeat``. The host exits when every registered rank has exited,
+is gone (a dead or zombie process on the host's own machine) or went silent (a heartbeat that
+stopped changing), when nobody registered within the connect timeout, or at ``--max-lifetime``.
+
+This module uses only the standard library and ``torch.distributed``: the host runs it as a plain
+file, without importing the package (and Lightning) behind it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional, TextIO
+
+import torch.distributed as dist
+
+RANKS_PREFIX = "lightning_elche/ranks"
+POLL_INTERVAL_S = 0.25
+"""How often the host looks at the registry: the delay between the last rank's end and its exit."""
+DEFAULT_SILENT_AFTER_S = 120.0
+"""A heartbeat that has not changed for this long marks its rank as gone (generous on purpose: the
+host only decides when to leave; the strategy's own liveness timeout detects hung ranks)."""
+READY_LINE = "lightning_elche job store ready"
+
+
+def generation_prefix(generation: int) -> str:
+    """The key prefix of the process group of ``generation`` (0: the group the fit starts with)."""
+    return f"lightning_elche/gen{generation}"
+
+
+def proc_key(rank: int) -> str:
+    return f"{RANKS_PREFIX}/{rank}/proc"
+
+
+def exited_key(rank: int) -> str:
+    return f"{RANKS_PREFIX}/{rank}/exited"
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"{RANKS_PREFIX}/{rank}/heartbeat"
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def this_process() -> str:
+    """``"<hostname>:<pid>"`` of the calling process, as ranks register themselves."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def parse_process(value: str) -> tuple[str, int]:
+    """``(hostname, pid)`` from a registered ``"<hostname>:<pid>"``."""
+    host, _, pid = value.rpartition(":")
+    if not host or not pid.isdigit():
+        raise ValueError(f"a registered rank process must read '<hostname>:<pid>', got {value!r}")
+    return host, int(pid)
+
+
+def process_alive(host: str, pid: int) -> Optional[bool]:
+    """Whether process ``pid`` of machine ``host`` is running: None when ``host`` is another machine
+    (nothing can be known from here). A zombie (exited, not yet reaped by its parent) is dead."""
+    if host != socket.gethostname():
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): ask the kernel, which cannot tell a zombie
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    # The state follows the command name, which may itself hold spaces and parentheses.
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X")
+
+
+# -- what ranks do ------------------------------------------------------------------------------
+
+
+def register_rank(store: dist.Store, rank: int) -> None:
+    """Record this process as global rank ``rank`` of the job (the host watches it from now on)."""
+    store.set(proc_key(rank), this_process())
+
+
+def mark_exited(store: dist.Store, rank: int, reason: str) -> bool:
+    """Record that rank ``rank`` has ended, and why; the first reason recorded stays.
+
+    Safe to call while failing (from an exception handler, at interpreter exit): an unreachable
+    store is not an error here. Returns whether the mark was written (or was already there).
+    """
+    try:
+        store.compare_set(exited_key(rank), "", reason)
+    except (RuntimeError, OSError):  # DistStoreError, DistNetworkError are RuntimeErrors
+        return False
+    return True
+
+
+def start_host(address: str, port: int, world_size: int, connect_timeout: timedelta,
+               silent_after_s: float = DEFAULT_SILENT_AFTER_S, max_lifetime_s: Optional[float] = None,
+               log_file: Optional[Path] = None, ready_timeout_s: float = 120.0) -> subprocess.Popen:
+    """Start a store host on ``port`` and return once it serves; raises when it cannot start.
+
+    The host runs in a session of its own (``start_new_session``): a signal sent to the caller's
+    process group, or the caller's death, does not reach it. Its output is discarded once it is
+    ready (pass ``log_file`` to keep its account of why it left).
+    """
+    command = [sys.executable, "-c", _BOOTSTRAP, __file__, "--host", address, "--port", str(port),
+               "--world-size", str(world_size), "--connect-timeout", str(connect_timeout.total_seconds()),
+               "--silent-after", str(silent_after_s), "--parent-pid", str(os.getpid())]
+    if max_lifetime_s is not None:
+        command += ["--max-lifetime", str(max_lifetime_s)]
+    if log_file is not None:
+        command += ["--log-file", str(log_file)]
+    host = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, text=True)
+    assert host.stdout is not None and host.stderr is not None
+    line = _read_line(host.stdout, ready_timeout_s)
+    if line.strip() != READY_LINE:
+        if host.poll() is None:
+            host.kill()
+        host.wait()
+        error = host.stderr.read().strip()
+        raise RuntimeError(
+            f"The lightning_elche job store could not start on {address}:{port} (MASTER_ADDR:MASTER_PORT), "
+            f"exit code {host.returncode}: {error[-2000:] or 'no output within ' + str(ready_timeout_s) + ' s'}. "
+            "Is another job using that port?"
+        )
+    host.stdout.close()
+    host.stderr.close()
+    return host
+
+
+# Runs job_store.py as a plain file: ``python -m lightning_elche.job_store`` would import the
+# package, and Lightning with it (seconds), and ``python job_store.py`` would put the package's
+# directory first on sys.path, where its modules could shadow others.
+_BOOTSTRAP = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def _read_line(stream: TextIO, timeout_s: float) -> str:
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    return stream.readline() if ready else ""
+
+
+def connect(address: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A client of the store served on ``address:port`` (it waits up to ``timeout`` for the server)."""
+    return dist.TCPStore(address, port, is_master=False, timeout=timeout)
+
+
+@dataclass
+class JobStoreLink:
+    """This process's connection to the job's store.
+
+    ``store`` is the job's base store: what the rank registry lives in and what new process groups
+    are built on (``PrefixStore(generation_prefix(g), store)``); ``prefix`` is the prefix of the
+    default group the fit started with. ``host`` is the store host this process started (global
+    rank 0 only).
+    """
+
+    store: dist.Store
+    rank: int
+    prefix: str = generation_prefix(0)
+    host: Optional[subprocess.Popen] = field(default=None, repr=False)
+
+    def default_group_store(self) -> dist.Store:
+        return dist.PrefixStore(self.prefix, self.store)
+
+    def mark_exited(self, reason: str) -> bool:
+        return mark_exited(self.store, self.rank, reason)
+
+
+_current: Optional[JobStoreLink] = None
+
+
+def current_link() -> Optional[JobStoreLink]:
+    """The job store this process joined last (one per process, as the default process group)."""
+    return _current
+
+
+def join(store: dist.Store, rank: int, host: Optional[subprocess.Popen] = None) -> JobStoreLink:
+    """Register this process as ``rank`` in ``store`` and make it this process's job store.
+
+    The rank is marked exited at interpreter exit (a clean end or an uncaught exception; a killed
+    process is found dead by the host instead), and when a later fit joins another store.
+    """
+    global _current
+    if _current is not None:
+        _current.mark_exited("joined another job store")
+    register_rank(store, rank)
+    _current = JobStoreLink(store=store, rank=rank, host=host)
+    atexit.register(_current.mark_exited, "process exit")
+    return _current
+
+
+def open_job_store(address: str, port: int, rank: int, world_size: int, timeout: timedelta) -> JobStoreLink:
+    """Join the job's store on ``address:port``, global rank 0 starting its host first.
+
+    A single-rank job keeps its store in its own process: there is no other rank to survive it.
+    """
+    if world_size == 1:
+        return join(dist.HashStore(), rank)
+    host = start_host(address, port, world_size, connect_timeout=timeout) if rank == 0 else None
+    return join(connect(address, port, timeout), rank, host)
+
+
+# -- the host -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Watched:
+    host: str
+    pid: int
+    beats: int = 0
+    beat_changed_at: float = 0.0
+
+
+class JobWatch:
+    """Decides when the job is over, from the rank registry in ``store``."""
+
+    def __init__(self, store: dist.Store, world_size: int, silent_after_s: float) -> None:
+        self.store = store
+        self.world_size = world_size
+        self.silent_after_s = silent_after_s
+        self.watched: dict[int, _Watched] = {}
+
+    def ended(self, now: float) -> dict[int, str]:
+        """Each registered rank that has ended, with how."""
+        self._find_registered(now)
+        ended: dict[int, str] = {}
+        for rank, watched in self.watched.items():
+            how = self._how_ended(rank, watched, now)
+            if how is not None:
+                ended[rank] = how
+        return ended
+
+    def over(self, now: float) -> Optional[str]:
+        """Why the job is over (every registered rank ended), or None while it is not."""
+        ended = self.ended(now)
+        if not self.watched or len(ended) < len(self.watched):
+            return None
+        return "; ".join(f"rank {rank}: {how}" for rank, how in sorted(ended.items()))
+
+    def _find_registered(self, now: float) -> None:
+        for rank in range(self.world_size):
+            if rank not in self.watched and self.store.check([proc_key(rank)]):
+                host, pid = parse_process(self.store.get(proc_key(rank)).decode())
+                self.watched[rank] = _Watched(host, pid, beat_changed_at=now)
+
+    def _how_ended(self, rank: int, watched: _Watched, now: float) -> Optional[str]:
+        if self.store.check([exited_key(rank)]):
+            return f"exited ({self.store.get(exited_key(rank)).decode()})"
+        if process_alive(watched.host, watched.pid) is False:
+            return f"process {watched.pid} is gone"
+        if self.store.check([heartbeat_key(rank)]):
+            beats = int(self.store.get(heartbeat_key(rank)))
+            if beats != watched.beats:
+                watched.beats, watched.beat_changed_at = beats, now
+        # A rank that never beat is judged by its process and its exit mark alone: without a
+        # heartbeat thread, silence says nothing.
+        if watched.beats > 0 and now - watched.beat_changed_at > self.silent_after_s:
+            return f"heartbeat silent for {now - watched.beat_changed_at:.0f} s"
+        return None
+
+
+def serve(options: argparse.Namespace) -> str:
+    """Host the store until the job is over; returns why it ended."""
+    started = time.monotonic()
+    store = dist.TCPStore(options.host, options.port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    print(READY_LINE, flush=True)
+    _discard_output()
+    watch = JobWatch(store, options.world_size, options.silent_after)
+    while True:
+        time.sleep(POLL_INTERVAL_S)
+        now = time.monotonic()
+        reason = watch.over(now)
+        if reason is not None:
+            return f"every registered rank ended: {reason}"
+        if not watch.watched:
+            if now - started > options.connect_timeout:
+                return f"no rank registered within the connect timeout ({options.connect_timeout:.0f} s)"
+            if options.parent_pid is not None and process_alive(socket.gethostname(), options.parent_pid) is False:
+                return f"the process that started the host ({options.parent_pid}) is gone and no rank registered"
+        if options.max_lifetime is not None and now - started > options.max_lifetime:
+            return f"max lifetime reached ({options.max_lifetime:.0f} s)"
+
+
+def _discard_output() -> None:
+    # The starting rank closes its ends of the pipes; writing to them later would kill the host.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m lightning_elche.job_store", description=(
+        "Host the TCPStore of a lightning_elche job outside its ranks; exits once the job is over."))
+    parser.add_argument("--host", default="127.0.0.1", help="address the ranks connect to (MASTER_ADDR)")
+    parser.add_argument("--port", type=int, required=True, help="port to serve on (MASTER_PORT)")
+    parser.add_argument("--world-size", type=int, required=True, help="number of ranks that may register")
+    parser.add_argument("--connect-timeout", type=_positive, default=1800.0,
+                        help="exit when no rank registered within this many seconds")
+    parser.add_argument("--silent-after", type=_positive, default=DEFAULT_SILENT_AFTER_S,
+                        help="a rank whose heartbeat has not changed for this many seconds is gone")
+    parser.add_argument("--max-lifetime", type=_positive, default=None, help="exit after this many seconds at most")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process is gone before any rank registered")
+    parser.add_argument("--log-file", type=Path, default=None, help="append why the host exited to this file")
+    options = parser.parse_args(argv)
+    if options.world_size < 1:
+        parser.error(f"--world-size must be at least 1, got {options.world_size}")
+    return options
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    options = parse_args(argv)
+    reason = serve(options)
+    if options.log_file is not None:
+        with open(options.log_file, "a") as log:
+            log.write(f"lightning_elche job store on port {options.port} (pid {os.getpid()}) exits: {reason}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
