@@ -83,12 +83,6 @@ def fixed_share_batches(num_batches: int, ratios: Sequence[float]) -> list[int]:
     return counts
 
 
-@dataclass(frozen=True)
-class LostWork:
-    rank: int
-    trained_batches: int
-
-
 @dataclass
 class DispatchRecord:
     """What this rank was handed in the current epoch: for coverage checks and checkpoints."""
@@ -213,18 +207,6 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
     def batch_started(self) -> None:
         """The training loop started one more batch of the current epoch on this rank."""
         self.started_batches = (self.started_batches or 0) + 1
-
-    def regroup(self, survivors, lost) -> None:  # TEMP
-        self.rank = list(survivors).index(self.rank)
-        self.world_size = len(survivors)
-        if hasattr(self, "_speed_shares"):
-            self._speed_shares = None
-            self._drainer = self.rank
-
-    wants_reopen = False
-
-    def reopen(self) -> None:
-        pass
 
     def on_round(self, planned: Sequence[int]) -> None:
         """After every round, with the controller's plan (identical on every rank). Only the

@@ -20,6 +20,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from types import FrameType
 from typing import Any, Optional, Union
 
@@ -585,3 +586,8 @@ def renumber_lightning_ranks(trainer: Trainer, global_rank: int) -> None:
     # Validation shards were cut for the old ranks (DistributedSampler): cut them again for the new.
     for loop in (trainer.fit_loop.epoch_loop.val_loop,):
         loop._combined_loader = None
+
+
+def process_group_timeout(strategy: Any) -> Optional[timedelta]:
+    """The collective timeout the user gave the strategy (``DDPStrategy(timeout=...)``)."""
+    return strategy._timeout

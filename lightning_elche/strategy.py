@@ -59,6 +59,7 @@ from lightning_elche.loop_glue import (
     configure_launcher,
     distributed_is_initialized,
     init_process_group_on_job_store,
+    process_group_timeout,
     renumber_lightning_ranks,
     reopen_training_epoch,
     sampler_for,
@@ -608,9 +609,9 @@ class ElCheStrategy(DDPStrategy):
         dist.destroy_process_group()
         store = dist.PrefixStore(f"{self._membership.fit_prefix}/{generation_prefix(self._membership.generation)}/",
                                  self._membership.store)
-        device = self.root_device
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=self._timeout,
-                                device_id=device if device.type == "cuda" else None)
+        device = self.root_device if self.root_device.type == "cuda" else None
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=process_group_timeout(self), device_id=device)
         self._side_group = None
         if self.elche.run_mode.transport is Transport.HOST:
             self._side_group = dist.new_group(backend="gloo", timeout=self.snapshot_timeout)

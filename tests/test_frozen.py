@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from helpers import free_port
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
-from test_wire import Peer, run_round
+from test_wire import Done, Peer, run_round
 from torch import nn
 from wire_helpers import BackboneRegression, CountWireBytes, fit_with_rank_local_unfreeze, load
 
@@ -79,9 +79,10 @@ def test_collective_plane_neither_sends_nor_touches_frozen_parameters():
     plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=2, device=torch.device("cpu"))
     sent: list[int] = []
 
-    def all_reduce(tensor: torch.Tensor, **kwargs: Any) -> None:
+    def all_reduce(tensor: torch.Tensor, **kwargs: Any) -> Done:
         sent.append(tensor.numel())
         tensor.mul_(2.0)  # the peer holds the same values: the consensus is the replica itself
+        return Done()
 
     with mock.patch.object(collective_plane.dist, "all_reduce", all_reduce):
         plane.average(round_weights([1, 1], 1.0))

@@ -93,6 +93,16 @@ def test_delta_wire_tracks_the_f32_consensus_where_a_bf16_weight_wire_stalls():
     assert errors["bf16 delta + feedback"] < 0.7 * errors["bf16 delta"]
 
 
+class Done:
+    """The work handle of a collective that completed at once."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 class Peer:
     """Stands in for rank 1 of a 2-rank gloo group: the plane's collectives see its values."""
 
@@ -104,22 +114,27 @@ class Peer:
         self.consensus: list[torch.Tensor] = []  # rank 0's f32 reduce buffers
         self.factor = 0.0  # rank 1's pre-scale factor this round
 
-    def all_gather_flat(self, output: torch.Tensor, local: torch.Tensor, group: Any = None) -> None:
+    def all_gather_flat(self, output: torch.Tensor, local: torch.Tensor, group: Any = None, async_op: bool = False
+                        ) -> Done:
         peer = local.clone()
         peer[Meta.STEPS] = self.steps
         output.copy_(torch.cat([local, peer]))
+        return Done()
 
-    def all_gather(self, gathered: list[torch.Tensor], mine: torch.Tensor, group: Any = None) -> None:
+    def all_gather(self, gathered: list[torch.Tensor], mine: torch.Tensor, group: Any = None, async_op: bool = False
+                   ) -> Done:
         index = next(i for i, w in enumerate(self.wires) if w is mine)
         gathered[0].copy_(mine)
         gathered[1].copy_((self.replica[index] - self.reference[index]).bfloat16())
+        return Done()
 
-    def all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None:
+    def all_reduce(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Done:
         for index, flat in enumerate(self.consensus):
             if flat is tensor:  # an exact (f32) parameter round
                 tensor.add_(self.replica[index], alpha=self.factor)
-                return
+                return Done()
         tensor.mul_(2.0)  # buffers: both ranks hold the same values, pre-scaled by 1/2
+        return Done()
 
 
 def run_round(plane: CpuPlane, peer: Peer, steps: int) -> None:

@@ -67,10 +67,10 @@ class AveragingPlane(ABC):
     watch: Optional[Membership] = None
     """Waits for the round's collectives while checking the peers' liveness (None: plain waits)."""
 
-    @abstractmethod
     def regroup(self, group: Optional[Any], rank: int, world_size: int) -> None:
         """Continue on the survivors' group, as ``rank`` of ``world_size``. The round whose
         :meth:`collect` raised :class:`PeerFailure` is kept: :meth:`retry` runs it again."""
+        raise NotImplementedError(f"{type(self).__name__} cannot continue after a lost rank.")
 
     def retry(self) -> None:  # noqa: B027 (blocking planes run the whole round in collect)
         """Run the failed round again, on the group given to :meth:`regroup`, with this rank's same
