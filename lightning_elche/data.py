@@ -43,9 +43,30 @@ CHUNK_KEY_PREFIX = "lightning_elche/dispatch"
 
 
 class ChunkCounter(Protocol):
-    """The shared counter behind chunk claims (``torch.distributed.Store`` satisfies it)."""
+    """The shared store behind chunk claims (``torch.distributed.Store`` satisfies it): an atomic
+    counter for claims, and append-only records of what each rank claimed (read after a loss)."""
 
     def add(self, key: str, amount: int) -> int: ...
+
+    def append(self, key: str, value: str) -> None: ...
+
+    def check(self, keys: list[str]) -> bool: ...
+
+    def get(self, key: str) -> bytes: ...
+
+
+COUNTER_METHODS = ("add", "append", "check", "get")
+
+
+@dataclass(frozen=True)
+class LostWork:
+    """A rank lost mid-epoch, as :meth:`ElCheSampler.regroup` needs it."""
+
+    rank: int
+    """The lost rank, in the numbering in force before the regroup."""
+    trained_batches: int
+    """Batches of the current epoch it had trained when it last contributed to a completed
+    averaging round: those are in the consensus; the rest of its work is re-dispatched."""
 
 
 def epoch_permutation(num_samples: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
@@ -89,6 +110,10 @@ class DispatchRecord:
 
     epoch: int = -1
     chunks: list[int] = field(default_factory=list)
+    """Pool chunks this rank claimed (its reserved chunk first), in claim order."""
+    spans: list[Range] = field(default_factory=list)
+    """Pooled dispatch: every claimed piece of work (chunks and re-dispatched batches) as local
+    ``[start, stop)`` spans, in claim order: the rank's batches are these spans cut into batches."""
     samples: int = 0
 
 
@@ -180,8 +205,20 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         self.started_batches: Optional[int] = None
         """Batches this rank has started training in the current epoch (None: not tracked).
         The batches yielded beyond it are claimed work still ahead of the rank (prefetch)."""
+        # One epoch may be iterated in several openings (reopen() after a regroup). An opening
+        # ends when the work it reached does not start on a batch boundary, so that every rank's
+        # batches are the same whatever the timing, as its peers compute them after it is lost.
+        self._prepared_epoch: Optional[int] = None  # the epoch the policy's state was set up for
+        self._started_epoch: Optional[int] = None  # the epoch this rank's iterator started
+        self._exhausted = False  # this rank's latest iterator of that epoch ran to its end
+        self._reopen_pending = False
+        self._opening_picks = 0  # picks yielded by the current opening
+        self._regroup_epoch: Optional[int] = None  # the epoch the regroups below belong to
+        self._regroups = 0  # regroups in that epoch
+        self._lost_trained: list[Range] = []  # positions the lost ranks trained into the consensus
         self._set_up_policy()
         self._check_every_rank_gets_data()
+        self._prepare_epoch_policy()
 
     # -- what every policy shares ------------------------------------------------------------
 
@@ -214,10 +251,100 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
 
     def __iter__(self) -> Iterator[Union[int, PickKey]]:
         order = epoch_permutation(self.num_samples, self.epoch, self.seed, self.shuffle)
+        if self._reopen_pending:
+            self._reopen_pending = False
+            self._exhausted = False
+            self._opening_picks = 0
+            yield from self._continue_epoch(order)
+            self._exhausted = True
+            return
+        if self._regrouped_now():
+            if self._started_epoch == self.epoch:
+                raise RuntimeError(
+                    f"Rank {self.rank}'s training DataLoader was iterated again in epoch {self.epoch} after a "
+                    "regroup without reopen(): the epoch's work would be dispatched twice."
+                )
+        else:
+            self._prepare_epoch()
+        self._started_epoch = self.epoch
         self.record = DispatchRecord(epoch=self.epoch)
         if self.started_batches is not None:
             self.started_batches = 0
+        self._exhausted = False
+        self._opening_picks = 0
         yield from self._iter_epoch(order, self._resumed_epoch())
+        self._exhausted = True
+
+    def _prepare_epoch(self) -> None:
+        """Set up the current epoch's dispatch (a fresh epoch, no regroup yet)."""
+        self._prepared_epoch = self.epoch
+        self._regroup_epoch = None
+        self._regroups = 0
+        self._lost_trained = []
+        self._prepare_epoch_policy()
+
+    def _regrouped_now(self) -> bool:
+        return self._regroup_epoch == self.epoch
+
+    # -- losing ranks mid-epoch -------------------------------------------------------------
+
+    def regroup(self, survivors: Sequence[int], lost: Sequence[LostWork]) -> None:
+        """Hand the lost ranks' untrained work of the current epoch to the survivors.
+
+        ``survivors`` are the ranks that go on, ascending, in the numbering in force before this
+        call (new rank ``k`` is ``survivors[k]``; this rank is one of them); ``lost`` names every
+        other rank of that numbering, with the batches of the epoch it had trained at its last
+        contribution to the consensus. Afterwards :attr:`rank` and :attr:`world_size` are the new
+        numbering. Every survivor must call it with the same arguments while none of them trains or
+        claims: each computes the same split from them (and, pooled, from the store's records)."""
+        survivors = [int(s) for s in survivors]
+        if not survivors or survivors != sorted(set(survivors)) or survivors[0] < 0 or survivors[-1] >= self.world_size:
+            raise ValueError(
+                f"survivors={survivors} is invalid: expected distinct ranks of 0..{self.world_size - 1}, ascending."
+            )
+        if self.rank not in survivors:
+            raise ValueError(f"survivors={survivors} does not hold this rank ({self.rank}): only survivors regroup.")
+        lost_ranks = sorted(work.rank for work in lost)
+        expected = sorted(set(range(self.world_size)) - set(survivors))
+        if lost_ranks != expected:
+            raise ValueError(
+                f"lost ranks {lost_ranks} do not match survivors={survivors}: with world_size={self.world_size} "
+                f"every other rank ({expected}) must be lost, each once."
+            )
+        for work in lost:
+            count = work.trained_batches
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(
+                    f"LostWork(rank={work.rank}, trained_batches={work.trained_batches!r}): trained_batches must "
+                    "be an int >= 0."
+                )
+        if not self._regrouped_now():
+            if self._prepared_epoch != self.epoch or self._started_epoch != self.epoch:
+                self._prepare_epoch()  # this rank has not started the epoch yet: the regroup sets it up
+            self._regroup_epoch = self.epoch
+        self._regroup_policy(survivors, sorted(lost, key=lambda work: work.rank))
+        self._regroups += 1
+        self.rank = survivors.index(self.rank)
+        self.world_size = len(survivors)
+
+    @property
+    def wants_reopen(self) -> bool:
+        """This rank's iterator of the current epoch has ended, yet work re-dispatched by a regroup
+        may be left for it: iterating the DataLoader again after :meth:`reopen` continues the epoch.
+        Check it whenever the iterator ends in an epoch with a regroup (it can be true again later)."""
+        if not (self._exhausted and self._started_epoch == self.epoch and self._regrouped_now()):
+            return False
+        return self._work_left()
+
+    def reopen(self) -> None:
+        """Make the next iteration continue the current epoch (only work this rank has not yet
+        been handed; ``record`` and ``started_batches`` carry on) instead of starting it anew."""
+        if not (self._exhausted and self._started_epoch == self.epoch):
+            raise RuntimeError(
+                f"reopen() continues epoch {self.epoch} after rank {self.rank}'s iterator of it ended; "
+                "that iterator has not ended (or the epoch never started)."
+            )
+        self._reopen_pending = True
 
     def _resumed_epoch(self) -> Optional[EpochCoverage]:
         resume = self._resume
@@ -230,6 +357,7 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
 
     def _yield_positions(self, order: list[int], positions: Sequence[int]) -> Iterator[Union[int, PickKey]]:
         self.record.samples += len(positions)
+        self._opening_picks += len(positions)
         for position in positions:
             yield self._key(order[position])
 
@@ -280,8 +408,31 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
                 f"with batch_size={self.batch_size}; every rank needs at least one batch per epoch."
             )
 
+    def _prepare_epoch_policy(self) -> None:
+        """Reset the policy's per-epoch state for a fresh epoch."""
+
     def _iter_epoch(self, order: list[int], resume: Optional[EpochCoverage]) -> Iterator[Union[int, PickKey]]:
         raise NotImplementedError
+
+    def _continue_epoch(self, order: list[int]) -> Iterator[Union[int, PickKey]]:
+        """The rest of this rank's work of the current epoch (a reopened iterator)."""
+        raise NotImplementedError
+
+    def _regroup_policy(self, survivors: list[int], lost: list[LostWork]) -> None:
+        """Re-dispatch the lost ranks' untrained work (old numbering still in force)."""
+        raise NotImplementedError
+
+    def _work_left(self) -> bool:
+        """Whether a reopened iterator may still find work for this rank."""
+        raise NotImplementedError
+
+    def _batches_of(self, span: Range) -> list[Range]:
+        """``[start, stop)`` cut into the DataLoader's batches (a short last one only without drop_last)."""
+        start, stop = span
+        cuts = [(s, min(s + self.batch_size, stop)) for s in range(start, stop, self.batch_size)]
+        if self.drop_last and cuts and cuts[-1][1] - cuts[-1][0] < self.batch_size:
+            cuts.pop()
+        return cuts
 
     def local_coverage(self, batches: int) -> Union[list[Range], int]:
         """What this rank trained of the current epoch, given that it trained its first ``batches``
@@ -318,14 +469,109 @@ class _OwnStreamDispatch(ElCheSampler):
         indices = self.stream_indices(len(universe), self.rank, self.world_size)
         return universe[indices.start : indices.stop : indices.step]
 
+    # After a regroup a rank's work is a list of segments: its own stream, then a piece of the lost
+    # ranks' remainder per regroup. Each segment is batched from its start (an opening continues
+    # into the next segment only on a batch boundary), so every rank's batches are known to all.
+
+    def _prepare_epoch_policy(self) -> None:
+        self._segments: Optional[list[list[Sequence[int]]]] = None  # every rank's, once regrouped
+        self._next_segment = 0
+
+    def _rank_segments(self) -> list[Sequence[int]]:
+        if self._segments is None or not self._regrouped_now():
+            return [self.own_stream()]
+        return self._segments[self.rank]
+
     def _iter_epoch(self, order: list[int], resume: Optional[EpochCoverage]) -> Iterator[Union[int, PickKey]]:
-        yield from self._yield_positions(order, self.own_stream())
+        self._next_segment = 0
+        yield from self._continue_epoch(order)
+
+    def _continue_epoch(self, order: list[int]) -> Iterator[Union[int, PickKey]]:
+        while True:
+            segments = self._rank_segments()  # read again each time: a regroup may have added some
+            if self._next_segment >= len(segments) or self._opening_picks % self.batch_size:
+                return  # a segment after a short batch would shift the batches: reopen() goes on
+            segment = segments[self._next_segment]
+            self._next_segment += 1
+            whole = len(segment) - len(segment) % self.batch_size
+            yield from self._yield_positions(order, segment[:whole])
+            if whole < len(segment):
+                if self.drop_last and self._next_segment < len(self._rank_segments()):
+                    continue  # the DataLoader would drop this short batch: go on with the next segment
+                yield from self._yield_positions(order, segment[whole:])
+
+    def _work_left(self) -> bool:
+        needed = self.batch_size if self.drop_last else 1
+        return any(len(segment) >= needed for segment in self._rank_segments()[self._next_segment:])
+
+    def _split_batches(self, segments: Sequence[Sequence[int]], batches: int) -> tuple[list[int], list[int]]:
+        """The positions of the first ``batches`` batches of ``segments``, and all the others, or
+        ``batches`` minus the batches there are (as a negative count) when there are too few."""
+        done: list[int] = []
+        rest: list[int] = []
+        left = batches
+        for segment in segments:
+            take = min(left, len(self._batches_of((0, len(segment)))))
+            picks = min(take * self.batch_size, len(segment))
+            done.extend(segment[:picks])
+            rest.extend(segment[picks:])
+            left -= take
+        if left:
+            raise ValueError(f"{batches} batches asked, {batches - left} dispatched")
+        return done, rest
+
+    def _regroup_policy(self, survivors: list[int], lost: list[LostWork]) -> None:
+        if self._segments is None:
+            universe = self._epoch_universe()
+            self._segments = []
+            for rank in range(self.world_size):
+                indices = self.stream_indices(len(universe), rank, self.world_size)
+                self._segments.append([universe[indices.start : indices.stop : indices.step]])
+        returned: list[int] = []
+        for work in lost:
+            try:
+                done, rest = self._split_batches(self._segments[work.rank], work.trained_batches)
+            except ValueError:
+                total = sum(len(self._batches_of((0, len(s)))) for s in self._segments[work.rank])
+                raise ValueError(
+                    f"LostWork(rank={work.rank}, trained_batches={work.trained_batches}) is invalid: that rank had "
+                    f"{total} batches of epoch {self.epoch}."
+                ) from None
+            self._lost_trained = merge(self._lost_trained + compress(done))
+            returned.extend(rest)
+        # Whole batches of the remainder (a short one only last), so no batch is cut in two.
+        batches = [returned[i : i + self.batch_size] for i in range(0, len(returned), self.batch_size)]
+        shares = self._returned_shares(len(batches), survivors)
+        extended: list[list[Sequence[int]]] = []
+        for rank, share in zip(survivors, shares, strict=True):
+            piece = [p for b in share for p in batches[b]]
+            extended.append(self._segments[rank] + ([piece] if piece else []))
+        self._segments = extended
+
+    def _returned_shares(self, count: int, survivors: list[int]) -> list[list[int]]:
+        """Which of ``count`` returned batches (in order) each survivor takes."""
+        raise NotImplementedError
 
     def local_coverage(self, batches: int) -> Union[list[Range], int]:
-        return min(batches * self.batch_size, len(self.own_stream()))
+        if self._segments is None or not self._regrouped_now():
+            return min(batches * self.batch_size, len(self.own_stream()))
+        # After a regroup a count no longer names positions on its own: report them.
+        try:
+            done, _ = self._split_batches(self._segments[self.rank], batches)
+        except ValueError:
+            raise RuntimeError(
+                f"Rank {self.rank} trained {batches} batches in epoch {self.epoch}, more than it was "
+                "dispatched: the dispatch record is out of step with training."
+            ) from None
+        return compress(done)
 
     def _untrained(self, gathered: Sequence[Union[list[Range], int]]) -> list[Range]:
         universe = self._epoch_universe()
+        if self._regrouped_now():
+            if any(isinstance(entry, int) for entry in gathered):
+                raise ValueError("After a regroup every rank's local coverage lists positions, not a count.")
+            taken = [r for ranges in gathered for r in ranges] + self._lost_trained  # type: ignore[union-attr]
+            return subtract(runs(universe), taken)
         return self._remaining_after(universe, [int(t) for t in gathered], self.world_size)  # type: ignore[arg-type]
 
     def _remaining_after(self, universe: Sequence[int], trained: Sequence[int], world_size: int) -> list[Range]:
@@ -380,6 +626,10 @@ class EqualDispatch(_OwnStreamDispatch):
     def stream_indices(self, count: int, rank: int, world_size: int) -> range:
         return range(rank, count, world_size)
 
+    def _returned_shares(self, count: int, survivors: list[int]) -> list[list[int]]:
+        # Whole batches dealt round-robin: shares differ by at most one batch.
+        return [list(range(k, count, len(survivors))) for k in range(len(survivors))]
+
 
 class FixedDispatch(_OwnStreamDispatch):
     """``partition_ratios``: each rank a fixed contiguous share of whole batches (of the epoch, or
@@ -407,6 +657,16 @@ class FixedDispatch(_OwnStreamDispatch):
         first = sum(shares[:rank]) * self.batch_size
         return range(first, min(first + shares[rank] * self.batch_size, count))
 
+    def _returned_shares(self, count: int, survivors: list[int]) -> list[list[int]]:
+        # Contiguous shares by the survivors' ratios; they keep those ratios for the next epochs.
+        ratios = self.partition_ratios or []
+        kept = [ratios[s] for s in survivors]
+        total = sum(kept)
+        self.partition_ratios = [r / total for r in kept] if total > 0 else [1.0 / len(kept)] * len(kept)
+        counts = fixed_share_batches(count, self.partition_ratios)
+        firsts = [sum(counts[:k]) for k in range(len(counts))]
+        return [list(range(first, first + n)) for first, n in zip(firsts, counts, strict=True)]
+
     def _check_legacy_layout(self, world_size: int) -> None:
         if world_size != self.world_size:
             raise ValueError(
@@ -426,13 +686,40 @@ class PoolDispatch(ElCheSampler):
     def _set_up_policy(self) -> None:
         if self.counter is None:
             raise ValueError("dispatch='pool' needs a shared counter (the torch.distributed store).")
-        # The current epoch's layout, kept for coverage: global positions of the pooled picks
-        # (None: the whole epoch), chunk layout and the end of the last batch, in local positions.
-        self._positions: Optional[list[int]] = None
-        self._layout: list[tuple[int, int]] = []
-        self._limit = 0
+        missing = [name for name in COUNTER_METHODS if not callable(getattr(self.counter, name, None))]
+        if missing:
+            raise TypeError(
+                f"dispatch='pool' needs a counter with {', '.join(COUNTER_METHODS)} (a torch.distributed.Store); "
+                f"{type(self.counter).__name__} has no {', '.join(missing)}."
+            )
         self._speed_shares: Optional[list[float]] = None
         self._drainer: Optional[int] = None  # the rank that claims until the pool is dry, this epoch
+
+    def _prepare_epoch_policy(self) -> None:
+        # The current epoch's layout, kept for coverage: global positions of the pooled picks
+        # (None: the whole epoch), chunk layout and the end of the last batch, in local positions.
+        resume = self._resumed_epoch()
+        self._positions: Optional[list[int]] = None
+        if resume is not None:
+            assert resume.remaining is not None
+            self._positions = expand(resume.remaining)
+        # A resumed epoch pools only its remaining positions; they are whole batches (but for the
+        # epoch's own partial tail), so batches keep their samples.
+        self._limit = self.samples_per_epoch if self._positions is None else len(self._positions)
+        # The numbering the epoch started with: reserved chunks and claim indices keep it.
+        self._epoch_rank = self.rank
+        self._epoch_world = self.world_size
+        self._layout: list[tuple[int, int]] = chunk_layout(
+            math.ceil(self._limit / self.batch_size), self._epoch_world, self.max_chunk_batches
+        )
+        self._reserved_pending = True
+        self._last_chunk: Optional[int] = None
+        # Regroup g (from 1) queues the batches it returned (local spans, the epoch's short tail
+        # batch last); after it every rank claims from that queue, then from the pool, until dry.
+        self._queues: list[list[Range]] = [[]]
+        self._queue_dry = False
+        self._lineage: list[list[int]] = []  # survivors of every regroup of the epoch
+        self._returned_chunks: set[int] = set()  # chunks a regroup found unrecorded and returned
 
     def _check_every_rank_gets_data(self) -> None:
         if self.num_samples < self.world_size * self.batch_size:
@@ -444,34 +731,155 @@ class PoolDispatch(ElCheSampler):
     def counter_key(self, epoch: int) -> str:
         return f"{self.key_prefix}/epoch{epoch}"
 
+    def queue_key(self, epoch: int, regroup: int) -> str:
+        """The claim counter of the batches that regroup ``regroup`` (from 1) returned."""
+        return f"{self.key_prefix}/epoch{epoch}/returned{regroup}"
+
+    def claims_key(self, epoch: int, regroup: int, rank: int) -> str:
+        """The record of what ``rank`` (in the numbering after ``regroup`` regroups) claimed."""
+        return f"{self.key_prefix}/epoch{epoch}/claims/g{regroup}/r{rank}"
+
     def on_round(self, planned: Sequence[int]) -> None:
         if sum(planned) > 0:
             self.set_speed_shares(planned)
 
     def _iter_epoch(self, order: list[int], resume: Optional[EpochCoverage]) -> Iterator[Union[int, PickKey]]:
-        self._positions = None
-        if resume is not None:
-            assert resume.remaining is not None
-            self._positions = expand(resume.remaining)
-        positions = self._positions
-        # A resumed epoch pools only its remaining positions; they are whole batches (but for the
-        # epoch's own partial tail), so batches keep their samples.
-        self._limit = self.samples_per_epoch if positions is None else len(positions)
-        self._layout = chunk_layout(math.ceil(self._limit / self.batch_size), self.world_size, self.max_chunk_batches)
-        # The first chunk of each rank is reserved, so that no rank can find the pool empty
-        # before it has trained anything; the rest are claimed in order through the counter.
-        claim = self.rank
-        key = self.counter_key(self.epoch)
-        self._drainer = self._fastest_rank()
-        while claim < len(self._layout):
-            self.record.chunks.append(claim)
-            start, stop = self._chunk_span(claim)
-            local = range(start, stop)
-            yield from self._yield_positions(order, local if positions is None else [positions[p] for p in local])
-            assert self.counter is not None
-            if self.rank != self._drainer and self._leaves_tail_to_faster_ranks(key, claim):
+        if not self._regrouped_now():
+            self._drainer = self._fastest_rank()
+        yield from self._continue_epoch(order)
+
+    def _continue_epoch(self, order: list[int]) -> Iterator[Union[int, PickKey]]:
+        assert self.counter is not None
+        # Work is claimed only on a batch boundary: after the epoch's short tail batch the opening
+        # ends (a piece claimed after it would be batched differently than its peers assume).
+        while self._opening_picks % self.batch_size == 0:
+            claimed = self._claim()
+            if claimed is None:
                 return
-            claim = self.world_size + self.counter.add(key, 1) - 1
+            name, (start, stop) = claimed
+            # Recorded before it is yielded: the survivors of this rank read it if it is lost.
+            self.counter.append(self.claims_key(self.epoch, self._regroups, self.rank), name + ";")
+            self.record.spans.append((start, stop))
+            local = range(start, stop)
+            positions = self._positions
+            yield from self._yield_positions(order, local if positions is None else [positions[p] for p in local])
+
+    def _claim(self) -> Optional[tuple[str, Range]]:
+        """The next piece of work for this rank: its reserved chunk, then (after a regroup) the
+        returned batches, then pool chunks; None when there is none (or it leaves the tail)."""
+        assert self.counter is not None
+        if self._reserved_pending:
+            # The first chunk of each rank is reserved, so that no rank can find the pool empty
+            # before it has trained anything; the rest are claimed in order through the counter.
+            self._reserved_pending = False
+            return self._chunk_claim(self._epoch_rank)
+        key = self.counter_key(self.epoch)
+        if not self._regrouped_now():
+            last = self._last_chunk
+            if last is not None and self.rank != self._drainer and self._leaves_tail_to_faster_ranks(key, last):
+                return None
+        elif not self._queue_dry:
+            queue = self._queues[self._regroups]
+            index = self.counter.add(self.queue_key(self.epoch, self._regroups), 1) - 1
+            if index < len(queue):
+                return f"r{self._regroups}.{index}", queue[index]
+            self._queue_dry = True
+        return self._chunk_claim(self._epoch_world + self.counter.add(key, 1) - 1)
+
+    def _chunk_claim(self, chunk: int) -> Optional[tuple[str, Range]]:
+        if chunk >= len(self._layout):
+            return None
+        self.record.chunks.append(chunk)
+        self._last_chunk = chunk
+        return f"c{chunk}", self._chunk_span(chunk)
+
+    def _work_left(self) -> bool:
+        assert self.counter is not None
+        queued = self.counter.add(self.queue_key(self.epoch, self._regroups), 0)
+        if queued < len(self._queues[self._regroups]):
+            return True
+        return self._epoch_world + self.counter.add(self.counter_key(self.epoch), 0) < len(self._layout)
+
+    # -- losing ranks: what they claimed comes back to the epoch -------------------------------
+
+    def _regroup_policy(self, survivors: list[int], lost: list[LostWork]) -> None:
+        assert self.counter is not None
+        regroups = self._regroups
+        records = self._read_claims()
+        recorded = {name for names in records.values() for name in names}
+        returned: list[Range] = []
+        for work in lost:
+            claims = [name for g, rank in enumerate(self._ranks_through_regroups(work.rank))
+                      for name in records.get((g, rank), [])]
+            batches = [b for name in claims for b in self._batches_of(self._span_of(name))]
+            if work.trained_batches > len(batches):
+                raise ValueError(
+                    f"LostWork(rank={work.rank}, trained_batches={work.trained_batches}) is invalid: that rank had "
+                    f"claimed {len(batches)} batches of epoch {self.epoch}."
+                )
+            self._lost_trained = merge(self._lost_trained + self._global(batches[: work.trained_batches]))
+            returned += batches[work.trained_batches :]
+            reserved = self._ranks_through_regroups(work.rank)[0]
+            if f"c{reserved}" not in recorded and reserved < len(self._layout):
+                # It never started the epoch (or died before recording its first chunk).
+                self._returned_chunks.add(reserved)
+                returned += self._batches_of(self._chunk_span(reserved))
+        # Claimed but unrecorded: a lost rank died between the claim and its record. Nobody
+        # claims during a regroup, so every other claim is in a record by now.
+        claimed = min(len(self._layout), self._epoch_world + self.counter.add(self.counter_key(self.epoch), 0))
+        for chunk in range(self._epoch_world, claimed):
+            if f"c{chunk}" not in recorded and chunk not in self._returned_chunks:
+                self._returned_chunks.add(chunk)
+                returned += self._batches_of(self._chunk_span(chunk))
+        if regroups:
+            # The previous regroup's queue closes: its unclaimed and its claimed-unrecorded batches move on.
+            queue = self._queues[regroups]
+            taken = min(len(queue), self.counter.add(self.queue_key(self.epoch, regroups), 0))
+            returned += [b for i, b in enumerate(queue) if i >= taken or f"r{regroups}.{i}" not in recorded]
+        # Sorted, the epoch's short tail batch (the last batch) comes last.
+        self._queues.append(sorted(returned))
+        self._queue_dry = False
+        self._lineage.append(list(survivors))
+        shares = self._speed_shares
+        if shares is not None and sum(shares[s] for s in survivors) > 0:
+            self._speed_shares = [shares[s] / sum(shares[k] for k in survivors) for s in survivors]
+        else:
+            self._speed_shares = None
+        self._drainer = None  # after a regroup every rank claims until the pool is dry
+
+    def _ranks_through_regroups(self, rank: int) -> list[int]:
+        """``rank`` (current numbering) in the numbering after each regroup of the epoch, from 0."""
+        ranks = [rank]
+        for survivors in reversed(self._lineage):
+            ranks.append(survivors[ranks[-1]])
+        return ranks[::-1]
+
+    def _read_claims(self) -> dict[tuple[int, int], list[str]]:
+        """Every rank's claim records of the epoch, by (regroups before it, rank then)."""
+        assert self.counter is not None
+        worlds = [self._epoch_world] + [len(s) for s in self._lineage]
+        records: dict[tuple[int, int], list[str]] = {}
+        for g, world in enumerate(worlds):
+            for rank in range(world):
+                key = self.claims_key(self.epoch, g, rank)
+                if self.counter.check([key]):
+                    value = self.counter.get(key)
+                    text = value.decode() if isinstance(value, bytes) else str(value)
+                    records[(g, rank)] = [name for name in text.split(";") if name]
+        return records
+
+    def _span_of(self, name: str) -> Range:
+        if name.startswith("c"):
+            return self._chunk_span(int(name[1:]))
+        regroup, index = name[1:].split(".")
+        return self._queues[int(regroup)][int(index)]
+
+    def _global(self, spans: Sequence[Range]) -> list[Range]:
+        """Local spans as epoch positions."""
+        if self._positions is None:
+            return merge(spans)
+        positions = self._positions
+        return compress(positions[p] for start, stop in spans for p in range(start, stop))
 
     def set_speed_shares(self, shares: Sequence[float]) -> None:
         """Each rank's share of the cohort's throughput (any positive scale), identical on every
@@ -523,7 +931,7 @@ class PoolDispatch(ElCheSampler):
         if held + upper_bound >= (held + self.max_chunk_batches) * patience:
             return False  # far from the tail: no need to look at the shared counter
         assert self.counter is not None
-        next_claim = self.world_size + self.counter.add(key, 0)
+        next_claim = self._epoch_world + self.counter.add(key, 0)
         if next_claim >= len(self._layout):
             return False  # the pool is dry: the claim below ends the epoch for this rank
         remaining = self._batches_from(next_claim)
@@ -550,10 +958,9 @@ class PoolDispatch(ElCheSampler):
         the epoch's remainder."""
         local: list[Range] = []
         left = batches
-        for chunk in self.record.chunks:
+        for start, stop in self.record.spans:
             if left <= 0:
                 break
-            start, stop = self._chunk_span(chunk)
             take = min(left, math.ceil((stop - start) / self.batch_size))
             local.append((start, min(start + take * self.batch_size, stop)))
             left -= take
@@ -562,14 +969,14 @@ class PoolDispatch(ElCheSampler):
                 f"Rank {self.rank} trained {batches} batches in epoch {self.epoch} but claimed only "
                 f"{batches - left}: the dispatch record is out of step with training."
             )
-        if self._positions is None:
-            return merge(local)
-        return compress(self._positions[p] for start, stop in local for p in range(start, stop))
+        return self._global(local)
 
     def _untrained(self, gathered: Sequence[Union[list[Range], int]]) -> list[Range]:
         resume = self._resumed_epoch()
         universe = [(0, self.samples_per_epoch)] if resume is None else list(resume.remaining or [])
         taken = [r for ranges in gathered for r in ranges]  # type: ignore[union-attr]
+        if self._regrouped_now():
+            taken += self._lost_trained  # the lost ranks' batches in the consensus
         return subtract(universe, taken)
 
     def _check_resumable(self, remaining: list[Range], epoch: int) -> None:

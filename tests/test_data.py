@@ -9,14 +9,26 @@ from lightning_elche.data import ElCheSampler, chunk_layout, epoch_permutation, 
 
 
 class SharedCounter:
-    """An in-memory stand-in for the torch.distributed store's atomic add."""
+    """An in-memory stand-in for the torch.distributed store: atomic add, append, check, get."""
 
     def __init__(self) -> None:
         self.values: dict[str, int] = {}
+        self.texts: dict[str, bytes] = {}
 
     def add(self, key: str, amount: int) -> int:
         self.values[key] = self.values.get(key, 0) + amount
         return self.values[key]
+
+    def append(self, key: str, value: str) -> None:
+        self.texts[key] = self.texts.get(key, b"") + value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.texts or key in self.values for key in keys)
+
+    def get(self, key: str) -> bytes:
+        if key in self.texts:
+            return self.texts[key]
+        return str(self.values[key]).encode()
 
 
 def drain_interleaved(samplers, rng: random.Random, speeds):

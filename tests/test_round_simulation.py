@@ -35,16 +35,29 @@ ROUND_TIMEOUT_S = 20.0
 
 
 class LockedCounter:
-    """The store's atomic add, for threads."""
+    """The store's atomic add, append, check and get, for threads."""
 
     def __init__(self) -> None:
         self._values: dict[str, int] = {}
+        self._texts: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
     def add(self, key: str, amount: int) -> int:
         with self._lock:
             self._values[key] = self._values.get(key, 0) + amount
             return self._values[key]
+
+    def append(self, key: str, value: str) -> None:
+        with self._lock:
+            self._texts[key] = self._texts.get(key, b"") + value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return all(key in self._texts or key in self._values for key in keys)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return self._texts[key] if key in self._texts else str(self._values[key]).encode()
 
 
 class RoundBoard:
