@@ -216,6 +216,8 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         self._regroup_epoch: Optional[int] = None  # the epoch the regroups below belong to
         self._regroups = 0  # regroups in that epoch
         self._lost_trained: list[Range] = []  # positions the lost ranks trained into the consensus
+        self.returned_batches = 0
+        """Batches the last :meth:`regroup` handed to the survivors (the same on every survivor)."""
         self._set_up_policy()
         self._check_every_rank_gets_data()
         self._prepare_epoch_policy()
@@ -541,6 +543,7 @@ class _OwnStreamDispatch(ElCheSampler):
             returned.extend(rest)
         # Whole batches of the remainder (a short one only last), so no batch is cut in two.
         batches = [returned[i : i + self.batch_size] for i in range(0, len(returned), self.batch_size)]
+        self.returned_batches = len(batches)
         shares = self._returned_shares(len(batches), survivors)
         extended: list[list[Sequence[int]]] = []
         for rank, share in zip(survivors, shares, strict=True):
@@ -838,6 +841,7 @@ class PoolDispatch(ElCheSampler):
             returned += [b for i, b in enumerate(queue) if i >= taken or f"r{regroups}.{i}" not in recorded]
         # Sorted, the epoch's short tail batch (the last batch) comes last.
         self._queues.append(sorted(returned))
+        self.returned_batches = len(returned)
         self._queue_dry = False
         self._lineage.append(list(survivors))
         shares = self._speed_shares

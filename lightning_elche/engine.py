@@ -108,6 +108,9 @@ class Regroup:
     rank: int  # this rank's new number
     group: Optional[Any]  # the averaging plane's new group (None: the new default group)
     stop: StopRequest = StopRequest.NONE  # RANKS_LOST when max_failure is reached
+    epoch_continues: bool = False
+    """The lost ranks left untrained work in the epoch: the retried round must not end it, even
+    if every survivor had run out of its own data."""
 
 
 PeerFailureHandler = Callable[[PeerFailure], Regroup]
@@ -167,6 +170,7 @@ class ElCheEngine:
         self._last_sync_s = 0.0
         self._lr = 0.0
         self._forced_stop = StopRequest.NONE
+        self._epoch_continues = False
         self.on_peer_failure: Optional[PeerFailureHandler] = None
         """Called when a round's collective fails: agrees on the lost ranks and rebuilds the groups.
         None: the failure ends the fit."""
@@ -366,13 +370,14 @@ class ElCheEngine:
         lr = reports[0].lr if reports[0].lr > 0 else None
         feedback = self.convergence.after_round(divergence, sum(steps), max(steps), lr)
         budget_reached = self.step_budget is not None and state.cohort_step >= self.step_budget
-        epoch_over = all(r.out_of_data for r in reports)
+        epoch_over = all(r.out_of_data for r in reports) and not self._epoch_continues
+        self._epoch_continues = False
         # In-flight rounds are never consensus rounds (those block), so the flag set at the start
         # of the round being finished is this round's.
         consensus = self._consensus_round or not self.plane.non_blocking
         requested = StopRequest(max(max(r.stop_level for r in reports), self._forced_stop))
         self._forced_stop = StopRequest.NONE
-        stop_level = self._stop_to_act_on(requested, reports, consensus)
+        stop_level = self._stop_to_act_on(requested, reports, consensus, epoch_over)
         outcome = RoundOutcome(
             index=state.rounds,
             reports=reports,
@@ -392,7 +397,9 @@ class ElCheEngine:
         self.last_outcome = outcome
         return outcome
 
-    def _stop_to_act_on(self, requested: StopRequest, reports: tuple[RankReport, ...], consensus: bool) -> StopRequest:
+    def _stop_to_act_on(
+        self, requested: StopRequest, reports: tuple[RankReport, ...], consensus: bool, epoch_over: bool
+    ) -> StopRequest:
         """The stop this round acts on; a saving stop may be carried to a later round.
 
         A save needs every replica at the consensus with no step past it, and a point where every
@@ -403,7 +410,6 @@ class ElCheEngine:
         """
         if not requested.saves:
             return requested
-        epoch_over = all(r.out_of_data for r in reports)
         if epoch_over or (consensus and not any(r.out_of_data for r in reports)):
             return requested  # an epoch-end round blocks on every rank and is adopted with alpha 1
         self._carried_stop = requested
@@ -442,6 +448,7 @@ class ElCheEngine:
         self.plane.regroup(regroup.group, regroup.rank, len(survivors))
         # Every survivor learns the same limit at the same round: that round acts on it.
         self._forced_stop = max(self._forced_stop, regroup.stop)
+        self._epoch_continues = self._epoch_continues or regroup.epoch_continues
 
     # -- checkpoints -----------------------------------------------------------------------
 

@@ -544,10 +544,11 @@ def _chained_handler(
 # -- after a lost rank: the survivors' view -------------------------------------------------------
 
 
-def reopen_training_epoch(trainer: Trainer) -> bool:
+def reopen_training_epoch(trainer: Trainer, before: Callable[[], None]) -> bool:
     """Iterate the training DataLoader again within the current epoch (the sampler continues the
-    epoch with re-dispatched work); whether a batch came. Call only at the rank's last batch, when
-    the fetcher holds nothing more of the old iterator.
+    epoch with re-dispatched work); whether a batch came. ``before`` runs first (the sampler's
+    ``reopen``). Call only at the rank's last batch, when the fetcher holds nothing more of the old
+    iterator.
 
     Lightning's fetcher looks one batch ahead to find the last batch; it is rewound to the new
     iterator with that look-ahead refilled, and the epoch loop's last-batch flag is cleared so
@@ -557,6 +558,7 @@ def reopen_training_epoch(trainer: Trainer) -> bool:
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is None or fetcher.batches:
         return False
+    before()
     fetcher.iterator = iter(fetcher.combined_loader)
     try:
         fetcher.batches.append(_DataFetcher.__next__(fetcher))

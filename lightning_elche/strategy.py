@@ -556,8 +556,7 @@ class ElCheStrategy(DDPStrategy):
         sampler = self._sampler
         if sampler is None or not sampler.wants_reopen:
             return False
-        sampler.reopen()
-        return reopen_training_epoch(trainer)
+        return reopen_training_epoch(trainer, sampler.reopen)
 
     # -- lost ranks ------------------------------------------------------------------------------
 
@@ -585,8 +584,9 @@ class ElCheStrategy(DDPStrategy):
         limit = failure_limit(self.max_failure, membership.world_size + membership.lost_count)
         ended = limit is not None and membership.lost_count >= limit
         self._warn_lost(loss, ended, limit)
+        handed_over = self._sampler is not None and self._sampler.returned_batches > 0
         return Regroup(loss.survivors, membership.rank, group,
-                       StopRequest.RANKS_LOST if ended else StopRequest.NONE)
+                       StopRequest.RANKS_LOST if ended else StopRequest.NONE, epoch_continues=handed_over)
 
     def _fence(self, loss: Loss) -> None:
         # A stopped or hung rank may wake up later: it is out for good, so end it where we can
