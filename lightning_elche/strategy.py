@@ -91,6 +91,7 @@ from lightning_elche.trainer_checks import check_trainer
 log = logging.getLogger(__name__)
 
 RoundListener = Callable[[RoundOutcome, dict[str, float]], None]
+RankLossListener = Callable[[Loss], None]
 
 
 class RankLostWarning(UserWarning):
@@ -214,11 +215,13 @@ class ElCheStrategy(DDPStrategy):
         self._restored_state: Optional[dict[str, Any]] = None
         self._restored_coverage: Optional[EpochCoverage] = None
         self._round_listeners: list[RoundListener] = []
+        self._rank_loss_listeners: list[RankLossListener] = []
         self._averaged_buffers: list[Tensor] = []  # the buffer tensors the rounds reduce
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_round_listeners"] = []  # listeners re-register in their callbacks' setup
+        state["_rank_loss_listeners"] = []
         return state
 
     # -- ranks: renumbered densely after a lost rank --------------------------------------------
@@ -292,6 +295,16 @@ class ElCheStrategy(DDPStrategy):
     def remove_round_listener(self, listener: RoundListener) -> None:
         if listener in self._round_listeners:
             self._round_listeners.remove(listener)
+
+    def add_rank_loss_listener(self, listener: RankLossListener) -> None:
+        """Call ``listener(loss)`` on every survivor when ranks were lost, once the survivors
+        regrouped (``global_rank`` and ``world_size`` are the new numbering) and before the failed
+        round runs again. No collectives inside."""
+        self._rank_loss_listeners.append(listener)
+
+    def remove_rank_loss_listener(self, listener: RankLossListener) -> None:
+        if listener in self._rank_loss_listeners:
+            self._rank_loss_listeners.remove(listener)
 
     def epoch_callback_rank(self, policy: Optional[str] = None) -> Optional[int]:
         """The rank that runs epoch callbacks under ``policy`` (default: the strategy's);
@@ -584,6 +597,8 @@ class ElCheStrategy(DDPStrategy):
         limit = failure_limit(self.max_failure, membership.world_size + membership.lost_count)
         ended = limit is not None and membership.lost_count >= limit
         self._warn_lost(loss, ended, limit)
+        for listener in self._rank_loss_listeners:
+            listener(loss)
         handed_over = self._sampler is not None and self._sampler.returned_batches > 0
         return Regroup(loss.survivors, membership.rank, group,
                        StopRequest.RANKS_LOST if ended else StopRequest.NONE, epoch_continues=handed_over)
