@@ -19,8 +19,8 @@ this one file:
   when the round ended an epoch), where every rank reaches the same code with the same weights,
   then the fit ends;
 * **a checkpoint inside an epoch** (:meth:`Session.at_sync_point`): every rank is at the same round;
-* **a peer is lost** (:meth:`Session.peer_lost`): the entry point for failure handling; today a
-  lost peer ends the fit with a clear error on every rank that notices.
+* **ranks were lost** (:meth:`Session.regroup`): the survivors go on, renumbered; the callback role
+  follows its rank or is chosen again.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal, NoReturn, Optional
+from typing import Any, Literal, Optional
 
 from lightning_elche.engine import RoundOutcome
 from lightning_elche.rounds import StopRequest
@@ -102,8 +102,6 @@ class Phase(enum.Enum):
     """Inside ``sync_point()`` right after a consensus round: every rank at the same code."""
     SAVING = "saving"
     """A stop signal was acted on: no more steps or rounds; the save comes at the next batch start."""
-    ABORTED = "aborted"
-    """The fit ended on a stop signal or a lost peer; every rank raises."""
 
 
 class RoundAction(enum.Enum):
@@ -113,10 +111,6 @@ class RoundAction(enum.Enum):
     LEAVE_EPOCH = "leave_epoch"  # every rank is out of data: the epoch ends after this batch
     STOP_FIT = "stop_fit"  # a stop request or the step budget: set trainer.should_stop
     SAVE_AND_EXIT = "save_and_exit"  # a stop signal: save at the next batch start, then raise
-
-
-class PeerLost(RuntimeError):
-    """A peer rank stopped answering ElChe's rounds."""
 
 
 class Session:
@@ -254,15 +248,3 @@ class Session:
         """Ranks were lost mid-fit and the survivors (old numbers, in new-rank order) went on."""
         self.world_size = len(survivors)
         self.callback_role.retain(survivors)
-
-    def peer_lost(self, rank: int, cause: BaseException) -> NoReturn:
-        """Entry point for a rank that stopped answering the rounds (a timeout of the transport).
-
-        Today the fit cannot continue without it: raise, naming the rank. Failure handling (drop
-        the rank, save a checkpoint, re-plan the dispatch) belongs here.
-        """
-        self.phase = Phase.ABORTED
-        raise PeerLost(
-            f"ElChe rank {rank} stopped answering the sync rounds ({cause}); the fit cannot continue "
-            "without it. Resume from the last checkpoint."
-        ) from cause

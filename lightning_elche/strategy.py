@@ -94,6 +94,16 @@ RoundListener = Callable[[RoundOutcome, dict[str, float]], None]
 RankLossListener = Callable[[Loss], None]
 
 
+def _default_group_shrinks() -> bool:
+    """Whether the default group's backend can drop ranks in place (NCCL >= 2.27 with torch >= 2.10)."""
+    if not hasattr(dist.distributed_c10d, "shrink_group") or "nccl" not in str(dist.get_backend()):
+        return False
+    try:
+        return bool(dist.group.WORLD._get_backend(torch.device("cuda")).supports_shrinking)
+    except Exception:
+        return False
+
+
 class RankLostWarning(UserWarning):
     """A rank was lost and the survivors went on without it."""
 
@@ -203,6 +213,12 @@ class ElCheStrategy(DDPStrategy):
         self.epoch_callback_policy = check_policy("ElCheStrategy", epoch_callback_policy)
         self.max_failure = check_max_failure(max_failure)
         self.liveness_timeout = check_liveness_timeout(liveness_timeout)
+        if timeout is not None and self.liveness_timeout >= timeout:
+            raise ValueError(
+                f"ElCheStrategy(liveness_timeout={self.liveness_timeout}) must be shorter than timeout={timeout}: a "
+                "lost rank is detected at the liveness timeout, before the transport's own timeout (NCCL's watchdog "
+                "aborts the process at it)."
+            )
         self._membership: Optional[Membership] = None
         # Everything below is built per fit, inside the rank processes (never pickled).
         self._session = Session(world_size=1)  # replaced in setup; its role answers before that
@@ -583,7 +599,7 @@ class ElCheStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         loss = membership.agree(failure)
         self._fence(loss)
-        group = self._rebuild_process_groups(membership.rank, membership.world_size)
+        group = self._rebuild_process_groups(loss.lost, membership.rank, membership.world_size)
         renumber_lightning_ranks(trainer, membership.rank)
         self._session.regroup(loss.survivors)
         if self._sampler is not None:
@@ -613,8 +629,28 @@ class ElCheStrategy(DDPStrategy):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(proc[1], signal.SIGKILL)
 
-    def _rebuild_process_groups(self, rank: int, world_size: int) -> Optional[Any]:
-        """The survivors' default group (and averaging side group), on store keys of this generation."""
+    def _rebuild_process_groups(self, lost: list[int], rank: int, world_size: int) -> Optional[Any]:
+        """The survivors' default group (and averaging side group): NCCL's own shrink where the
+        installed torch and NCCL offer it, else a new group on store keys of this generation."""
+        assert self._membership is not None
+        if not (_default_group_shrinks() and self._shrink_default_group(lost)):
+            self._reinit_default_group(rank, world_size)
+        self._side_group = None
+        if self.elche.run_mode.transport is Transport.HOST:
+            self._side_group = dist.new_group(backend="gloo", timeout=self.snapshot_timeout)
+        return self._side_group
+
+    def _shrink_default_group(self, lost: list[int]) -> bool:
+        # SHRINK_ABORT first aborts the collectives still waiting on the lost ranks; shrinking
+        # the default group destroys the other groups (the side group is built again).
+        try:
+            dist.distributed_c10d.shrink_group(lost, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+        except Exception as error:  # e.g. an NCCL build without shrink support: build a new group
+            log.warning(f"ElCheStrategy: shrink_group failed ({error}); building a new group over the store.")
+            return False
+        return True
+
+    def _reinit_default_group(self, rank: int, world_size: int) -> None:
         assert self._membership is not None
         backend = dist.get_backend()
         for group in (self._side_group, dist.group.WORLD):
@@ -627,10 +663,6 @@ class ElCheStrategy(DDPStrategy):
         device = self.root_device if self.root_device.type == "cuda" else None
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=process_group_timeout(self), device_id=device)
-        self._side_group = None
-        if self.elche.run_mode.transport is Transport.HOST:
-            self._side_group = dist.new_group(backend="gloo", timeout=self.snapshot_timeout)
-        return self._side_group
 
     def _warn_lost(self, loss: Loss, ended: bool, limit: Optional[int]) -> None:
         assert self._membership is not None

@@ -12,7 +12,7 @@ from lightning.pytorch import Trainer
 
 from lightning_elche.loop_glue import LightningPatches
 from lightning_elche.rounds import StopRequest
-from lightning_elche.session import PeerLost, Phase, RoundAction, Session
+from lightning_elche.session import Phase, RoundAction, Session
 
 
 def outcome(epoch_over=False, stop=StopRequest.NONE, budget=False) -> SimpleNamespace:
@@ -86,11 +86,13 @@ def test_sync_point_is_a_phase_that_restores_the_previous_one():
     assert session.in_window
 
 
-def test_a_lost_peer_ends_the_fit_naming_the_rank():
-    session = Session(world_size=3)
-    with pytest.raises(PeerLost, match="ElChe rank 2 stopped answering"):
-        session.peer_lost(2, TimeoutError("snapshot timeout"))
-    assert session.phase is Phase.ABORTED
+def test_a_regroup_renumbers_the_callback_role():
+    session = Session(world_size=4)
+    session.callback_role.fastest = 3
+    session.regroup([0, 1, 3])
+    assert session.world_size == 3 and session.callback_role.fastest == 2
+    session.regroup([0, 1])  # the role's rank is lost: chosen again from the next timings
+    assert session.callback_role.fastest is None and session.callback_role.rank_for("fastest") == 0
 
 
 def test_max_steps_is_taken_over_and_given_back():

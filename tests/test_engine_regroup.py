@@ -1,0 +1,117 @@
+"""A round that fails on a lost peer: the engine regroups and runs it again (no processes)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from lightning_elche import ElCheConfig
+from lightning_elche.averaging import round_weights
+from lightning_elche.controller import ElCheController
+from lightning_elche.engine import ElCheEngine, Regroup
+from lightning_elche.membership import PeerFailure
+from lightning_elche.planes.base import AveragingPlane, RoundResult
+from lightning_elche.rounds import META_SIZE, Meta, StopRequest
+
+
+class FailingPeers(AveragingPlane):
+    """Rank 0 under test among ``world_size`` ranks; the first ``failures`` collects raise."""
+
+    def __init__(self, world_size: int, failures: int = 1) -> None:
+        self.world_size, self.failures = world_size, failures
+        self.peer_out_of_data = False
+        self.regroups: list[tuple[Optional[Any], int, int]] = []
+        self.retries = 0
+        self._local: Optional[torch.Tensor] = None
+
+    def start(self, local: torch.Tensor) -> None:
+        self._local = local
+
+    def collect(self) -> RoundResult:
+        if self.failures:
+            self.failures -= 1
+            raise PeerFailure("a collective of the round failed: Connection closed by peer")
+        assert self._local is not None
+        rows = [self._local.cpu().tolist()]
+        for _ in range(self.world_size - 1):
+            peer = torch.zeros(META_SIZE, dtype=torch.float64)
+            for slot in (Meta.ROUND, Meta.EPOCH, Meta.SIGNATURE):
+                peer[slot] = self._local[slot]
+            peer[Meta.FINITE], peer[Meta.STEPS], peer[Meta.COMPUTE_S] = 1.0, 3, 0.3
+            peer[Meta.OUT_OF_DATA] = float(self.peer_out_of_data)
+            rows.append(peer.tolist())
+        return RoundResult(rows, round_weights([int(r[Meta.STEPS]) for r in rows], 1.0), None)
+
+    def regroup(self, group: Optional[Any], rank: int, world_size: int) -> None:
+        self.regroups.append((group, rank, world_size))
+        self.world_size = world_size
+
+    def retry(self) -> None:
+        self.retries += 1
+
+
+def engine_for(plane: FailingPeers, world_size: int) -> ElCheEngine:
+    engine = ElCheEngine(ElCheConfig(), plane, rank=0, world_size=world_size, device=torch.device("cpu"),
+                         params=[torch.ones(3)], signature=7.0)
+    engine.set_epoch_size(1000)
+    return engine
+
+
+def test_the_failed_round_runs_again_on_the_survivors() -> None:
+    plane = FailingPeers(world_size=3)
+    engine = engine_for(plane, 3)
+    seen: list[PeerFailure] = []
+
+    def regroup(failure: PeerFailure) -> Regroup:
+        seen.append(failure)
+        return Regroup(survivors=[0, 2], rank=0, group="new-group")
+
+    engine.on_peer_failure = regroup
+    (outcome,) = engine.run_round(epoch=0, out_of_data=False, epoch_batches=5)
+    assert len(seen) == 1 and plane.retries == 1
+    assert plane.regroups == [("new-group", 0, 2)]
+    assert len(outcome.reports) == 2 and engine.world_size == 2
+    assert engine.controller.world_size == 2 and len(engine.controller.batch_counts) == 2
+    assert len(engine.state.totals) == 2 and len(engine.state.lost_totals) == 1
+    assert outcome.reports[0].epoch_batches == 5
+    assert engine.metrics(outcome)["elche/alive"] == 2.0
+
+
+def test_without_a_handler_the_failure_ends_the_fit() -> None:
+    engine = engine_for(FailingPeers(world_size=2), 2)
+    with pytest.raises(PeerFailure):
+        engine.run_round(epoch=0, out_of_data=False)
+
+
+def test_handed_over_work_keeps_the_epoch_open_for_one_round() -> None:
+    plane = FailingPeers(world_size=3)
+    plane.peer_out_of_data = True
+    engine = engine_for(plane, 3)
+    engine.on_peer_failure = lambda failure: Regroup([0, 1], 0, None, epoch_continues=True)
+    (retried,) = engine.run_round(epoch=0, out_of_data=True)
+    assert not retried.epoch_over, "the survivors still have the lost rank's batches to train"
+    (next_round,) = engine.run_round(epoch=0, out_of_data=True)
+    assert next_round.epoch_over
+
+
+def test_reaching_max_failure_stops_at_the_retried_round() -> None:
+    plane = FailingPeers(world_size=3)
+    engine = engine_for(plane, 3)
+    engine.on_peer_failure = lambda failure: Regroup([0, 1], 0, None, stop=StopRequest.RANKS_LOST)
+    (outcome,) = engine.run_round(epoch=0, out_of_data=False)
+    assert outcome.stop_level is StopRequest.RANKS_LOST and outcome.stop_level.saves
+
+
+def test_the_controller_keeps_the_survivors_speeds() -> None:
+    controller = ElCheController(world_size=3, anchor=4)
+    controller.report_timing([10.0, 40.0, 20.0], [4, 1, 2], 1.0)
+    speeds = [controller.smoothed_ms(r) for r in range(3)]
+    controller.retain([0, 2])
+    assert controller.world_size == 2
+    assert [controller.smoothed_ms(r) for r in range(2)] == [speeds[0], speeds[2]]
+    controller.report_timing([10.0, 20.0], [4, 2], 1.0)
+    assert controller.batch_counts[0] > controller.batch_counts[1], "the faster survivor plans more batches"
+    with pytest.raises(ValueError, match="retained"):
+        controller.retain([0, 0])

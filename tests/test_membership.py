@@ -1,0 +1,219 @@
+"""Liveness, agreement and the watched wait of ``membership.py``, on an in-process store (no processes)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from lightning_elche import ElCheStrategy
+from lightning_elche.job_store import heartbeat_key, proc_key
+from lightning_elche.membership import (
+    Membership,
+    PeerFailure,
+    RanksLost,
+    check_liveness_timeout,
+    check_max_failure,
+    failure_limit,
+)
+
+LIVENESS = timedelta(seconds=1)
+
+
+def members(store: Any, ranks: list[int], world: int, liveness: timedelta = LIVENESS) -> list[Membership]:
+    return [Membership(store, "fit", r, list(range(world)), liveness, join_timeout=timedelta(seconds=5))
+            for r in ranks]
+
+
+@pytest.mark.parametrize(("value", "world", "limit"), [(None, 4, None), (1, 4, 1), (2, 3, 2), (0.5, 3, 2),
+                                                        (1.0, 4, 4), (0.01, 8, 1)])
+def test_max_failure_reads_like_flodl(value: Any, world: int, limit: Any) -> None:
+    assert failure_limit(check_max_failure(value), world) == limit
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, 0.0, float("nan"), "2", [1]])
+def test_bad_max_failure_names_the_knob(value: Any) -> None:
+    with pytest.raises((ValueError, TypeError), match="max_failure"):
+        check_max_failure(value)
+    with pytest.raises((ValueError, TypeError), match="max_failure"):
+        ElCheStrategy(max_failure=value)
+
+
+@pytest.mark.parametrize("value", [timedelta(seconds=0.5), 30, None])
+def test_bad_liveness_timeout_names_the_knob(value: Any) -> None:
+    with pytest.raises(ValueError, match="liveness_timeout"):
+        check_liveness_timeout(value)
+
+
+def test_liveness_must_come_before_the_transport_timeout() -> None:
+    with pytest.raises(ValueError, match="liveness_timeout.*timeout"):
+        ElCheStrategy(liveness_timeout=timedelta(seconds=60), timeout=timedelta(seconds=60))
+    assert ElCheStrategy(liveness_timeout=timedelta(seconds=5), timeout=timedelta(seconds=60)).max_failure is None
+
+
+def test_a_silent_heartbeat_is_lost_after_the_liveness_timeout() -> None:
+    store = dist.HashStore()
+    (me,) = members(store, [0], world=2)
+    store.add(heartbeat_key(1), 1)
+    try:
+        assert me.detect_lost() == {}  # first reading
+        time.sleep(0.5)
+        store.add(heartbeat_key(1), 1)
+        assert me.detect_lost() == {}  # it moved
+        time.sleep(1.2)
+        lost = me.detect_lost()
+        assert list(lost) == [1] and "silent" in lost[1]
+    finally:
+        me.close()
+
+
+def test_a_gone_process_and_a_failure_notice_are_lost_at_once() -> None:
+    store = dist.HashStore()
+    store.set(proc_key(1), "some-other-host:1")  # another host: its process cannot be checked
+    import socket
+
+    store.set(proc_key(2), f"{socket.gethostname()}:999999999")  # this host, no such process
+    ms = members(store, [0, 1], world=3)
+    try:
+        ms[1].leave("RuntimeError: boom")
+        lost = ms[0].detect_lost()
+        assert set(lost) == {1, 2}
+        assert "boom" in lost[1] and "gone" in lost[2]
+    finally:
+        for m in ms:
+            m.close()
+
+
+def test_survivors_agree_on_one_proposal_and_renumber() -> None:
+    store = dist.HashStore()
+    import socket
+
+    store.set(proc_key(1), f"{socket.gethostname()}:999999999")  # rank 1 is gone
+    ms = members(store, [0, 2, 3], world=4)
+    losses: dict[int, Any] = {}
+
+    def agree(m: Membership) -> None:
+        losses[m.original_rank] = m.agree(RuntimeError("connection closed"))
+
+    threads = [threading.Thread(target=agree, args=(m,)) for m in ms]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+        assert sorted(losses) == [0, 2, 3]
+        for m in ms:
+            loss = losses[m.original_rank]
+            assert loss.lost == [1] and loss.survivors == [0, 2, 3] and loss.generation == 1
+            assert m.members == [0, 2, 3] and m.world_size == 3 and m.renumbered
+        assert [m.rank for m in ms] == [0, 1, 2]
+    finally:
+        for m in ms:
+            m.close()
+
+
+def test_a_rank_the_others_declared_lost_leaves() -> None:
+    store = dist.HashStore()
+    ms = members(store, [0, 1], world=2)
+    try:
+        ms[0]._propose(1, {1: "silent for 31 s"})
+        with pytest.raises(RanksLost, match="declared this rank"):
+            ms[1].agree(RuntimeError("timed out"))
+    finally:
+        for m in ms:
+            m.close()
+
+
+def test_a_failure_with_every_peer_alive_is_not_a_loss() -> None:
+    store = dist.HashStore()
+    ms = members(store, [0, 1], world=2)
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerFailure, match="no peer was found lost"):
+            ms[0].agree(RuntimeError("some other error"))
+        assert time.monotonic() - started < 5.0
+    finally:
+        for m in ms:
+            m.close()
+
+
+class Pending:
+    """A collective that never completes (gloo's wait(timeout) raises 'timed out')."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        time.sleep(timeout.total_seconds() if timeout else 0.0)
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self) -> bool:
+        return False
+
+
+class Failed:
+    def wait(self, timeout: Any = None) -> bool:
+        raise RuntimeError("[pair.cc:553] Connection closed by peer")
+
+
+def test_the_watched_wait_turns_a_lost_peer_into_a_peer_failure() -> None:
+    store = dist.HashStore()
+    ms = members(store, [0, 1], world=2)
+    try:
+        with pytest.raises(PeerFailure, match="Connection closed"):
+            ms[0].wait(Failed())
+        ms[1].leave("KeyboardInterrupt")
+        started = time.monotonic()
+        with pytest.raises(PeerFailure, match=r"rank\(s\) \[1\]"):
+            ms[0].wait(Pending())
+        assert time.monotonic() - started < 3.0
+    finally:
+        for m in ms:
+            m.close()
+
+
+def test_the_watched_wait_stops_when_survivors_already_regroup() -> None:
+    store = dist.HashStore()
+    ms = members(store, [0, 1, 2], world=3)
+    try:
+        ms[2]._propose(1, {0: "its process is gone"})
+        with pytest.raises(PeerFailure, match="regrouping"):
+            ms[1].wait(Pending(), host_blocking=False)
+    finally:
+        for m in ms:
+            m.close()
+
+
+def test_lightning_cli_reads_max_failure_and_liveness_timeout(tmp_path: Any, monkeypatch: Any) -> None:
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  logger: false\n"
+        "  strategy:\n    class_path: lightning_elche.ElCheStrategy\n"
+        "    init_args:\n      mode: cpu_cadence\n      max_failure: 0.5\n      liveness_timeout: 0:00:10\n"
+    )
+    cli = LightningCLI(BoringModel, run=False, save_config_callback=None, seed_everything_default=False,
+                       args=["--config", str(config)])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ElCheStrategy)
+    assert strategy.max_failure == 0.5 and strategy.liveness_timeout == timedelta(seconds=10)
+    config.write_text(config.read_text().replace("max_failure: 0.5", "max_failure: 0"))
+    with pytest.raises((SystemExit, ValueError)):
+        LightningCLI(BoringModel, run=False, save_config_callback=None, seed_everything_default=False,
+                     args=["--config", str(config)])
+
+
+def test_the_summary_lists_lost_ranks_below_the_survivors() -> None:
+    from lightning_elche.engine import FitProgress, RankTotals
+    from lightning_elche.summary import format_summary
+
+    progress = FitProgress(mode="cpu_async", rounds=9, cohort_step=70, anchor=3, plan=(3, 2), epoch_batches=32,
+                           totals=(RankTotals(steps=40), RankTotals(steps=20)), lost_totals=(RankTotals(steps=10),))
+    text = format_summary(progress, lost_ranks=[1])
+    rows = [line.split() for line in text.splitlines()[2:4 + 1]]
+    assert [r[0] for r in rows] == ["0", "1", "lost1"] and [int(r[1]) for r in rows] == [40, 20, 10]
+    assert "70 cohort steps," in text and "resumed" not in text and "1 rank(s) lost" in text
