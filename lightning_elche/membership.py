@@ -74,6 +74,16 @@ def failure_limit(max_failure: MaxFailure, world_size: int) -> Optional[int]:
     return int(max_failure)
 
 
+def resolve_liveness_timeout(value: Any, transport_timeout: Optional[timedelta]) -> timedelta:
+    """The liveness timeout to use: ``value`` (checked), or by default 30 s, or half the transport's
+    timeout when that is shorter (a lost rank must be found before the transport gives up)."""
+    if value is not None:
+        return check_liveness_timeout(value)
+    if transport_timeout is None or transport_timeout >= 2 * DEFAULT_LIVENESS_TIMEOUT:
+        return DEFAULT_LIVENESS_TIMEOUT
+    return max(timedelta(seconds=1), transport_timeout / 2)
+
+
 def check_liveness_timeout(value: Any) -> timedelta:
     if not isinstance(value, timedelta) or value.total_seconds() < 1.0:
         raise ValueError(

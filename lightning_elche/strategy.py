@@ -70,15 +70,14 @@ from lightning_elche.loop_glue import (
     with_training_sampler,
 )
 from lightning_elche.membership import (
-    DEFAULT_LIVENESS_TIMEOUT,
     Loss,
     MaxFailure,
     Membership,
     PeerFailure,
     RanksLost,
-    check_liveness_timeout,
     check_max_failure,
     failure_limit,
+    resolve_liveness_timeout,
 )
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import AveragingPlane, CollectivePlane, CpuPlane
@@ -151,7 +150,8 @@ class ElCheStrategy(DDPStrategy):
             survivors regroup, take over its untrained data and go on; at the limit every survivor
             saves a consensus checkpoint (``last-ranks-lost.ckpt``) and exits with an error.
         liveness_timeout: how long a rank may stay silent (no heartbeat) before its peers declare
-            it lost. A killed or crashed rank on the same host is noticed at once.
+            it lost (default 30 s, or half of ``timeout`` when that is shorter; it must be shorter
+            than ``timeout``). A killed or crashed rank on the same host is noticed at once.
         epoch_callback_policy: which rank runs user epoch callbacks wrapped in
             :class:`~lightning_elche.EpochCallbacks` (or that check :attr:`runs_epoch_callbacks`):
             ``"fastest"`` (default, as flodl), ``"rank0"`` or ``"all"``. Callbacks that Lightning
@@ -173,7 +173,7 @@ class ElCheStrategy(DDPStrategy):
         summary: bool = True,
         epoch_callback_policy: EpochCallbackPolicy = "fastest",
         max_failure: MaxFailure = None,
-        liveness_timeout: timedelta = DEFAULT_LIVENESS_TIMEOUT,
+        liveness_timeout: Optional[timedelta] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -212,7 +212,7 @@ class ElCheStrategy(DDPStrategy):
         self.summary = summary
         self.epoch_callback_policy = check_policy("ElCheStrategy", epoch_callback_policy)
         self.max_failure = check_max_failure(max_failure)
-        self.liveness_timeout = check_liveness_timeout(liveness_timeout)
+        self.liveness_timeout = resolve_liveness_timeout(liveness_timeout, timeout)
         if timeout is not None and self.liveness_timeout >= timeout:
             raise ValueError(
                 f"ElCheStrategy(liveness_timeout={self.liveness_timeout}) must be shorter than timeout={timeout}: a "
@@ -270,11 +270,9 @@ class ElCheStrategy(DDPStrategy):
     def tolerates_rank_loss(self) -> bool:
         """Whether a rank may be lost now without ending the job (the launcher then spares the
         survivors when a rank's process fails). Called from the launcher's observer thread."""
-        membership = self._membership
-        if membership is None or not membership.active:
-            return False
-        limit = failure_limit(self.max_failure, membership.world_size + membership.lost_count)
-        return limit is None or membership.lost_count < limit
+        # Also once max_failure is reached: the survivors then save and exit by themselves, and a
+        # kill from the launcher must not cut the save short.
+        return self._membership is not None and self._membership.active
 
     # -- what callbacks may use --------------------------------------------------------------
 

@@ -53,6 +53,9 @@ def test_liveness_must_come_before_the_transport_timeout() -> None:
     with pytest.raises(ValueError, match="liveness_timeout.*timeout"):
         ElCheStrategy(liveness_timeout=timedelta(seconds=60), timeout=timedelta(seconds=60))
     assert ElCheStrategy(liveness_timeout=timedelta(seconds=5), timeout=timedelta(seconds=60)).max_failure is None
+    # The default follows a short transport timeout instead of refusing it.
+    assert ElCheStrategy(timeout=timedelta(seconds=30)).liveness_timeout == timedelta(seconds=15)
+    assert ElCheStrategy().liveness_timeout == timedelta(seconds=30)
 
 
 def test_a_silent_heartbeat_is_lost_after_the_liveness_timeout() -> None:

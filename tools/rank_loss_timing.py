@@ -1,0 +1,171 @@
+"""How long a lost rank costs: detection, regroup and the samples trained again, per mode and fault.
+
+    python tools/rank_loss_timing.py --out docs/benchmarks/rank_loss [--modes ...] [--faults ...] [--repeat 3]
+
+Runs ``tests/scripts/fault_fit.py`` (3 CPU ranks, gloo, Lightning's popen launcher) once per mode,
+fault and repeat, and reads what the job left: the fault's wall time (written by the faulty rank
+just before it acts), each survivor's detection time (``Loss.detected_at``), and every rank's
+per-step records. It reports
+
+* **detect**: the fault to the first survivor's detection;
+* **resume**: the fault to the first training step any survivor starts after every survivor has
+  detected the loss (the regroup, the retried round and the re-dispatch all fall in between);
+* **redone**: samples the lost rank had trained that were not in the consensus (the survivors
+  train them again), and the lost rank's batches that the survivors took over in all.
+
+Results go to ``<out>/rank_loss.json`` and ``<out>/rank_loss.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "fault_fit.py"
+MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
+FAULTS = {"kill": "kill:1:{step}", "kill-rank0": "kill:0:{step}", "stop": "stop:2:{step}", "raise": "raise:1:{step}"}
+TAG = "ELCHE_RANK_LOSS_TIMING"
+
+
+def run_once(out: Path, mode: str, fault: str, step: int, liveness_s: float, timeout_s: float) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    tag = secrets.token_hex(6)
+    env = {**os.environ, TAG: tag, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [sys.executable, str(SCRIPT), str(out), "--mode", mode, "--fault", FAULTS[fault].format(step=step),
+               "--liveness", str(liveness_s), "--epochs", "2"]
+    with open(out / "job.log", "w") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc.wait(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while _tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    leftover = _tagged(tag)
+    for pid in leftover:
+        os.kill(pid, signal.SIGKILL)
+    return measure(out, mode, fault, leftover)
+
+
+def measure(out: Path, mode: str, fault: str, leftover: list[int]) -> dict[str, Any]:
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("result-rank*.json"))]
+    faults = {int(p.stem.removeprefix("fault-rank")): json.loads(p.read_text()) for p in out.glob("fault-rank*.json")}
+    row: dict[str, Any] = {"mode": mode, "fault": fault, "survivors": len(results), "leftover": len(leftover)}
+    if not results or not faults or not results[0]["losses"]:
+        row["error"] = (out / "job.log").read_text()[-2000:]
+        return row
+    (lost_rank, fault_info), = faults.items()
+    fault_time = float(fault_info["time"])
+    detected = [float(r["losses"][0]["detected_at"]) for r in results]
+    resume = min(
+        (step["time"] for r in results for step in _steps(out, r["original_rank"]) if step["time"] > max(detected)),
+        default=float("nan"),
+    )
+    loss = results[0]["losses"][0]
+    kept = int(loss["trained_batches"][str(lost_rank)])
+    lost_steps = [s for s in _steps(out, lost_rank) if s["epoch"] == fault_info["epoch"]]
+    # The batch the fault interrupted was logged before its optimizer step and not trained.
+    trained_after = max(0, len(lost_steps) - 1 - kept)
+    row.update({
+        "detect_s": min(detected) - fault_time,
+        "resume_s": resume - fault_time,
+        "redone_samples": sum(len(s["indices"]) for s in lost_steps[kept : kept + trained_after]),
+        "kept_batches": kept,
+        "reason": next(iter(loss["reasons"].values())),
+    })
+    return row
+
+
+def _steps(out: Path, rank: int) -> list[dict[str, Any]]:
+    path = out / f"steps-rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _tagged(tag: str) -> list[int]:
+    marker = f"{TAG}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state not in ("Z", "X"):
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"Lost-rank cost, 3 CPU ranks (gloo), liveness_timeout={args.liveness} s, {args.repeat} run(s) per cell, "
+        f"host {socket.gethostname()} ({os.cpu_count()} cores), {time.strftime('%Y-%m-%d')}, commit {_commit()}.",
+        f"Command: `python tools/rank_loss_timing.py --out {args.out} --liveness {args.liveness} "
+        f"--repeat {args.repeat}`",
+        "",
+        "| mode | fault | runs ok | detect s (median, max) | resume s (median, max) | redone samples (median) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode in args.modes:
+        for fault in args.faults:
+            cell = [r for r in rows if r["mode"] == mode and r["fault"] == fault]
+            ok = [r for r in cell if "error" not in r and r["leftover"] == 0]
+            if not ok:
+                lines.append(f"| {mode} | {fault} | 0/{len(cell)} | - | - | - |")
+                continue
+            detect = [r["detect_s"] for r in ok]
+            resume = [r["resume_s"] for r in ok]
+            lines.append(
+                f"| {mode} | {fault} | {len(ok)}/{len(cell)} | {statistics.median(detect):.2f}, {max(detect):.2f} | "
+                f"{statistics.median(resume):.2f}, {max(resume):.2f} | "
+                f"{statistics.median(r['redone_samples'] for r in ok):.0f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--step", type=int, default=12, help="the faulty rank's optimizer step of the fault")
+    parser.add_argument("--liveness", type=float, default=30.0, help="liveness_timeout in seconds (default: 30)")
+    parser.add_argument("--parallel", type=int, default=1, help="jobs at once (3 ranks each)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cells = [(m, f, k) for m in args.modes for f in args.faults for k in range(args.repeat)]
+    rows: list[dict[str, Any]] = []
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = [pool.submit(run_once, args.out / "runs" / f"{m}-{f}-{k}", m, f, args.step, args.liveness,
+                               120.0 + 2 * args.liveness) for m, f, k in cells]
+        for future in futures:
+            rows.append(future.result())
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "error"}), flush=True)
+    (args.out / "rank_loss.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "rank_loss.md").write_text(markdown(rows, args))
+    print(markdown(rows, args))
+
+
+if __name__ == "__main__":
+    main()
