@@ -34,7 +34,7 @@ from lightning.fabric.utilities.distributed import (
     _set_num_threads_if_needed,
 )
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, Timer, TQDMProgressBar
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook, _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
@@ -151,6 +151,11 @@ def register_ddp_comm_hook(strategy: Any) -> None:
 # -- data --------------------------------------------------------------------------------------
 
 
+def default_group_store() -> dist.Store:
+    """The store the default process group was set up on."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_size: int, key_prefix: str,
                 chunk_batches: int) -> ElCheSampler:
     """The ElChe sampler that replaces ``dataloader``'s, keeping its shuffle, seed and batching.
@@ -180,7 +185,7 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
         )
     assert dataloader.batch_size is not None
     dispatch = config.run_mode.dispatch.value
-    store = dist.distributed_c10d._get_default_store() if dispatch == "pool" else None
+    store = default_group_store() if dispatch == "pool" else None
     dataset = dataloader.dataset
     augmented = isinstance(dataset, AugmentedDataset)
     return ElCheSampler(
@@ -580,11 +585,15 @@ def renumber_lightning_ranks(trainer: Trainer, global_rank: int) -> None:
     rank_zero_only.rank = fabric_rank_zero_only.rank = utils_rank_zero_only.rank = global_rank
     bar = trainer.progress_bar_callback
     if global_rank == 0 and bar is not None and bar.is_disabled:
-        # Lightning disabled it at setup on every rank but 0: the new rank 0 shows it from here on.
+        # Lightning disabled it at setup on every rank but 0: the new rank 0 shows it from here on,
+        # with the display the bar builds when training starts.
         bar.enable()
-        if hasattr(bar, "init_train_tqdm"):
+        if isinstance(bar, RichProgressBar):
+            bar._init_progress(trainer)
+        elif isinstance(bar, TQDMProgressBar):
             bar.train_progress_bar = bar.init_train_tqdm()
-            bar.train_progress_bar.total = bar.total_train_batches if math.isfinite(bar.total_train_batches) else None
+            total = bar.total_train_batches
+            bar.train_progress_bar.total = total if math.isfinite(total) else None
     # Validation shards were cut for the old ranks (DistributedSampler): cut them again for the new.
     for loop in (trainer.fit_loop.epoch_loop.val_loop,):
         loop._combined_loader = None

@@ -57,6 +57,7 @@ from lightning_elche.loop_glue import (
     check_lightning_version,
     check_step_schedulers,
     configure_launcher,
+    default_group_store,
     distributed_is_initialized,
     init_process_group_on_job_store,
     process_group_timeout,
@@ -402,13 +403,15 @@ class ElCheStrategy(DDPStrategy):
 
     def _join_membership(self, fit_prefix: str) -> Membership:
         link = self.job_store_link
-        assert link is not None, "setup_distributed joins the job store"
+        # A process group set up before the fit (a harness, the user) has no job store of ours: its
+        # own store serves, without the registry (lost ranks are then found by silence only).
+        store, rank = (link.store, link.rank) if link is not None else (default_group_store(), self.global_rank)
         previous = self._membership
         # A later fit of the same job keeps the numbering a loss gave the ranks.
         members = previous.members if previous is not None else list(range(self.world_size))
         if previous is not None:
             previous.close()
-        return Membership(link.store, fit_prefix, link.rank, members, self.liveness_timeout,
+        return Membership(store, fit_prefix, rank, members, self.liveness_timeout,
                           join_timeout=self.snapshot_timeout, renumbered=previous is not None and previous.renumbered)
 
     def configure_ddp(self) -> None:

@@ -104,6 +104,14 @@ def consensus_samples(job: Job, lost: dict[int, tuple[int, int]]) -> dict[int, l
     return by_epoch
 
 
+def csv_rows(out: Path) -> list[dict[str, str]]:
+    import csv
+
+    path = out / "csv" / "version_0" / "metrics.csv"
+    with open(path) as handle:
+        return list(csv.DictReader(handle))
+
+
 def agreed(result: dict[str, Any]) -> list[dict[str, Any]]:
     """What the survivors must agree on about the losses (each notes its own detection time)."""
     return [{k: v for k, v in loss.items() if k != "detected_at"} for loss in result["losses"]]
@@ -123,6 +131,13 @@ def check_survived(job: Job, lost_ranks: set[int]) -> None:
         assert result["params"] == first["params"], f"rank {rank}'s parameters differ from rank {survivors[0]}'s"
         assert agreed(result) == agreed(first), "every survivor saw the same losses"
         assert result["val_count"] == VAL_SAMPLES, "validation covers the whole validation set after renumbering"
+    # Rank-zero-only work follows rank 0: the epoch-end checkpoint and the logger's rows after the loss.
+    last = torch.load(job.out / "ckpt" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert last["epoch"] == EPOCHS - 1 and last["elche"]["rounds"] > 0
+    alive = [float(row["elche/alive"]) for row in csv_rows(job.out) if row.get("elche/alive")]
+    assert alive and alive[-1] == len(survivors), f"elche/alive logged: {alive}"
+    if 0 not in lost_ranks:  # a killed rank 0 takes the rows it had not flushed yet with it
+        assert alive[0] == RANKS, f"elche/alive logged: {alive}"
     reported = {r for loss in first["losses"] for r in loss["lost"]}
     assert reported == lost_ranks, f"reported lost {reported}, expected {lost_ranks}"
     lost: dict[int, tuple[int, int]] = {}

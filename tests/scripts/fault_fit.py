@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from multirank_helpers import IndexedSamples, StepDelay  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -112,13 +114,16 @@ def main(args: argparse.Namespace) -> None:
     max_failure: Any = args.max_failure
     if max_failure is not None:
         max_failure = float(max_failure) if "." in max_failure else int(max_failure)
+    # Rank-zero-only work (the logger's files, the checkpoint) must follow rank 0 when it is lost.
+    callbacks.append(ModelCheckpoint(dirpath=str(Path(args.out_dir, "ckpt")), save_last=True, every_n_epochs=1))
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, max_epochs=args.epochs,
         strategy=ElCheStrategy(mode=args.mode, max_failure=max_failure, summary=True,
                                liveness_timeout=timedelta(seconds=args.liveness),
                                snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120)),
-        callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        callbacks=callbacks, logger=CSVLogger(args.out_dir, name="csv", version=0), enable_progress_bar=True,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=args.out_dir,
+        log_every_n_steps=1,
     )
     trainer.fit(FaultLogModel(args.out_dir, args.samples, args.batch_size))
 
