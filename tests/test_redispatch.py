@@ -393,10 +393,11 @@ def test_the_next_epoch_uses_the_new_numbering(dispatch):
 def test_the_check_catches_a_regroup_that_forgets_the_lost_work(monkeypatch):
     # The assertion must be able to fail: a pool regroup that returns nothing loses the lost
     # rank's claimed, untrained batches.
+    regroup = PoolDispatch._regroup_policy
+
     def forgetful(self, survivors, lost):
-        self._queues.append([])
-        self._lineage.append(list(survivors))
-        self._speed_shares = None
+        regroup(self, survivors, lost)
+        self._queues[-1] = []
 
     monkeypatch.setattr(PoolDispatch, "_regroup_policy", forgetful)
     epoch, world, expected = random_epoch("pool", 4, drop_last=False)
@@ -432,3 +433,30 @@ def test_reopen_is_refused_while_the_iterator_is_live():
     assert not sampler.wants_reopen
     with pytest.raises(RuntimeError, match="has not ended"):
         sampler.reopen()
+
+
+def test_a_lost_rank_that_runs_on_takes_no_work_from_the_survivors():
+    # A rank declared lost while stopped (SIGSTOP past the liveness timeout) may run again: it
+    # still claims, with its old numbering, in this epoch and the next. The survivors' claims go
+    # through counters it does not know, so it takes nothing from them.
+    for seed in range(10):
+        rng = random.Random(seed)
+        samplers = make_samplers("pool", 4, rng, SharedCounter(), rng.randint(100, 300), 4, drop_last=False)
+        epoch = Epoch([Loader(s, prefetch=rng.choice((0, 2))) for s in samplers], rng)
+        epoch.run(stop_after=rng.randint(0, 12))
+        zombie = epoch.alive[1]
+        epoch.lose([zombie])
+        while zombie.step():  # it runs first and would claim the whole pool
+            pass
+        epoch.run()
+        assert_exactly_once(epoch.trained_keys(), epoch_keys(samplers[0]))
+        survivors = [lo.sampler for lo in epoch.alive]
+        for s in survivors + [zombie.sampler]:
+            s.set_epoch(2)
+        ghost = Loader(zombie.sampler, prefetch=0)
+        while ghost.step():
+            pass
+        assert ghost.trained  # it did claim in the next epoch, on its own keys
+        following = Epoch([Loader(s, prefetch=1) for s in survivors], rng)
+        following.run()
+        assert_exactly_once(following.trained_keys(), epoch_keys(survivors[0]))
