@@ -317,11 +317,12 @@ def test_a_rank_that_dies_between_claim_and_record_loses_nothing(where):
     assert crashes >= 5
 
 
+@pytest.mark.parametrize("drop_last", (False, True))
 @pytest.mark.parametrize("dispatch", DISPATCHES)
-def test_a_checkpoint_after_a_loss_resumes_on_another_world_size(dispatch):
+def test_a_checkpoint_after_a_loss_resumes_on_another_world_size(dispatch, drop_last):
     checked = 0
     for seed in range(12):
-        epoch, world, expected = random_epoch(dispatch, 300 + seed, drop_last=False)
+        epoch, world, expected = random_epoch(dispatch, 300 + seed, drop_last)
         total = sum(expected.values()) // epoch.loaders[0].sampler.batch_size
         loss = epoch.rng.randint(0, total // 2)
         epoch.run([(loss, epoch.rng.choice((1, 2)))], stop_after=epoch.rng.randint(loss + 1, total * 3 // 4))
@@ -332,7 +333,7 @@ def test_a_checkpoint_after_a_loss_resumes_on_another_world_size(dispatch):
         assert coverage.world_size == len(epoch.alive)
         done = epoch.trained_keys()
         if not coverage.remaining:
-            assert Counter(done) == expected
+            assert_exactly_once(done, expected, drop_slack(dispatch, drop_last, epoch, world))
             continue
         checked += 1
         assert epoch_keys(epoch.loaders[0].sampler, coverage) == expected - Counter(done)
@@ -341,15 +342,17 @@ def test_a_checkpoint_after_a_loss_resumes_on_another_world_size(dispatch):
         resumed = resume_somehow(epoch.loaders[0].sampler, coverage, rng, rng.randint(1, 6))
         second = Epoch([Loader(s, prefetch=rng.choice((0, 2))) for s in resumed], rng)
         second.run([(rng.randint(0, 20), 1)])
-        assert_exactly_once(done + second.trained_keys(), expected)
+        slack = drop_slack(dispatch, drop_last, epoch, world) + drop_slack(dispatch, drop_last, second, len(resumed))
+        assert_exactly_once(done + second.trained_keys(), expected, slack)
     assert checked >= 6
 
 
+@pytest.mark.parametrize("drop_last", (False, True))
 @pytest.mark.parametrize("dispatch", DISPATCHES)
-def test_a_resumed_epoch_then_a_loss(dispatch):
+def test_a_resumed_epoch_then_a_loss(dispatch, drop_last):
     checked = 0
     for seed in range(12):
-        epoch, world, expected = random_epoch(dispatch, 700 + seed, drop_last=False)
+        epoch, world, expected = random_epoch(dispatch, 700 + seed, drop_last)
         total = sum(expected.values()) // epoch.loaders[0].sampler.batch_size
         epoch.run(stop_after=epoch.rng.randint(1, total // 2))
         gathered = [lo.sampler.local_coverage(lo.sampler.started_batches or 0) for lo in epoch.alive]
@@ -362,7 +365,8 @@ def test_a_resumed_epoch_then_a_loss(dispatch):
         checked += 1
         second = Epoch([Loader(s, prefetch=rng.choice((0, 1, 3))) for s in resumed], rng)
         second.run([(rng.randint(0, 15), 1), (rng.randint(0, 30), 1)])
-        assert_exactly_once(done + second.trained_keys(), expected)
+        slack = drop_slack(dispatch, drop_last, epoch, world) + drop_slack(dispatch, drop_last, second, len(resumed))
+        assert_exactly_once(done + second.trained_keys(), expected, slack)
     assert checked >= 6
 
 
