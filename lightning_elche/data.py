@@ -23,6 +23,13 @@ objects; each pick is still dispatched exactly once. A mid-epoch checkpoint reco
 untrained part as positions, not per rank (:mod:`lightning_elche.coverage`);
 :meth:`ElCheSampler.resume` dispatches only that part in the resumed epoch, split by the policy
 over however many ranks the resumed run has.
+
+When ranks are lost mid-epoch, :meth:`ElCheSampler.regroup` hands their untrained work of the
+epoch to the survivors (:class:`LostWork` says how much of it is in the consensus): the equal
+and fixed splits append a share of the lost ranks' remaining stream to each survivor's, the pool
+queues the lost ranks' untrained batches (read from the claim records every rank keeps in the
+store) ahead of its remaining chunks. A survivor whose iterator had already ended continues the
+epoch with :meth:`~ElCheSampler.reopen` when :attr:`~ElCheSampler.wants_reopen` says so.
 """
 
 from __future__ import annotations
@@ -507,8 +514,8 @@ class _OwnStreamDispatch(ElCheSampler):
         return any(len(segment) >= needed for segment in self._rank_segments()[self._next_segment:])
 
     def _split_batches(self, segments: Sequence[Sequence[int]], batches: int) -> tuple[list[int], list[int]]:
-        """The positions of the first ``batches`` batches of ``segments``, and all the others, or
-        ``batches`` minus the batches there are (as a negative count) when there are too few."""
+        """The positions of the first ``batches`` batches of ``segments`` (each segment batched from
+        its start), and all the others; ValueError when the segments hold fewer batches."""
         done: list[int] = []
         rest: list[int] = []
         left = batches
