@@ -23,6 +23,13 @@ objects; each pick is still dispatched exactly once. A mid-epoch checkpoint reco
 untrained part as positions, not per rank (:mod:`lightning_elche.coverage`);
 :meth:`ElCheSampler.resume` dispatches only that part in the resumed epoch, split by the policy
 over however many ranks the resumed run has.
+
+When ranks are lost mid-epoch, :meth:`ElCheSampler.regroup` hands their untrained work of the
+epoch to the survivors (:class:`LostWork` says how much of it is in the consensus): the equal
+and fixed splits append a share of the lost ranks' remaining stream to each survivor's, the pool
+queues the lost ranks' untrained batches (read from the claim records every rank keeps in the
+store) ahead of its remaining chunks. A survivor whose iterator had already ended continues the
+epoch with :meth:`~ElCheSampler.reopen` when :attr:`~ElCheSampler.wants_reopen` says so.
 """
 
 from __future__ import annotations
@@ -215,6 +222,7 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         self._opening_picks = 0  # picks yielded by the current opening
         self._regroup_epoch: Optional[int] = None  # the epoch the regroups below belong to
         self._regroups = 0  # regroups in that epoch
+        self._membership = 0  # regroups since the fit started: a new membership after each
         self._lost_trained: list[Range] = []  # positions the lost ranks trained into the consensus
         self.returned_batches = 0
         """Batches the last :meth:`regroup` handed to the survivors (the same on every survivor)."""
@@ -326,6 +334,7 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
             self._regroup_epoch = self.epoch
         self._regroup_policy(survivors, sorted(lost, key=lambda work: work.rank))
         self._regroups += 1
+        self._membership += 1
         self.rank = survivors.index(self.rank)
         self.world_size = len(survivors)
 
@@ -507,8 +516,8 @@ class _OwnStreamDispatch(ElCheSampler):
         return any(len(segment) >= needed for segment in self._rank_segments()[self._next_segment:])
 
     def _split_batches(self, segments: Sequence[Sequence[int]], batches: int) -> tuple[list[int], list[int]]:
-        """The positions of the first ``batches`` batches of ``segments``, and all the others, or
-        ``batches`` minus the batches there are (as a negative count) when there are too few."""
+        """The positions of the first ``batches`` batches of ``segments`` (each segment batched from
+        its start), and all the others; ValueError when the segments hold fewer batches."""
         done: list[int] = []
         rest: list[int] = []
         left = batches
@@ -712,6 +721,9 @@ class PoolDispatch(ElCheSampler):
         # The numbering the epoch started with: reserved chunks and claim indices keep it.
         self._epoch_rank = self.rank
         self._epoch_world = self.world_size
+        # Store keys of an epoch carry the membership it started with: a rank declared lost that
+        # still runs (stopped, then continued) claims on keys no survivor uses.
+        self._epoch_membership = self._membership
         self._layout: list[tuple[int, int]] = chunk_layout(
             math.ceil(self._limit / self.batch_size), self._epoch_world, self.max_chunk_batches
         )
@@ -722,7 +734,10 @@ class PoolDispatch(ElCheSampler):
         self._queues: list[list[Range]] = [[]]
         self._queue_dry = False
         self._lineage: list[list[int]] = []  # survivors of every regroup of the epoch
-        self._returned_chunks: set[int] = set()  # chunks a regroup found unrecorded and returned
+        # Pool claims after regroup g go through a counter of their own, from chunk _pool_bases[g]
+        # on (where the claims before it ended): the claims of each regroup's span are settled at
+        # the next regroup, once, and a lost rank still running cannot take the survivors' chunks.
+        self._pool_bases: list[int] = [self._epoch_world]
 
     def _check_every_rank_gets_data(self) -> None:
         if self.num_samples < self.world_size * self.batch_size:
@@ -732,15 +747,24 @@ class PoolDispatch(ElCheSampler):
             )
 
     def counter_key(self, epoch: int) -> str:
-        return f"{self.key_prefix}/epoch{epoch}"
+        """The pool's claim counter of ``epoch`` (before any regroup in it)."""
+        membership = self._epoch_membership if epoch == self.epoch else self._membership
+        if membership == 0:
+            return f"{self.key_prefix}/epoch{epoch}"
+        return f"{self.key_prefix}/m{membership}/epoch{epoch}"
 
-    def queue_key(self, epoch: int, regroup: int) -> str:
-        """The claim counter of the batches that regroup ``regroup`` (from 1) returned."""
-        return f"{self.key_prefix}/epoch{epoch}/returned{regroup}"
+    def pool_key(self, regroup: int) -> str:
+        """The current epoch's pool claim counter after ``regroup`` regroups."""
+        base = self.counter_key(self.epoch)
+        return base if regroup == 0 else f"{base}/pool{regroup}"
 
-    def claims_key(self, epoch: int, regroup: int, rank: int) -> str:
-        """The record of what ``rank`` (in the numbering after ``regroup`` regroups) claimed."""
-        return f"{self.key_prefix}/epoch{epoch}/claims/g{regroup}/r{rank}"
+    def queue_key(self, regroup: int) -> str:
+        """The claim counter of the batches that regroup ``regroup`` (from 1) of the epoch returned."""
+        return f"{self.counter_key(self.epoch)}/returned{regroup}"
+
+    def claims_key(self, regroup: int, rank: int) -> str:
+        """The record of what ``rank`` (numbered as after ``regroup`` regroups) claimed in the epoch."""
+        return f"{self.counter_key(self.epoch)}/claims/g{regroup}/r{rank}"
 
     def on_round(self, planned: Sequence[int]) -> None:
         if sum(planned) > 0:
@@ -761,7 +785,7 @@ class PoolDispatch(ElCheSampler):
                 return
             name, (start, stop) = claimed
             # Recorded before it is yielded: the survivors of this rank read it if it is lost.
-            self.counter.append(self.claims_key(self.epoch, self._regroups, self.rank), name + ";")
+            self.counter.append(self.claims_key(self._regroups, self.rank), name + ";")
             self.record.spans.append((start, stop))
             local = range(start, stop)
             positions = self._positions
@@ -776,18 +800,19 @@ class PoolDispatch(ElCheSampler):
             # before it has trained anything; the rest are claimed in order through the counter.
             self._reserved_pending = False
             return self._chunk_claim(self._epoch_rank)
-        key = self.counter_key(self.epoch)
+        regroups = self._regroups
+        key = self.pool_key(regroups)
         if not self._regrouped_now():
             last = self._last_chunk
             if last is not None and self.rank != self._drainer and self._leaves_tail_to_faster_ranks(key, last):
                 return None
         elif not self._queue_dry:
-            queue = self._queues[self._regroups]
-            index = self.counter.add(self.queue_key(self.epoch, self._regroups), 1) - 1
+            queue = self._queues[regroups]
+            index = self.counter.add(self.queue_key(regroups), 1) - 1
             if index < len(queue):
-                return f"r{self._regroups}.{index}", queue[index]
+                return f"r{regroups}.{index}", queue[index]
             self._queue_dry = True
-        return self._chunk_claim(self._epoch_world + self.counter.add(key, 1) - 1)
+        return self._chunk_claim(self._pool_bases[regroups] + self.counter.add(key, 1) - 1)
 
     def _chunk_claim(self, chunk: int) -> Optional[tuple[str, Range]]:
         if chunk >= len(self._layout):
@@ -798,22 +823,20 @@ class PoolDispatch(ElCheSampler):
 
     def _work_left(self) -> bool:
         assert self.counter is not None
-        queued = self.counter.add(self.queue_key(self.epoch, self._regroups), 0)
-        if queued < len(self._queues[self._regroups]):
+        regroups = self._regroups
+        if self.counter.add(self.queue_key(regroups), 0) < len(self._queues[regroups]):
             return True
-        return self._epoch_world + self.counter.add(self.counter_key(self.epoch), 0) < len(self._layout)
+        return self._pool_bases[regroups] + self.counter.add(self.pool_key(regroups), 0) < len(self._layout)
 
     # -- losing ranks: what they claimed comes back to the epoch -------------------------------
 
     def _regroup_policy(self, survivors: list[int], lost: list[LostWork]) -> None:
         assert self.counter is not None
         regroups = self._regroups
-        records = self._read_claims()
-        recorded = {name for names in records.values() for name in names}
         returned: list[Range] = []
         for work in lost:
-            claims = [name for g, rank in enumerate(self._ranks_through_regroups(work.rank))
-                      for name in records.get((g, rank), [])]
+            lineage = self._ranks_through_regroups(work.rank)
+            claims = [name for g, rank in enumerate(lineage) for name in self._claims(g, rank)]
             batches = [b for name in claims for b in self._batches_of(self._span_of(name))]
             if work.trained_batches > len(batches):
                 raise ValueError(
@@ -822,24 +845,25 @@ class PoolDispatch(ElCheSampler):
                 )
             self._lost_trained = merge(self._lost_trained + self._global(batches[: work.trained_batches]))
             returned += batches[work.trained_batches :]
-            reserved = self._ranks_through_regroups(work.rank)[0]
-            if f"c{reserved}" not in recorded and reserved < len(self._layout):
-                # It never started the epoch (or died before recording its first chunk).
-                self._returned_chunks.add(reserved)
-                returned += self._batches_of(self._chunk_span(reserved))
-        # Claimed but unrecorded: a lost rank died between the claim and its record. Nobody
-        # claims during a regroup, so every other claim is in a record by now.
-        claimed = min(len(self._layout), self._epoch_world + self.counter.add(self.counter_key(self.epoch), 0))
-        for chunk in range(self._epoch_world, claimed):
-            if f"c{chunk}" not in recorded and chunk not in self._returned_chunks:
-                self._returned_chunks.add(chunk)
+            if f"c{lineage[0]}" not in claims and lineage[0] < len(self._layout):
+                # It never started the epoch (or died before recording its reserved chunk).
+                returned += self._batches_of(self._chunk_span(lineage[0]))
+        # Claimed since the last regroup but unrecorded: a lost rank died between a claim and its
+        # record. Nobody claims during a regroup, so every other claim is recorded by now.
+        world = self._epoch_world if not self._lineage else len(self._lineage[-1])
+        recorded = {name for rank in range(world) for name in self._claims(regroups, rank)}
+        base = self._pool_bases[regroups]
+        claimed = min(len(self._layout), base + self.counter.add(self.pool_key(regroups), 0))
+        for chunk in range(base, claimed):
+            if f"c{chunk}" not in recorded:
                 returned += self._batches_of(self._chunk_span(chunk))
+        self._pool_bases.append(max(base, claimed))
         if regroups:
-            # The previous regroup's queue closes: its unclaimed and its claimed-unrecorded batches move on.
+            # The last regroup's queue closes: its unclaimed and claimed-unrecorded batches move on.
             queue = self._queues[regroups]
-            taken = min(len(queue), self.counter.add(self.queue_key(self.epoch, regroups), 0))
+            taken = min(len(queue), self.counter.add(self.queue_key(regroups), 0))
             returned += [b for i, b in enumerate(queue) if i >= taken or f"r{regroups}.{i}" not in recorded]
-        # Sorted, the epoch's short tail batch (the last batch) comes last.
+        # Sorted, the epoch's short tail batch (its last batch) comes last.
         self._queues.append(sorted(returned))
         self.returned_batches = len(returned)
         self._queue_dry = False
@@ -858,19 +882,15 @@ class PoolDispatch(ElCheSampler):
             ranks.append(survivors[ranks[-1]])
         return ranks[::-1]
 
-    def _read_claims(self) -> dict[tuple[int, int], list[str]]:
-        """Every rank's claim records of the epoch, by (regroups before it, rank then)."""
+    def _claims(self, regroup: int, rank: int) -> list[str]:
+        """What ``rank`` (numbered as after ``regroup`` regroups) recorded claiming in that span."""
         assert self.counter is not None
-        worlds = [self._epoch_world] + [len(s) for s in self._lineage]
-        records: dict[tuple[int, int], list[str]] = {}
-        for g, world in enumerate(worlds):
-            for rank in range(world):
-                key = self.claims_key(self.epoch, g, rank)
-                if self.counter.check([key]):
-                    value = self.counter.get(key)
-                    text = value.decode() if isinstance(value, bytes) else str(value)
-                    records[(g, rank)] = [name for name in text.split(";") if name]
-        return records
+        key = self.claims_key(regroup, rank)
+        if not self.counter.check([key]):
+            return []
+        value = self.counter.get(key)
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        return [name for name in text.split(";") if name]
 
     def _span_of(self, name: str) -> Range:
         if name.startswith("c"):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -317,11 +319,12 @@ def test_a_rank_that_dies_between_claim_and_record_loses_nothing(where):
     assert crashes >= 5
 
 
+@pytest.mark.parametrize("drop_last", (False, True))
 @pytest.mark.parametrize("dispatch", DISPATCHES)
-def test_a_checkpoint_after_a_loss_resumes_on_another_world_size(dispatch):
+def test_a_checkpoint_after_a_loss_resumes_on_another_world_size(dispatch, drop_last):
     checked = 0
     for seed in range(12):
-        epoch, world, expected = random_epoch(dispatch, 300 + seed, drop_last=False)
+        epoch, world, expected = random_epoch(dispatch, 300 + seed, drop_last)
         total = sum(expected.values()) // epoch.loaders[0].sampler.batch_size
         loss = epoch.rng.randint(0, total // 2)
         epoch.run([(loss, epoch.rng.choice((1, 2)))], stop_after=epoch.rng.randint(loss + 1, total * 3 // 4))
@@ -332,7 +335,7 @@ def test_a_checkpoint_after_a_loss_resumes_on_another_world_size(dispatch):
         assert coverage.world_size == len(epoch.alive)
         done = epoch.trained_keys()
         if not coverage.remaining:
-            assert Counter(done) == expected
+            assert_exactly_once(done, expected, drop_slack(dispatch, drop_last, epoch, world))
             continue
         checked += 1
         assert epoch_keys(epoch.loaders[0].sampler, coverage) == expected - Counter(done)
@@ -341,15 +344,17 @@ def test_a_checkpoint_after_a_loss_resumes_on_another_world_size(dispatch):
         resumed = resume_somehow(epoch.loaders[0].sampler, coverage, rng, rng.randint(1, 6))
         second = Epoch([Loader(s, prefetch=rng.choice((0, 2))) for s in resumed], rng)
         second.run([(rng.randint(0, 20), 1)])
-        assert_exactly_once(done + second.trained_keys(), expected)
+        slack = drop_slack(dispatch, drop_last, epoch, world) + drop_slack(dispatch, drop_last, second, len(resumed))
+        assert_exactly_once(done + second.trained_keys(), expected, slack)
     assert checked >= 6
 
 
+@pytest.mark.parametrize("drop_last", (False, True))
 @pytest.mark.parametrize("dispatch", DISPATCHES)
-def test_a_resumed_epoch_then_a_loss(dispatch):
+def test_a_resumed_epoch_then_a_loss(dispatch, drop_last):
     checked = 0
     for seed in range(12):
-        epoch, world, expected = random_epoch(dispatch, 700 + seed, drop_last=False)
+        epoch, world, expected = random_epoch(dispatch, 700 + seed, drop_last)
         total = sum(expected.values()) // epoch.loaders[0].sampler.batch_size
         epoch.run(stop_after=epoch.rng.randint(1, total // 2))
         gathered = [lo.sampler.local_coverage(lo.sampler.started_batches or 0) for lo in epoch.alive]
@@ -362,7 +367,8 @@ def test_a_resumed_epoch_then_a_loss(dispatch):
         checked += 1
         second = Epoch([Loader(s, prefetch=rng.choice((0, 1, 3))) for s in resumed], rng)
         second.run([(rng.randint(0, 15), 1), (rng.randint(0, 30), 1)])
-        assert_exactly_once(done + second.trained_keys(), expected)
+        slack = drop_slack(dispatch, drop_last, epoch, world) + drop_slack(dispatch, drop_last, second, len(resumed))
+        assert_exactly_once(done + second.trained_keys(), expected, slack)
     assert checked >= 6
 
 
@@ -393,10 +399,11 @@ def test_the_next_epoch_uses_the_new_numbering(dispatch):
 def test_the_check_catches_a_regroup_that_forgets_the_lost_work(monkeypatch):
     # The assertion must be able to fail: a pool regroup that returns nothing loses the lost
     # rank's claimed, untrained batches.
+    regroup = PoolDispatch._regroup_policy
+
     def forgetful(self, survivors, lost):
-        self._queues.append([])
-        self._lineage.append(list(survivors))
-        self._speed_shares = None
+        regroup(self, survivors, lost)
+        self._queues[-1] = []
 
     monkeypatch.setattr(PoolDispatch, "_regroup_policy", forgetful)
     epoch, world, expected = random_epoch("pool", 4, drop_last=False)
@@ -432,3 +439,144 @@ def test_reopen_is_refused_while_the_iterator_is_live():
     assert not sampler.wants_reopen
     with pytest.raises(RuntimeError, match="has not ended"):
         sampler.reopen()
+
+
+def test_a_lost_rank_that_runs_on_takes_no_work_from_the_survivors():
+    # A rank declared lost while stopped (SIGSTOP past the liveness timeout) may run again: it
+    # still claims, with its old numbering, in this epoch and the next. The survivors' claims go
+    # through counters it does not know, so it takes nothing from them.
+    for seed in range(10):
+        rng = random.Random(seed)
+        samplers = make_samplers("pool", 4, rng, SharedCounter(), rng.randint(100, 300), 4, drop_last=False)
+        epoch = Epoch([Loader(s, prefetch=rng.choice((0, 2))) for s in samplers], rng)
+        epoch.run(stop_after=rng.randint(0, 12))
+        zombie = epoch.alive[1]
+        epoch.lose([zombie])
+        while zombie.step():  # it runs first and would claim the whole pool
+            pass
+        epoch.run()
+        assert_exactly_once(epoch.trained_keys(), epoch_keys(samplers[0]))
+        survivors = [lo.sampler for lo in epoch.alive]
+        for s in survivors + [zombie.sampler]:
+            s.set_epoch(2)
+        ghost = Loader(zombie.sampler, prefetch=0)
+        while ghost.step():
+            pass
+        assert ghost.trained  # it did claim in the next epoch, on its own keys
+        following = Epoch([Loader(s, prefetch=1) for s in survivors], rng)
+        following.run()
+        assert_exactly_once(following.trained_keys(), epoch_keys(survivors[0]))
+
+
+class ThreadCohort:
+    """The ranks as threads that claim concurrently; a loss pauses them all (the recovery), the
+    survivors regroup, and they go on. An out-of-work rank waits for a regroup or the end."""
+
+    def __init__(self, loaders: list[Loader], rng: random.Random) -> None:
+        self.epoch = Epoch(loaders, rng)
+        self.changed = threading.Condition()
+        self.paused = False
+        self.finished = False
+        self.quiet: set[int] = set()  # ranks parked for a pause or out of work
+        self.out_of_work: set[int] = set()
+        self.lost: set[int] = set()
+        self.errors: list[BaseException] = []
+
+    def body(self, loader: Loader) -> None:
+        me = id(loader)
+        try:
+            while True:
+                with self.changed:
+                    while self.paused or me in self.out_of_work:
+                        if self.finished or me in self.lost:
+                            return
+                        self.quiet.add(me)
+                        self.changed.notify_all()
+                        self.changed.wait()
+                    self.quiet.discard(me)
+                    if self.finished or me in self.lost:
+                        return
+                if loader.step():
+                    time.sleep(random.random() * 0.0005)
+                else:
+                    with self.changed:
+                        self.out_of_work.add(me)
+        except BaseException as error:  # reported by run()
+            self.errors.append(error)
+            with self.changed:
+                self.finished = True
+                self.changed.notify_all()
+
+    def _all_quiet(self) -> bool:
+        return all(id(lo) in self.quiet for lo in self.epoch.alive) or self.finished
+
+    def run(self, losses: int) -> None:
+        threads = [threading.Thread(target=self.body, args=(lo,), daemon=True) for lo in self.epoch.loaders]
+        for t in threads:
+            t.start()
+        rng = self.epoch.rng
+        for _ in range(losses):
+            time.sleep(rng.uniform(0.0, 0.02))
+            with self.changed:
+                self.paused = True
+                assert self.changed.wait_for(self._all_quiet, timeout=30)
+                count = min(rng.choice((1, 2)), len(self.epoch.alive) - 1)
+                if count > 0 and not self.finished:
+                    victims = rng.sample(self.epoch.alive, count)
+                    self.lost |= {id(v) for v in victims}
+                    self.epoch.lose(victims)
+                    self.out_of_work.clear()  # survivors look again (wants_reopen)
+                self.paused = False
+                self.changed.notify_all()
+        with self.changed:
+            done = lambda: self.finished or all(id(lo) in self.out_of_work for lo in self.epoch.alive)  # noqa: E731
+            assert self.changed.wait_for(done, timeout=60), "the threads never ran out of work"
+            self.finished = True
+            self.changed.notify_all()
+        for t in threads:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in threads), "a rank thread hung"
+        assert not self.errors, self.errors
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_ranks_claiming_concurrently_as_threads_lose_nothing(dispatch):
+    regroups = 0
+    for seed in range(8):
+        rng = random.Random(1500 + seed)
+        world = rng.randint(3, 8)
+        batch = rng.randint(2, 4)
+        store = ThreadSafeStore()
+        samplers = make_samplers(dispatch, world, rng, store, rng.randint(world * batch * 4, 400), batch,
+                                 drop_last=rng.random() < 0.5)
+        cohort = ThreadCohort([Loader(s, prefetch=rng.choice((0, 1, 3))) for s in samplers], rng)
+        cohort.run(losses=rng.randint(1, 3))
+        assert_exactly_once(cohort.epoch.trained_keys(), epoch_keys(samplers[0]),
+                            drop_slack(dispatch, samplers[0].drop_last, cohort.epoch, world))
+        regroups += cohort.epoch.regroups
+    assert regroups >= 8
+
+
+class ThreadSafeStore(SharedCounter):
+    """The in-memory store, atomic under threads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            return super().add(key, amount)
+
+    def append(self, key: str, value: str) -> None:
+        with self._lock:
+            super().append(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return super().check(keys)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return super().get(key)
