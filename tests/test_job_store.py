@@ -175,7 +175,7 @@ def test_host_serves_clients_outlives_its_starter_and_leaves_after_the_last_rank
     last_rank_ended = time.monotonic()
     assert wait_until(lambda: gone(host_pid), 10), "the host did not leave after the last rank"
     delay = time.monotonic() - last_rank_ended
-    assert delay < 2.0, f"the host took {delay:.2f} s to leave after the last rank"
+    assert delay < 1.5, f"the host took {delay:.2f} s to leave after the last rank"
     reason = exit_reason(log)
     assert f"rank 0: process {ranks[0].pid} is gone" in reason
     assert "rank 1: exited (fit finished)" in reason
@@ -193,9 +193,9 @@ def test_host_waits_for_a_remote_rank_until_its_heartbeat_stops(tmp_path, hosts)
     beating_until = time.monotonic() + 2.5  # longer than silent_after: only the beats keep it
     while time.monotonic() < beating_until:
         client.add(heartbeat_key(1), 1)
+        last_beat = time.monotonic()
         time.sleep(0.2)
         assert host.poll() is None, f"the host left while rank 1 beats: {exit_reason(log)}"
-    last_beat = time.monotonic()
     host.wait(timeout=10)
     assert 1.0 <= time.monotonic() - last_beat < 3.0
     assert "rank 1: heartbeat silent for" in exit_reason(log)
