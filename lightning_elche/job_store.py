@@ -353,4 +353,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Skip the interpreter's teardown of torch (about 0.7 s): nothing is left to flush, and the
+    # job is over the moment the host decides it is.
+    os._exit(code)
