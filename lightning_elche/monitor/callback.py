@@ -575,7 +575,8 @@ class ElCheMonitor(Callback):
             if self._root_log is not None:
                 self._root_log.append({**end, "node": "root"})
             if self.is_root and self.dashboard_html is not None:
-                records = [{"kind": "meta", **self._meta}, *(self._history or []), {**end, "node": "root"}]
+                meta = {"kind": "meta", **self._meta, "root_original_rank": self._original_rank}
+                records = [meta, *(self._history or []), {**end, "node": "root"}]
                 dropped = self._history.dropped if self._history is not None else 0
                 write_dashboard(self.dashboard_html, dashboard_data(records, dropped=dropped), self.dashboard_theme)
             if self.is_root and self._timeline is not None and self.timeline is not None:

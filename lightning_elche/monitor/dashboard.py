@@ -612,7 +612,9 @@ _JS = r"""
     card("best " + valLossKey, vl.length ? fmtNum(Math.min.apply(null, vl)) : "–");
   }
   card("anchor", last ? String(last.anchor) : "–");
-  if (lostRanks.length) card("ranks lost", lostRanks.join(", "));
+  if (lostRanks.length) {
+    card("ranks lost", lostRanks.length + " (rank" + (lostRanks.length > 1 ? "s " : " ") + lostRanks.join(", ") + ")");
+  }
   var rate = col("samples_per_s");
   card("samples/s", rate.length ? fmtNum(rate[rate.length - 1][1]) : "–");
 
@@ -723,8 +725,10 @@ _JS = r"""
                               : "(none declared; user scalars use mean)", tr2);
 
   var dropped = (DATA.dropped || 0);
+  var clockRank = finite(meta.root_original_rank) ? meta.root_original_rank : 0;
   document.getElementById("footer").textContent = "Written by lightning_elche.ElCheMonitor at the end of fit. " +
-    "Times are seconds since training started (rank 0's clock)." +
+    "Times are seconds since training started (" + (clockRank ? "the clock of launch rank " + clockRank +
+      ", rank 0 after the loss of rank 0)." : "rank 0's clock).") +
     (dropped ? " The oldest " + dropped + " records were dropped by the size cap." : "") +
     " This page is self-contained: it loads nothing from the network.";
 
