@@ -112,7 +112,7 @@ class FakeStrategy:
         self.global_rank, self.world_size = me, world
         self.peer_payloads: dict[int, bytes] = {}
         self.gathered_worlds: list[int] = []
-        self.progress = SimpleNamespace(epoch_batches=120, cohort_step=0, totals=[], lost_totals=[])
+        self.progress = SimpleNamespace(epoch_batches=120, cohort_step=0, rounds=0, totals=[], lost_totals=[])
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         rows = []
@@ -171,6 +171,7 @@ def drive(tmp_path: Path, me: int, lost: int) -> tuple[ElCheMonitor, FakeStrateg
             trainer.callback_metrics = {"tokens": torch.tensor(float(index))}
             monitor._on_round(outcome(index, steps, cohort, epoch_over=j == SYNCS_PER_EPOCH - 1),
                               {"elche/anchor": 10.0})
+            strategy.progress.rounds = index
             for rank in strategy.members:
                 if rank != me:
                     entries = json.loads(strategy.peer_payloads.get(rank, b"[]"))
@@ -284,6 +285,20 @@ def test_when_rank_0_is_lost_the_new_rank_0_takes_over_the_root_log_and_dashboar
     assert [p["ranks"] for p in data["syncs"]][LOST_AFTER_SYNC - 1 : LOST_AFTER_SYNC + 1] == [[0, 1, 2], [1, 2]]
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert [e["pid"] for e in trace["traceEvents"] if e.get("cat") == "rank_lost" and e["s"] == "p"] == [0]
+
+
+def test_a_loss_before_the_first_round_names_round_1(tmp_path):
+    monitor = ElCheMonitor(record_log_dir=str(tmp_path / "log"))
+    strategy = FakeStrategy(2, 3)
+    trainer = SimpleNamespace(strategy=strategy, global_rank=2, world_size=3, current_epoch=0)
+    monitor._strategy, monitor._trainer = strategy, trainer
+    monitor.on_train_start(trainer, None)
+    strategy.global_rank, strategy.world_size = 1, 2
+    monitor._on_rank_loss(a_loss([0], 3))
+    (event,) = events_of(read_records(tmp_path / "log" / "rank2.jsonl"))
+    assert event["sync"] == 1 and event["rank"] == 1 and event["survivor_ranks"] == [1, 2]
+    assert monitor._rank == 1 and monitor._world == 2 and monitor._ranks == [1, 2]
+    assert not monitor.is_root
 
 
 def test_a_loss_the_monitor_cannot_follow_warns_and_never_fails_training(tmp_path):

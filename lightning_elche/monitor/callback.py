@@ -624,8 +624,11 @@ class ElCheMonitor(Callback):
         if len(before) != len(loss.survivors) + len(loss.lost):
             raise RuntimeError(f"the loss names {len(loss.survivors) + len(loss.lost)} ranks, the monitor knew "
                                f"{len(before)}")
-        # The failed round runs again under the next index.
-        sync = self._last_sync + 1 if self._last_sync is not None else None
+        # The failed round runs again under the next index (the loss may come before this fit's first round).
+        progress = self._strategy.progress if self._strategy is not None else None
+        done = getattr(progress, "rounds", None)
+        done = int(done) if isinstance(done, int) else self._last_sync
+        sync = done + 1 if done is not None else None
         record = rank_lost_record(loss, before, t, ts, sync, epoch)
         self._ranks = [before[k] for k in loss.survivors]
         self._world = len(self._ranks)
