@@ -107,7 +107,7 @@ class ElCheMonitor(Callback):
             is an ``event`` record (``label: "rank_lost"``) in every survivor's file and the root's.
             ``None``: no files.
         max_log_size: byte cap of each record-log file (drop-oldest ring; the meta record
-            stays). ``None`` or ``0``: 32 MiB. Also caps rank 0's in-memory history.
+            stays). ``None`` or ``0``: 32 MiB. Also caps the in-memory history each rank keeps.
         dashboard_html: at the end of fit, rank 0 (after a lost rank 0: the new rank 0) writes a
             self-contained HTML dashboard here; lost ranks are markers on its time axes.
         dashboard_theme: ``"light"`` or ``"dark"`` pins the dashboard's theme; ``"auto"`` or
