@@ -5,6 +5,13 @@ runs on every rank after every sync with the round's outcome (every rank's steps
 compute time and loss) and its ``elche/*`` metrics. Nothing here runs a collective inside the
 training steps: user scalars, which only the rank that logged them knows, are gathered once per
 epoch in ``on_train_epoch_end``, where every rank has left the epoch after the same round.
+
+Lost ranks: a rank-loss listener (``ElCheStrategy.add_rank_loss_listener``) records each loss as
+an ``event`` record (``label: "rank_lost"``) and follows the survivors' new numbering. Because
+the round outcomes carry every rank's numbers, every rank keeps the root's view (the dashboard
+history, the timeline, the report accumulator) and only the current rank 0 writes it out; when
+rank 0 is lost, the new rank 0 takes over the root log (rewritten from its copy) and writes the
+dashboard and the timeline at the end of fit. Rank-log files keep the rank's original number.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_elche.checks import require_int
 from lightning_elche.engine import RoundOutcome
 from lightning_elche.loop_glue import logged_callback_metrics
+from lightning_elche.membership import Loss
 from lightning_elche.monitor.dashboard import dashboard_data, validate_theme, write_dashboard
 from lightning_elche.monitor.record import (
     CORE_REDUCTIONS,
@@ -44,6 +52,33 @@ ReductionName = Literal["mean", "sum", "max", "min", "last"]
 
 MAX_PENDING = 8192
 """Syncs per epoch whose user scalars are kept for the epoch-end roll-up (thinned evenly beyond)."""
+
+
+def _original_ranks(strategy: ElCheStrategy, world_size: int) -> list[int]:
+    """Each current rank's number at launch: the identity, unless an earlier fit of this job lost ranks."""
+    membership = getattr(strategy, "_membership", None)  # TODO(lead): a public ElCheStrategy.original_ranks
+    members = getattr(membership, "members", None)
+    if isinstance(members, list) and len(members) == world_size and all(isinstance(r, int) for r in members):
+        return list(members)
+    return list(range(world_size))
+
+
+def rank_lost_record(loss: Loss, ranks_before: list[int], t: float, ts: float, sync: Optional[int],
+                     epoch: int) -> dict[str, Any]:
+    """The ``event`` record of one agreed loss (without ``node``): who left, why, and who goes on.
+
+    ``ranks_before``: the original rank of each rank in the numbering before the loss. ``sync``:
+    the index of the round that failed (it runs again on the survivors).
+    """
+    survivors = [ranks_before[k] for k in loss.survivors]
+    return {
+        "kind": "event", "label": "rank_lost", "ts": ts, "t": t, "sync": sync, "epoch": epoch,
+        "generation": loss.generation, "lost": list(loss.lost_original),
+        "reasons": {str(rank): why for rank, why in loss.reasons.items()},
+        "survivors": len(survivors), "survivor_ranks": survivors,
+        "trained_batches": {str(rank): n for rank, n in loss.trained_batches.items()},
+        "detected_at": loss.detected_at,
+    }
 
 
 def _scalar(value: Any) -> Optional[float]:
@@ -67,11 +102,14 @@ class ElCheMonitor(Callback):
 
     Args:
         record_log_dir: write the record log here: ``rank<r>.jsonl`` per rank (every sync's
-            metrics, user scalars and per-rank work; a first ``meta`` record) and, on rank 0,
-            ``root.jsonl`` (the cross-rank roll-up). ``None``: no files.
+            metrics, user scalars and per-rank work; a first ``meta`` record; ``r`` is the rank's
+            number at launch) and, on rank 0, ``root.jsonl`` (the cross-rank roll-up). A lost rank
+            is an ``event`` record (``label: "rank_lost"``) in every survivor's file and the root's.
+            ``None``: no files.
         max_log_size: byte cap of each record-log file (drop-oldest ring; the meta record
-            stays). ``None`` or ``0``: 32 MiB. Also caps rank 0's in-memory history.
-        dashboard_html: at the end of fit, rank 0 writes a self-contained HTML dashboard here.
+            stays). ``None`` or ``0``: 32 MiB. Also caps the in-memory history each rank keeps.
+        dashboard_html: at the end of fit, rank 0 (after a lost rank 0: the new rank 0) writes a
+            self-contained HTML dashboard here; lost ranks are markers on its time axes.
         dashboard_theme: ``"light"`` or ``"dark"`` pins the dashboard's theme; ``"auto"`` or
             ``None`` follows the reader's ``prefers-color-scheme``.
         reports_per_epoch: log at most this many ``elche/report/*`` points per epoch, at sync
@@ -128,6 +166,10 @@ class ElCheMonitor(Callback):
         self._active = False
         self._rank = 0
         self._world = 1
+        self._ranks: list[int] = [0]  # the original rank of each current rank
+        self._original_rank = 0
+        self._lost_ranks: list[int] = []  # original ranks, in the order they were lost
+        self._last_sync: Optional[int] = None
         self._t0 = 0.0
         self._rank_log: Optional[RecordLog] = None
         self._root_log: Optional[RecordLog] = None
@@ -190,6 +232,8 @@ class ElCheMonitor(Callback):
         self._trainer = trainer
         strategy.remove_round_listener(self._on_round)
         strategy.add_round_listener(self._on_round)
+        strategy.remove_rank_loss_listener(self._on_rank_loss)
+        strategy.add_rank_loss_listener(self._on_rank_loss)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = self._strategy
@@ -199,22 +243,37 @@ class ElCheMonitor(Callback):
         self._t0 = time.perf_counter()
         self._rank = int(trainer.global_rank)
         self._world = int(trainer.world_size)
+        self._ranks = _original_ranks(strategy, self._world)
+        self._original_rank = self._ranks[self._rank]
         self._meta = self._build_meta(trainer, strategy)
         if self.record_log_dir is not None:
-            directory = self.record_log_dir
-            self._rank_log = RecordLog(os.path.join(directory, f"rank{self._rank}.jsonl"),
-                                       {**self._meta, "node": f"rank{self._rank}", "rank": self._rank},
-                                       self.max_log_size)
+            # Named by the original rank: after a loss, the new rank 0 must not overwrite the old one's file.
+            self._rank_log = RecordLog(os.path.join(self.record_log_dir, f"rank{self._original_rank}.jsonl"),
+                                       {**self._meta, "node": self._node, "rank": self._rank,
+                                        "original_rank": self._original_rank}, self.max_log_size)
             if self.is_root:
-                self._root_log = RecordLog(os.path.join(directory, "root.jsonl"), {**self._meta, "node": "root"},
-                                           self.max_log_size)
-        if self.is_root:
-            self._history = MemoryRing(self.max_log_size)
-            if self.timeline is not None:
-                self._timeline = Timeline(self._world)
-            if self.reports_per_epoch:
-                self._scheduler = ReportScheduler(self.reports_per_epoch)
-                self._accumulator = ReportAccumulator(self._world)
+                self._open_root_log()
+        # The root's view lives on every rank (built from the round outcomes, which every rank
+        # has), so that a new rank 0 can write it out when rank 0 is lost.
+        self._history = MemoryRing(self.max_log_size)
+        if self.timeline is not None:
+            self._timeline = Timeline(self._world, ranks=self._ranks)
+        if self.reports_per_epoch:
+            self._scheduler = ReportScheduler(self.reports_per_epoch)
+            self._accumulator = ReportAccumulator(self._world, ranks=list(self._ranks))
+
+    @property
+    def _node(self) -> str:
+        return f"rank{self._original_rank}"
+
+    def _open_root_log(self) -> None:
+        """Start ``root.jsonl``: empty at the start of fit; on a new rank 0, this rank's copy of the root's records."""
+        assert self.record_log_dir is not None
+        self._root_log = RecordLog(os.path.join(self.record_log_dir, "root.jsonl"),
+                                   {**self._meta, "node": "root", "root_original_rank": self._original_rank},
+                                   self.max_log_size)
+        for record in self._history or ():
+            self._root_log.append(record)
 
     def _build_meta(self, trainer: Trainer, strategy: ElCheStrategy) -> dict[str, Any]:
         import lightning
@@ -227,6 +286,7 @@ class ElCheMonitor(Callback):
             "ts": time.time(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "world_size": self._world,
+            "ranks": list(self._ranks),
             "config": strategy.elche.describe(),
             "strategy": {"chunk_batches": strategy.chunk_batches, "log_every_n_syncs": strategy.log_every_n_syncs},
             "scalar_reductions": dict(self.scalar_reductions),
@@ -279,6 +339,7 @@ class ElCheMonitor(Callback):
         t = self._now()
         ts = time.time()
         epoch = int(trainer.current_epoch)
+        self._last_sync = outcome.index
         reports = outcome.reports
         steps = [r.steps for r in reports]
         total = sum(steps)
@@ -297,25 +358,20 @@ class ElCheMonitor(Callback):
         common = {
             "ts": ts, "t": t, "sync": outcome.index, "epoch": epoch, "cohort_step": outcome.cohort_step,
             "global_step": int(trainer.global_step), "epoch_over": outcome.epoch_over, "anchor": outcome.anchor,
-            "overhead": outcome.overhead, "planned": list(outcome.planned),
+            "overhead": outcome.overhead, "planned": list(outcome.planned), "ranks": list(self._ranks),
         }
         if self._rank_log is not None:
-            self._rank_log.append({"kind": "sync", "node": f"rank{self._rank}", **common, "work": mine.steps,
-                                   "metrics": core[self._rank], "scalars": scalars, "per_rank": per_rank,
-                                   "elche": metrics})
+            self._rank_log.append({"kind": "sync", "node": self._node, "rank": self._rank, **common,
+                                   "work": mine.steps, "metrics": core[self._rank], "scalars": scalars,
+                                   "per_rank": per_rank, "elche": metrics})
         self._epoch_syncs += 1
         self._keep_pending({"sync": outcome.index, "t": t, "work": mine.steps, "scalars": scalars})
-        if not self.is_root:
-            return
         rolled = rollup([{"work": steps[k], "metrics": core[k]} for k in range(self._world)])
         root: dict[str, Any] = {"kind": "sync", "node": "root", **common, "work": total,
                                 "metrics": rolled["metrics"], "per_rank": per_rank, "elche": metrics}
         if "elche/divergence" in metrics:
             root["divergence"] = metrics["elche/divergence"]
-        if self._root_log is not None:
-            self._root_log.append(root)
-        if self._history is not None:
-            self._history.append(root)
+        self._root_record(root)
         if self._timeline is not None:
             self._timeline.round(outcome.index, t, epoch, steps, per_rank["samples"], per_rank["compute_s"],
                                  outcome.anchor, [s or 0.0 for s in per_rank["batch_share"]] if total else None)
@@ -330,8 +386,6 @@ class ElCheMonitor(Callback):
 
         Every rank sees the same sync indices, so thinning by index keeps the same syncs everywhere.
         """
-        if not self.is_root:
-            entry.pop("t", None)  # rank 0's clock dates the roll-up
         if entry["sync"] % self._pending_stride == 0:
             self._pending.append(entry)
         if len(self._pending) > MAX_PENDING:
@@ -366,11 +420,18 @@ class ElCheMonitor(Callback):
         payload["elche/report/epoch_progress"] = min(1.0, self._scheduler.work / self._scheduler.steps_per_epoch)
         payload["elche/report/wall_s"] = t
         self._accumulator.reset()
-        for logger in trainer.loggers:
-            logger.log_metrics(payload, step=trainer.global_step)
-        if self._root_log is not None:
-            self._root_log.append({"kind": "report", "node": "root", "t": t, "ts": time.time(), "sync": outcome.index,
-                                   "epoch": int(trainer.current_epoch), "metrics": payload})
+        if self.is_root:
+            for logger in trainer.loggers:
+                logger.log_metrics(payload, step=trainer.global_step)
+        self._root_record({"kind": "report", "node": "root", "t": t, "ts": time.time(), "sync": outcome.index,
+                           "epoch": int(trainer.current_epoch), "metrics": payload})
+
+    def _root_record(self, record: dict[str, Any]) -> None:
+        """A record of the root's view: kept on every rank, written to ``root.jsonl`` by rank 0."""
+        if self._history is not None:
+            self._history.append(record)
+        if self._root_log is not None and self.is_root:
+            self._root_log.append(record)
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -394,14 +455,10 @@ class ElCheMonitor(Callback):
                       "global_step": int(trainer.global_step),
                       "cohort_step": progress.cohort_step if progress is not None else None, "metrics": values}
             if self._rank_log is not None:
-                self._rank_log.append({**record, "node": f"rank{self._rank}"})
-            if self.is_root:
-                if self._history is not None:
-                    self._history.append({**record, "node": "root"})
-                if self._root_log is not None:
-                    self._root_log.append({**record, "node": "root"})
-                if self._timeline is not None and self._val_start is not None:
-                    self._timeline.validation(self._val_start, t, values)
+                self._rank_log.append({**record, "node": self._node})
+            self._root_record({**record, "node": "root"})
+            if self._timeline is not None and self._val_start is not None:
+                self._timeline.validation(self._val_start, t, values)
         except Exception as err:
             self._warn_once("recording validation metrics", err)
         self._val_start = None
@@ -437,8 +494,10 @@ class ElCheMonitor(Callback):
         """Every rank's per-sync user scalars of this epoch (on every rank); collective when W > 1."""
         import json
 
+        # Each rank dates its roll-up with its own clock: the times stay home.
+        entries = [{k: v for k, v in e.items() if k != "t"} for e in self._pending]
         try:
-            payload = json.dumps(self._pending, separators=(",", ":"), allow_nan=False).encode("utf-8")
+            payload = json.dumps(entries, separators=(",", ":"), allow_nan=False).encode("utf-8")
         except (TypeError, ValueError):
             payload = b"[]"
         if self._world == 1:
@@ -466,32 +525,21 @@ class ElCheMonitor(Callback):
     def _close_epoch(self, trainer: Trainer, epoch: int, gathered: list[list[dict[str, Any]]]) -> None:
         t = self._now()
         if self._rank_log is not None:
-            self._rank_log.append({"kind": "epoch", "node": f"rank{self._rank}", "ts": time.time(), "t": t,
+            self._rank_log.append({"kind": "epoch", "node": self._node, "ts": time.time(), "t": t,
                                    "epoch": epoch, "start": self._epoch_start, "syncs": self._epoch_syncs})
-        if not self.is_root:
-            self._pending = []
-            return
         by_sync: dict[int, list[dict[str, Any]]] = {}
         for entries in gathered:
             for entry in entries:
                 by_sync.setdefault(int(entry.get("sync", -1)), []).append(entry)
-        for own in gathered[0]:
+        for own in self._pending:
             rolled = rollup(by_sync.get(int(own["sync"]), []), self.scalar_reductions)["scalars"]
             if rolled:
-                record = {"kind": "scalars", "node": "root", "t": own.get("t"), "sync": own["sync"], "epoch": epoch,
-                          "scalars": rolled}
-                if self._root_log is not None:
-                    self._root_log.append(record)
-                if self._history is not None:
-                    self._history.append(record)
+                self._root_record({"kind": "scalars", "node": "root", "t": own.get("t"), "sync": own["sync"],
+                                   "epoch": epoch, "scalars": rolled})
         summary = epoch_rollup(gathered, self.scalar_reductions)
-        epoch_record = {"kind": "epoch", "node": "root", "ts": time.time(), "t": t, "epoch": epoch,
-                        "start": self._epoch_start, "scalars": summary}
-        if self._root_log is not None:
-            self._root_log.append(epoch_record)
-        if self._history is not None:
-            self._history.append(epoch_record)
-        if summary:
+        self._root_record({"kind": "epoch", "node": "root", "ts": time.time(), "t": t, "epoch": epoch,
+                           "start": self._epoch_start, "scalars": summary})
+        if summary and self.is_root:
             logged = {f"elche/scalars/{name}": value for name, value in summary.items()}
             for logger in trainer.loggers:
                 logger.log_metrics(logged, step=trainer.global_step)
@@ -512,6 +560,7 @@ class ElCheMonitor(Callback):
             self._finish(trainer, "teardown")
             if self._strategy is not None:
                 self._strategy.remove_round_listener(self._on_round)
+                self._strategy.remove_rank_loss_listener(self._on_rank_loss)
 
     def _finish(self, trainer: Trainer, how: str) -> None:
         if not self._active or self._written:
@@ -522,15 +571,17 @@ class ElCheMonitor(Callback):
             ranks = self._rank_totals()
             end = {"kind": "end", "ts": time.time(), "t": t, "how": how, "ranks": ranks}
             if self._rank_log is not None:
-                self._rank_log.append({**end, "node": f"rank{self._rank}"})
+                self._rank_log.append({**end, "node": self._node, "rank": self._rank})
             if self._root_log is not None:
                 self._root_log.append({**end, "node": "root"})
             if self.is_root and self.dashboard_html is not None:
-                records = [{"kind": "meta", **self._meta}, *(self._history or []), {**end, "node": "root"}]
+                meta = {"kind": "meta", **self._meta, "root_original_rank": self._original_rank}
+                records = [meta, *(self._history or []), {**end, "node": "root"}]
                 dropped = self._history.dropped if self._history is not None else 0
                 write_dashboard(self.dashboard_html, dashboard_data(records, dropped=dropped), self.dashboard_theme)
             if self.is_root and self._timeline is not None and self.timeline is not None:
-                self._timeline.write(self.timeline, {"world_size": self._world, "end": how})
+                self._timeline.write(self.timeline, {"world_size": self._world, "end": how,
+                                                     "lost_ranks": list(self._lost_ranks)})
         except Exception as err:
             self._warn_once("writing the dashboard or timeline", err)
         finally:
@@ -540,8 +591,67 @@ class ElCheMonitor(Callback):
             self._active = False
 
     def _rank_totals(self) -> list[dict[str, Any]]:
+        """Whole-fit totals: one row per survivor (its current rank), then one per lost rank (``lost``)."""
         progress = self._strategy.progress if self._strategy is not None else None
         if progress is None:
             return []
-        return [{"rank": k, "steps": tot.steps, "samples": tot.samples, "compute_s": tot.compute_s,
-                 "sync_s": tot.sync_s} for k, tot in enumerate(progress.totals)]
+        rows = [{"rank": k, "original_rank": self._ranks[k] if k < len(self._ranks) else k, "steps": tot.steps,
+                 "samples": tot.samples, "compute_s": tot.compute_s, "sync_s": tot.sync_s}
+                for k, tot in enumerate(progress.totals)]
+        # The engine keeps the lost ranks' totals in the order they were lost, as this monitor does.
+        lost_totals = progress.lost_totals if self._lost_ranks else ()
+        for original, tot in zip(self._lost_ranks, lost_totals, strict=False):
+            rows.append({"rank": None, "original_rank": original, "lost": True, "steps": tot.steps,
+                         "samples": tot.samples, "compute_s": tot.compute_s, "sync_s": tot.sync_s})
+        return rows
+
+    # -- lost ranks ----------------------------------------------------------------------------
+
+    def _on_rank_loss(self, loss: Loss) -> None:
+        """Runs on every survivor after the regroup, before the failed round runs again (no collectives)."""
+        if not self._active:
+            return
+        try:
+            self._record_rank_loss(loss)
+        except Exception as err:  # the monitor must never fail training
+            self._warn_once("recording a lost rank", err)
+
+    def _record_rank_loss(self, loss: Loss) -> None:
+        t, ts = self._now(), time.time()
+        trainer = self._trainer
+        epoch = int(trainer.current_epoch) if trainer is not None else 0
+        before = list(self._ranks)
+        if len(before) != len(loss.survivors) + len(loss.lost):
+            raise RuntimeError(f"the loss names {len(loss.survivors) + len(loss.lost)} ranks, the monitor knew "
+                               f"{len(before)}")
+        # The failed round runs again under the next index (the loss may come before this fit's first round).
+        progress = self._strategy.progress if self._strategy is not None else None
+        done = getattr(progress, "rounds", None)
+        done = int(done) if isinstance(done, int) else self._last_sync
+        sync = done + 1 if done is not None else None
+        record = rank_lost_record(loss, before, t, ts, sync, epoch)
+        self._ranks = [before[k] for k in loss.survivors]
+        self._world = len(self._ranks)
+        self._rank = self._ranks.index(self._original_rank)
+        strategy = self._strategy
+        if strategy is not None and (strategy.global_rank, strategy.world_size) != (self._rank, self._world):
+            raise RuntimeError(f"the monitor renumbered this rank to {self._rank} of {self._world}, the strategy to "
+                               f"{strategy.global_rank} of {strategy.world_size}")
+        self._lost_ranks.extend(loss.lost_original)
+        record["rank"] = self._rank
+        if self._rank_log is not None:
+            self._rank_log.append({**record, "node": self._node})
+        if self._accumulator is not None:
+            self._accumulator.retain(loss.survivors)
+        if self._timeline is not None:
+            self._timeline.ranks_lost(t, loss.generation, list(loss.lost_original), self._ranks,
+                                      record["reasons"], sync)
+        root = {**record, "node": "root"}
+        root.pop("rank")
+        if self.is_root and self._root_log is None and self.record_log_dir is not None:
+            # Rank 0 was lost: this rank is the root from now on; its copy already ends with the event.
+            if self._history is not None:
+                self._history.append(root)
+            self._open_root_log()
+        else:
+            self._root_record(root)

@@ -6,7 +6,13 @@ e-mail attachment or from a CI artefact. The page follows the reader's ``prefers
 unless ``dashboard_theme`` pins ``"light"`` or ``"dark"``; a button in the page cycles the theme.
 
 When the charts are drawn the page sets ``data-ready="1"`` on ``<body>``, and every chart's
-``<svg>`` carries ``data-points`` (points drawn) so that a headless browser can check it.
+``<svg>`` carries ``data-points`` (points drawn) and ``data-events`` (event markers drawn) so
+that a headless browser can check it.
+
+Lost ranks (``event`` records labelled ``rank_lost``) are a marker on the time axis of every
+chart (a vertical line, its label names the lost ranks; hover shows the reasons), a card and a
+table. Per-rank series follow each rank's number at launch (the sync records' ``ranks``), so a
+rank keeps its colour when the survivors are renumbered and a lost rank's line ends at its marker.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ def dashboard_point(root: Mapping[str, Any]) -> dict[str, Any]:
         "window_steps": root.get("work"),
         "per_rank": {k: per_rank[k] for k in ("loss", "batch_share", "samples_per_s") if k in per_rank},
     }
+    if root.get("ranks") is not None:
+        point["ranks"] = list(root["ranks"])  # the launch number of each row of per_rank
     for key in ("loss", "samples_per_s"):
         if key in metrics:
             point[key] = metrics[key]
@@ -65,13 +73,35 @@ def dashboard_point(root: Mapping[str, Any]) -> dict[str, Any]:
     return point
 
 
+def event_marker(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The marker of one ``event`` record: where it goes on the time axis, its label and its details."""
+    label = str(record.get("label") or "event")
+    marker: dict[str, Any] = {"t": record.get("t"), "label": label, "sync": record.get("sync"),
+                              "epoch": record.get("epoch")}
+    if label == "rank_lost":
+        lost = [int(r) for r in record.get("lost") or []]
+        reasons = record.get("reasons") or {}
+        marker.update({
+            "generation": record.get("generation"),
+            "lost": lost,
+            "reasons": {str(k): str(v) for k, v in reasons.items()},
+            "survivors": record.get("survivors"),
+            "text": ("ranks " if len(lost) > 1 else "rank ") + ", ".join(str(r) for r in lost) + " lost",
+        })
+    else:
+        marker["text"] = label
+    return marker
+
+
 def dashboard_data(records: Iterable[Mapping[str, Any]], dropped: int = 0) -> dict[str, Any]:
-    """What the page draws, from root records (``meta``, ``sync``, ``scalars``, ``eval``, ``epoch``, ``end``)."""
+    """What the page draws, from root records (``meta``, ``sync``, ``scalars``, ``eval``, ``epoch``,
+    ``event``, ``end``)."""
     meta: dict[str, Any] = {}
     syncs: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
     scalars: list[dict[str, Any]] = []
     epochs: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
     ranks: list[Any] = []
     t_end = 0.0
     for record in records:
@@ -90,17 +120,21 @@ def dashboard_data(records: Iterable[Mapping[str, Any]], dropped: int = 0) -> di
             evals.append({"t": t, "epoch": record.get("epoch"), "metrics": record.get("metrics") or {}})
         elif kind == "epoch":
             epochs.append({"epoch": record.get("epoch"), "start": record.get("start"), "end": t})
+        elif kind == "event":
+            events.append(event_marker(record))
         elif kind == "end":
             ranks = list(record.get("ranks") or [])
     world = meta.get("world_size", 1)
     mode = (meta.get("config") or {}).get("mode", "?")
+    lost = sum(len(e.get("lost") or []) for e in events if e["label"] == "rank_lost")
     return {
-        "title": f"ElChe run · {mode} · {world} rank{'s' if world != 1 else ''}",
+        "title": f"ElChe run · {mode} · {world} rank{'s' if world != 1 else ''}" + (f" · {lost} lost" if lost else ""),
         "meta": meta,
         "syncs": syncs,
         "evals": evals,
         "scalars": scalars,
         "epochs": epochs,
+        "events": events,
         "ranks": ranks,
         "t_end": t_end,
         "dropped": dropped,
@@ -174,10 +208,10 @@ _TEMPLATE = """<!DOCTYPE html>
 """
 
 _LIGHT = """--bg:#f4f6f9;--panel:#ffffff;--fg:#18202e;--muted:#5f6b7d;--grid:#e6e9ef;--axis:#9aa4b4;
---border:#dfe3ea;--epoch:#8a94a6;--accent:#2f6fe4;--total:#18202e;--shadow:0 1px 2px rgba(16,24,40,.06);
+--border:#dfe3ea;--epoch:#8a94a6;--event:#dc2626;--accent:#2f6fe4;--total:#18202e;--shadow:0 1px 2px rgba(16,24,40,.06);
 color-scheme:light;"""
 _DARK = """--bg:#0e1117;--panel:#161b24;--fg:#e6e9ef;--muted:#98a2b3;--grid:#262d3a;--axis:#5b6577;
---border:#272e3b;--epoch:#6b7588;--accent:#6ea0ff;--total:#e6e9ef;--shadow:none;color-scheme:dark;"""
+--border:#272e3b;--epoch:#6b7588;--event:#f87171;--accent:#6ea0ff;--total:#e6e9ef;--shadow:none;color-scheme:dark;"""
 
 _CSS = (
     ":root{" + _LIGHT + "}"
@@ -212,6 +246,9 @@ svg text{fill:var(--muted);font-size:11px;font-variant-numeric:tabular-nums}
 .axisline{stroke:var(--axis);stroke-width:1}
 .epochline{stroke:var(--epoch);stroke-width:1;stroke-dasharray:3 4;opacity:.8}
 svg text.epochlabel{fill:var(--epoch);font-size:10px}
+.eventline{stroke:var(--event);stroke-width:1.6;stroke-dasharray:6 3}
+svg text.eventlabel{fill:var(--event);font-size:10.5px;font-weight:620}
+.tip .event{color:var(--event);font-weight:620}
 .empty{fill:var(--muted);font-size:13px}
 .hover line{stroke:var(--axis);stroke-width:1}
 .tip{position:fixed;pointer-events:none;background:var(--panel);color:var(--fg);border:1px solid var(--border);
@@ -241,7 +278,15 @@ _JS = r"""
                  "#db2777", "#65a30d"];
   var W = 640, H = 250, M = {l: 58, r: 14, t: 20, b: 30};
   var syncs = DATA.syncs || [], evals = DATA.evals || [], epochs = DATA.epochs || [];
+  var events = (DATA.events || []).filter(function (e) { return typeof e.t === "number" && isFinite(e.t); });
   var meta = DATA.meta || {}, world = meta.world_size || 1;
+  // Per-rank series follow the launch numbers (a sync's "ranks"), which renumbering after a loss keeps.
+  var launchRanks = [];
+  function addRank(k) { if (launchRanks.indexOf(k) < 0) launchRanks.push(k); }
+  (meta.ranks || []).forEach(addRank);
+  syncs.forEach(function (r) { (r.ranks || []).forEach(addRank); });
+  if (!launchRanks.length) for (var k0 = 0; k0 < world; k0++) launchRanks.push(k0);
+  launchRanks.sort(function (a, b) { return a - b; });
   var tEnd = Math.max(DATA.t_end || 0, syncs.length ? syncs[syncs.length - 1].t : 0,
                       evals.length ? evals[evals.length - 1].t : 0, 1e-3);
   var totalPoints = 0, chartCount = 0;
@@ -394,6 +439,17 @@ _JS = r"""
         svg("text", {x: x + 3, y: M.t - 2, "class": "epochlabel"}, g).textContent = "ep " + (e.epoch + 1);
       }
     });
+    // events (lost ranks): a marker on the time axis, its label names them, its title gives the reasons
+    events.forEach(function (e) {
+      var x = sx(e.t);
+      var mark = svg("g", {"class": "event", "data-event": e.label, "data-t": String(e.t)}, g);
+      svg("title", {}, mark).textContent = eventText(e);
+      svg("line", {x1: x, x2: x, y1: M.t - 8, y2: H - M.b + 4, "class": "eventline"}, mark);
+      var right = x > W - M.r - 90;
+      svg("text", {x: right ? x - 4 : x + 4, y: M.t + 8, "class": "eventlabel", "text-anchor": right ? "end" : "start"},
+          mark).textContent = e.text || e.label;
+    });
+    s.setAttribute("data-events", String(events.length));
     // series
     var clip = "clip" + chartCount;
     var defs = svg("defs", {}, s);
@@ -474,9 +530,12 @@ _JS = r"""
         rows.push('<div class="row"><i style="background:' + ser.color + '"></i>' + esc(ser.name) + ": <b>" +
                   fmtNum(p[1]) + "</b></div>");
       });
-      if (near === null) return;
+      var close = events.filter(function (e) { return Math.abs(sx(e.t) - t) <= 6; });
+      if (near === null && !close.length) return;
+      if (near === null) near = close[0].t;
       vline.setAttribute("x1", sx(near)); vline.setAttribute("x2", sx(near));
       hg.setAttribute("visibility", "visible");
+      close.forEach(function (e) { rows.unshift('<div class="event">' + esc(eventText(e)) + "</div>"); });
       tip.innerHTML = "<div>" + fmtTime(near) + "</div>" + rows.join("");
       tip.hidden = false;
       var left = ev.clientX + 14, top = ev.clientY + 12;
@@ -484,6 +543,16 @@ _JS = r"""
       tip.style.left = left + "px"; tip.style.top = top + "px";
     });
     hit.addEventListener("mouseleave", function () { hg.setAttribute("visibility", "hidden"); tip.hidden = true; });
+  }
+  function eventText(e) {
+    var parts = [(e.text || e.label) + " at " + fmtTime(e.t)];
+    if (finite(e.sync)) parts.push("sync " + e.sync);
+    if (finite(e.epoch)) parts.push("epoch " + e.epoch);
+    var why = Object.keys(e.reasons || {}).map(function (r) { return "rank " + r + ": " + e.reasons[r]; });
+    var line = parts.join(", ");
+    if (why.length) line += " (" + why.join("; ") + ")";
+    if (finite(e.survivors)) line += "; " + e.survivors + " rank" + (e.survivors === 1 ? "" : "s") + " go on";
+    return line;
   }
   var ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"};
   function esc(t) { return String(t).replace(/[&<>"]/g, function (c) { return ENTITIES[c]; }); }
@@ -495,17 +564,21 @@ _JS = r"""
   function col(key) {
     return syncs.filter(function (r) { return finite(r[key]); }).map(function (r) { return [r.t, r[key]]; });
   }
+  function row(r, k) { return r.ranks ? r.ranks.indexOf(k) : k; }  // k: a launch number
   function rankCol(key, k) {
-    return syncs.filter(function (r) { return r.per_rank && r.per_rank[key] && finite(r.per_rank[key][k]); })
-      .map(function (r) { return [r.t, r.per_rank[key][k]]; });
+    return syncs.filter(function (r) { return r.per_rank && r.per_rank[key] && finite(r.per_rank[key][row(r, k)]); })
+      .map(function (r) { return [r.t, r.per_rank[key][row(r, k)]]; });
   }
+  var lostRanks = [];
+  events.forEach(function (e) { (e.lost || []).forEach(function (k) { lostRanks.push(k); }); });
   function rankSeries(key, opts) {
     var out = [];
-    for (var k = 0; k < world; k++) {
-      var s = {name: "rank " + k, color: rankColor(k), pts: rankCol(key, k)};
+    launchRanks.forEach(function (k) {
+      var lost = lostRanks.indexOf(k) >= 0;
+      var s = {name: "rank " + k + (lost ? " (lost)" : ""), color: rankColor(k), pts: rankCol(key, k)};
       for (var o in opts || {}) s[o] = opts[o];
       out.push(s);
-    }
+    });
     return out;
   }
   var evalKeys = [];
@@ -520,7 +593,8 @@ _JS = r"""
   var last = syncs.length ? syncs[syncs.length - 1] : null;
   var cfg = meta.config || {};
   document.getElementById("subtitle").textContent = [
-    "mode " + (cfg.mode || "?"), world + (world === 1 ? " rank" : " ranks"),
+    "mode " + (cfg.mode || "?"), world + (world === 1 ? " rank" : " ranks") +
+      (lostRanks.length ? " (" + lostRanks.length + " lost)" : ""),
     meta.started ? "started " + meta.started : null,
     meta.versions ? "lightning-elche " + meta.versions.lightning_elche : null
   ].filter(Boolean).join(" · ");
@@ -538,6 +612,9 @@ _JS = r"""
     card("best " + valLossKey, vl.length ? fmtNum(Math.min.apply(null, vl)) : "–");
   }
   card("anchor", last ? String(last.anchor) : "–");
+  if (lostRanks.length) {
+    card("ranks lost", lostRanks.length + " (rank" + (lostRanks.length > 1 ? "s " : " ") + lostRanks.join(", ") + ")");
+  }
   var rate = col("samples_per_s");
   card("samples/s", rate.length ? fmtNum(rate[rate.length - 1][1]) : "–");
 
@@ -592,6 +669,23 @@ _JS = r"""
 
   // ---- tables ----
   var tables = document.getElementById("tables");
+  var lossEvents = events.filter(function (e) { return e.label === "rank_lost"; });
+  if (lossEvents.length) {
+    var lb = node("div", "tablebox", null, tables);
+    node("h2", null, "Lost ranks", lb);
+    var lt = node("table", null, null, lb), lh = node("tr", null, null, node("thead", null, null, lt));
+    ["time", "sync", "epoch", "lost (launch rank)", "reason", "going on"].forEach(function (c) {
+      node("th", null, c, lh);
+    });
+    var lbody = node("tbody", null, null, lt);
+    lossEvents.forEach(function (e) {
+      var tr = node("tr", null, null, lbody);
+      [fmtTime(e.t), finite(e.sync) ? String(e.sync) : "–", finite(e.epoch) ? String(e.epoch) : "–",
+       (e.lost || []).join(", "),
+       Object.keys(e.reasons || {}).map(function (r) { return r + ": " + e.reasons[r]; }).join("; ") || "–",
+       finite(e.survivors) ? String(e.survivors) : "–"].forEach(function (v) { node("td", null, v, tr); });
+    });
+  }
   if ((DATA.ranks || []).length) {
     var tb = node("div", "tablebox", null, tables);
     node("h2", null, "Per rank", tb);
@@ -604,9 +698,12 @@ _JS = r"""
     DATA.ranks.forEach(function (r) {
       var tr = node("tr", null, null, body);
       var sw = node("td", null, null, tr), i = node("i", null, null, sw);
+      var launch = finite(r.original_rank) ? r.original_rank : r.rank;
       i.style.cssText = "display:inline-block;width:9px;height:9px;border-radius:50%;margin-right:6px;background:" +
-        rankColor(r.rank);
-      sw.appendChild(document.createTextNode(String(r.rank)));
+        rankColor(launch);
+      // A renumbered survivor shows its launch number too; a lost rank is marked lost.
+      var name = r.lost ? launch + " (lost)" : (launch !== r.rank ? r.rank + " (was " + launch + ")" : String(r.rank));
+      sw.appendChild(document.createTextNode(name));
       var busy = (r.compute_s || 0) + (r.sync_s || 0);
       [fmtInt(r.steps), tot ? (100 * r.steps / tot).toFixed(1) + "%" : "–", fmtInt(r.samples),
        r.compute_s > 0 ? fmtNum(r.samples / r.compute_s) : "–",
@@ -628,8 +725,10 @@ _JS = r"""
                               : "(none declared; user scalars use mean)", tr2);
 
   var dropped = (DATA.dropped || 0);
+  var clockRank = finite(meta.root_original_rank) ? meta.root_original_rank : 0;
   document.getElementById("footer").textContent = "Written by lightning_elche.ElCheMonitor at the end of fit. " +
-    "Times are seconds since training started (rank 0's clock)." +
+    "Times are seconds since training started (" + (clockRank ? "the clock of launch rank " + clockRank +
+      ", rank 0 after the loss of rank 0)." : "rank 0's clock).") +
     (dropped ? " The oldest " + dropped + " records were dropped by the size cap." : "") +
     " This page is self-contained: it loads nothing from the network.";
 

@@ -46,6 +46,8 @@ class ReportAccumulator:
     """Per-rank work since the last report, for interval means (loss) and rates (samples/s)."""
 
     world_size: int
+    ranks: Optional[list[int]] = None
+    """The label of each rank in the payload keys (its number at launch); default: 0, 1, ..."""
     steps: list[int] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
     compute_s: list[float] = field(default_factory=list)
@@ -53,7 +55,23 @@ class ReportAccumulator:
     sync_s: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.ranks is None:
+            self.ranks = list(range(self.world_size))
+        if len(self.ranks) != self.world_size:
+            raise ValueError(f"ReportAccumulator(ranks={self.ranks!r}) names {len(self.ranks)} ranks, expected "
+                             f"world_size={self.world_size}")
         self.reset()
+
+    def retain(self, survivors: Sequence[int]) -> None:
+        """After a loss: keep the rows of ``survivors`` (indices in the numbering before it), in that order."""
+        assert self.ranks is not None
+        self.ranks = [self.ranks[k] for k in survivors]
+        self.world_size = len(self.ranks)
+        self.steps = [self.steps[k] for k in survivors]
+        self.samples = [self.samples[k] for k in survivors]
+        self.compute_s = [self.compute_s[k] for k in survivors]
+        self.loss_sum = [self.loss_sum[k] for k in survivors]
+        self.sync_s = [self.sync_s[k] for k in survivors]
 
     def reset(self) -> None:
         n = self.world_size
@@ -84,14 +102,15 @@ class ReportAccumulator:
             loss = math.fsum(self.loss_sum) / total_steps
             out[f"{prefix}/loss"] = loss
         rate_total = 0.0
-        for k in range(self.world_size):
+        assert self.ranks is not None
+        for k, label in enumerate(self.ranks):
             if total_steps > 0:
-                out[f"{prefix}/batch_share/rank{k}"] = self.steps[k] / total_steps
+                out[f"{prefix}/batch_share/rank{label}"] = self.steps[k] / total_steps
             if self.steps[k] > 0:
-                out[f"{prefix}/loss/rank{k}"] = self.loss_sum[k] / self.steps[k]
+                out[f"{prefix}/loss/rank{label}"] = self.loss_sum[k] / self.steps[k]
             if self.compute_s[k] > 0 and self.samples[k] > 0:
                 rate = self.samples[k] / self.compute_s[k]
-                out[f"{prefix}/samples_per_s/rank{k}"] = rate
+                out[f"{prefix}/samples_per_s/rank{label}"] = rate
                 rate_total += rate
         if rate_total > 0:
             out[f"{prefix}/samples_per_s"] = rate_total

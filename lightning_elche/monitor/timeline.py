@@ -8,7 +8,11 @@ for ``compute_s`` seconds, then ``sync`` (waiting for peers plus the reduce) unt
 
 Event kinds: ``window`` and ``sync`` slices per rank ("X"), ``validation`` slices, ``epoch N``
 slices on a ``cohort`` track, and instant events ("i") for ``anchor_changed`` (from/to),
-``throttle`` (a rank's batch share fell under half an equal share) and epoch boundaries.
+``throttle`` (a rank's batch share fell under half an equal share), epoch boundaries and
+``rank_lost`` (a global marker, plus one on each lost rank's track).
+
+Each rank's track (``pid``) is its number at launch, so a rank keeps its track when the ranks
+are renumbered after a loss; a lost rank's track simply ends.
 """
 
 from __future__ import annotations
@@ -38,8 +42,15 @@ def _us(seconds: float) -> float:
 class Timeline:
     """Collects trace events; :meth:`to_trace` returns the Chrome-trace JSON object."""
 
-    def __init__(self, world_size: int, max_events: int = DEFAULT_MAX_EVENTS) -> None:
+    def __init__(self, world_size: int, max_events: int = DEFAULT_MAX_EVENTS,
+                 ranks: Optional[Sequence[int]] = None) -> None:
         self.world_size = int(world_size)
+        # The track of each current rank: its number at launch.
+        self.ranks: list[int] = list(ranks) if ranks is not None else list(range(self.world_size))
+        if len(self.ranks) != self.world_size:
+            raise ValueError(f"Timeline(ranks={self.ranks!r}) names {len(self.ranks)} ranks, expected "
+                             f"world_size={self.world_size}")
+        self.tracks: list[int] = list(self.ranks)  # every track that ever had a rank
         self.events: deque[dict[str, Any]] = deque(maxlen=max(16, int(max_events)))
         self.dropped = 0
         self._last_round_end: Optional[float] = None
@@ -63,7 +74,7 @@ class Timeline:
     def epoch_end(self, epoch: int, t: float) -> None:
         start = self._epoch_start[1] if self._epoch_start and self._epoch_start[0] == epoch else None
         if start is not None:
-            for pid in range(self.world_size):
+            for pid in self.ranks:
                 self._add({"name": f"epoch {epoch}", "ph": "X", "pid": pid, "tid": EPOCH_TID, "ts": _us(start),
                            "dur": _us(max(0.0, t - start)), "cat": "epoch", "args": {"epoch": epoch}})
         self._add({"name": "epoch_end", "ph": "i", "s": "g", "pid": 0, "tid": EPOCH_TID, "ts": _us(t),
@@ -71,7 +82,7 @@ class Timeline:
         self._epoch_start = None
 
     def validation(self, start: float, end: float, metrics: Optional[dict[str, float]] = None) -> None:
-        for pid in range(self.world_size):
+        for pid in self.ranks:
             self._add({"name": "validation", "ph": "X", "pid": pid, "tid": TRAIN_TID, "ts": _us(start),
                        "dur": _us(max(0.0, end - start)), "cat": "eval", "args": dict(metrics or {})})
         self._last_round_end = end
@@ -89,14 +100,14 @@ class Timeline:
     ) -> None:
         """One sync round that ended at ``t_end`` (seconds, rank 0's clock)."""
         start = self._last_round_end if self._last_round_end is not None else t_end - max(compute_s, default=0.0)
-        for k in range(self.world_size):
+        for k, pid in enumerate(self.ranks):
             compute_end = min(t_end, start + max(0.0, float(compute_s[k])))
             if steps[k] > 0:
-                self._add({"name": "window", "ph": "X", "pid": k, "tid": TRAIN_TID, "ts": _us(start),
+                self._add({"name": "window", "ph": "X", "pid": pid, "tid": TRAIN_TID, "ts": _us(start),
                            "dur": _us(compute_end - start), "cat": "compute",
                            "args": {"sync": index, "epoch": epoch, "steps": int(steps[k]),
                                     "samples": int(samples[k])}})
-            self._add({"name": "sync", "ph": "X", "pid": k, "tid": TRAIN_TID, "ts": _us(compute_end),
+            self._add({"name": "sync", "ph": "X", "pid": pid, "tid": TRAIN_TID, "ts": _us(compute_end),
                        "dur": _us(max(0.0, t_end - compute_end)), "cat": "sync",
                        "args": {"sync": index, "epoch": epoch, "steps": int(steps[k])}})
         if self._anchor is not None and anchor != self._anchor:
@@ -107,22 +118,40 @@ class Timeline:
             equal = 1.0 / self.world_size
             for k, share in enumerate(batch_share):
                 low = share < THROTTLE_SHARE * equal
-                if low and k not in self._throttled and sum(steps) > 0:
-                    self._add({"name": "throttle", "ph": "i", "s": "p", "pid": k, "tid": TRAIN_TID,
+                pid = self.ranks[k]
+                if low and pid not in self._throttled and sum(steps) > 0:
+                    self._add({"name": "throttle", "ph": "i", "s": "p", "pid": pid, "tid": TRAIN_TID,
                                "ts": _us(t_end), "cat": "throttle",
-                               "args": {"rank": k, "batch_share": share, "equal_share": equal, "sync": index}})
+                               "args": {"rank": k, "original_rank": pid, "batch_share": share, "equal_share": equal,
+                                        "sync": index}})
                 if low:
-                    self._throttled.add(k)
+                    self._throttled.add(pid)
                 else:
-                    self._throttled.discard(k)
+                    self._throttled.discard(pid)
         self._last_round_end = t_end
+
+    def ranks_lost(self, t: float, generation: int, lost: Sequence[int], survivors: Sequence[int],
+                   reasons: Optional[dict[str, str]] = None, sync: Optional[int] = None) -> None:
+        """Ranks ``lost`` (launch numbers) left at ``t``; ``survivors`` (launch numbers) are the new ranks 0, 1, ..."""
+        args = {"generation": generation, "lost": list(lost), "survivors": list(survivors),
+                "reasons": dict(reasons or {}), "sync": sync}
+        label = "rank_lost: " + ", ".join(f"rank {r}" for r in lost)
+        self._add({"name": label, "ph": "i", "s": "g", "pid": 0, "tid": TRAIN_TID, "ts": _us(t), "cat": "rank_lost",
+                   "args": args})
+        for pid in lost:
+            self._add({"name": "rank_lost", "ph": "i", "s": "p", "pid": pid, "tid": TRAIN_TID, "ts": _us(t),
+                       "cat": "rank_lost", "args": args})
+            self._throttled.discard(pid)
+        self.ranks = list(survivors)
+        self.world_size = len(self.ranks)
 
     # -- output --------------------------------------------------------------------------------
 
     def metadata(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for k in range(self.world_size):
-            out.append({"name": "process_name", "ph": "M", "pid": k, "tid": 0, "args": {"name": f"rank {k}"}})
+        for k in self.tracks:
+            name = f"rank {k}" if k in self.ranks else f"rank {k} (lost)"
+            out.append({"name": "process_name", "ph": "M", "pid": k, "tid": 0, "args": {"name": name}})
             out.append({"name": "process_sort_index", "ph": "M", "pid": k, "tid": 0, "args": {"sort_index": k}})
             out.append({"name": "thread_name", "ph": "M", "pid": k, "tid": TRAIN_TID, "args": {"name": "train"}})
             out.append({"name": "thread_name", "ph": "M", "pid": k, "tid": EPOCH_TID, "args": {"name": "epochs"}})

@@ -7,6 +7,9 @@ A fault is ``KIND:RANK:STEP``: on original rank ``RANK``, before its optimizer s
 Every rank appends each batch it trains to ``steps-rank<original rank>.jsonl`` (flushed at once,
 so a killed rank's record survives it); every rank that finishes writes ``result-rank<r>.json``
 (its final numbering, parameters and the losses it saw).
+
+``--monitor DIR`` attaches an ``ElCheMonitor`` writing its record log to ``DIR/records``, its
+dashboard to ``DIR/dashboard.html`` and its timeline to ``DIR/timeline.json``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from multirank_helpers import IndexedSamples, StepDelay  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_elche import ElCheStrategy  # noqa: E402
+from lightning_elche import ElCheMonitor, ElCheStrategy  # noqa: E402
 
 ORIGINAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))  # one node: the rank given at launch
 
@@ -111,6 +114,11 @@ def main(args: argparse.Namespace) -> None:
         kind, rank, step = fault.split(":")
         if int(rank) == ORIGINAL_RANK:
             callbacks.append(InjectFault(args.out_dir, kind, int(step)))
+    if args.monitor is not None:
+        monitor_dir = Path(args.monitor)
+        callbacks.append(ElCheMonitor(record_log_dir=str(monitor_dir / "records"),
+                                      dashboard_html=str(monitor_dir / "dashboard.html"),
+                                      timeline=str(monitor_dir / "timeline.json"), reports_per_epoch=2))
     max_failure: Any = args.max_failure
     if max_failure is not None:
         max_failure = float(max_failure) if "." in max_failure else int(max_failure)
@@ -140,4 +148,5 @@ if __name__ == "__main__":
     parser.add_argument("--max-failure", default=None)
     parser.add_argument("--liveness", type=float, default=5.0)
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[2.0, 5.0, 3.0])
+    parser.add_argument("--monitor", default=None, help="attach an ElCheMonitor writing under this directory")
     main(parser.parse_args())
