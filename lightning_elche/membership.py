@@ -105,6 +105,8 @@ class Loss:
     trained_batches: dict[int, int] = field(default_factory=dict)
     """By original rank: batches of the current epoch in the consensus (the rest went to the survivors)."""
     detected_at: float = 0.0  # time.time()
+    regrouped_with: str = ""
+    """How the survivors' process group was built: ``"shrink_group"`` or ``"new group"``."""
 
 
 class Heartbeat:

@@ -600,7 +600,7 @@ class ElCheStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         loss = membership.agree(failure)
         self._fence(loss)
-        group = self._rebuild_process_groups(loss.lost, membership.rank, membership.world_size)
+        group = self._rebuild_process_groups(loss)
         renumber_lightning_ranks(trainer, membership.rank)
         self._session.regroup(loss.survivors)
         if self._sampler is not None:
@@ -630,12 +630,14 @@ class ElCheStrategy(DDPStrategy):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(proc[1], signal.SIGKILL)
 
-    def _rebuild_process_groups(self, lost: list[int], rank: int, world_size: int) -> Optional[Any]:
+    def _rebuild_process_groups(self, loss: Loss) -> Optional[Any]:
         """The survivors' default group (and averaging side group): NCCL's own shrink where the
         installed torch and NCCL offer it, else a new group on store keys of this generation."""
         assert self._membership is not None
-        if not (_default_group_shrinks() and self._shrink_default_group(lost)):
-            self._reinit_default_group(rank, world_size)
+        loss.regrouped_with = "shrink_group"
+        if not (_default_group_shrinks() and self._shrink_default_group(loss.lost)):
+            loss.regrouped_with = "new group"
+            self._reinit_default_group(self._membership.rank, self._membership.world_size)
         self._side_group = None
         if self.elche.run_mode.transport is Transport.HOST:
             self._side_group = dist.new_group(backend="gloo", timeout=self.snapshot_timeout)

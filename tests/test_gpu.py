@@ -5,6 +5,7 @@ The README's test command deselects the marker (`-m "not gpu"`), so nothing is s
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -45,3 +46,17 @@ def test_heterogeneous_run_with_green_context_throttle(tmp_path, mode):
     print(f"GPU hetero {mode}: steps {r0['steps']}, ms/step {[round(1000 * m, 2) for m in ms_per_step]}, "
           f"rounds {r0['rounds']}, final plan {r0['batch_counts']}, mean stall per sync (ms) {r0['mean_stall_ms']}")
     assert ms_per_step[1] > 1.5 * ms_per_step[0], f"green-context throttle did not slow rank 1: {ms_per_step}"
+
+
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_async"])
+def test_a_killed_rank_is_survived_on_nccl_without_a_watchdog_abort(tmp_path, mode):
+    """2 GPUs: rank 1 is killed mid-epoch; rank 0 goes on alone within 60 s (never a watchdog abort)."""
+    from test_rank_loss import check_survived, run_job
+
+    job = run_job(tmp_path, mode, ["kill:1:12"], liveness_s=10.0, ranks=2, accelerator="gpu", timeout_s=240.0)
+    assert "watchdog" not in job.log.lower() and "SIGABRT" not in job.log, job.log[-3000:]
+    check_survived(job, {1})
+    loss = job.results[0]["losses"][0]
+    fault = json.loads((tmp_path / "fault-rank1.json").read_text())
+    assert loss["detected_at"] - fault["time"] < 60.0
+    print(f"{mode}: lost after {loss['detected_at'] - fault['time']:.2f} s, regrouped with {loss['regrouped_with']}")

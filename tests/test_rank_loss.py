@@ -38,17 +38,19 @@ class Job:
     returncode: int
     log: str
     results: dict[int, dict[str, Any]]  # by original rank, the ranks that finished
+    ranks: int
     leftover: list[int]
     elapsed_s: float
 
 
 def run_job(out: Path, mode: str, faults: list[str], max_failure: Optional[str] = None,
-            liveness_s: float = 5.0, timeout_s: float = 150.0) -> Job:
+            liveness_s: float = 5.0, timeout_s: float = 150.0, ranks: int = RANKS, accelerator: str = "cpu") -> Job:
     """Run the job to its end (rank 0's process and every process it started, whichever ends last)."""
     out.mkdir(parents=True, exist_ok=True)
     tag = secrets.token_hex(8)
-    command = [sys.executable, str(SCRIPT), str(out), "--mode", mode, "--devices", str(RANKS), "--epochs",
-               str(EPOCHS), "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--liveness", str(liveness_s)]
+    command = [sys.executable, str(SCRIPT), str(out), "--mode", mode, "--devices", str(ranks), "--accelerator",
+               accelerator, "--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch-size", str(BATCH),
+               "--liveness", str(liveness_s)]
     for fault in faults:
         command += ["--fault", fault]
     if max_failure is not None:
@@ -77,7 +79,7 @@ def run_job(out: Path, mode: str, faults: list[str], max_failure: Optional[str] 
         assert not still, f"processes that could not be killed: {still}"
     results = {int(p.stem.removeprefix("result-rank")): json.loads(p.read_text())
                for p in out.glob("result-rank*.json")}
-    return Job(out, proc.returncode, log_path.read_text(), results, leftover, elapsed)
+    return Job(out, proc.returncode, log_path.read_text(), results, ranks, leftover, elapsed)
 
 
 def records(out: Path, rank: int) -> list[dict[str, Any]]:
@@ -91,7 +93,7 @@ def consensus_samples(job: Job, lost: dict[int, tuple[int, int]]) -> dict[int, l
 
     ``lost``: original rank -> (epoch it was lost in, its batches of that epoch in the consensus)."""
     by_epoch: dict[int, list[int]] = {}
-    for rank in range(RANKS):
+    for rank in range(job.ranks):
         counted: dict[int, int] = {}
         for row in records(job.out, rank):
             epoch = int(row["epoch"])
@@ -120,7 +122,7 @@ def agreed(result: dict[str, Any]) -> list[dict[str, Any]]:
 def check_survived(job: Job, lost_ranks: set[int]) -> None:
     """The acceptance checks of a job whose lost ranks stay under max_failure."""
     assert not job.leftover, f"processes left behind: {job.leftover}\n{job.log[-3000:]}"
-    survivors = sorted(set(range(RANKS)) - lost_ranks)
+    survivors = sorted(set(range(job.ranks)) - lost_ranks)
     assert sorted(job.results) == survivors, f"finished: {sorted(job.results)}, expected {survivors}\n{job.log[-4000:]}"
     first = job.results[survivors[0]]
     for rank in survivors:
@@ -138,7 +140,7 @@ def check_survived(job: Job, lost_ranks: set[int]) -> None:
     # From the first logged sync (a killed rank 0 takes the rows it had not flushed with it; an early
     # fault comes before any), the count only falls, to the survivors.
     assert alive and alive[-1] == len(survivors), f"elche/alive logged: {alive}"
-    assert alive == sorted(alive, reverse=True) and set(alive) <= set(range(len(survivors), RANKS + 1)), alive
+    assert alive == sorted(alive, reverse=True) and set(alive) <= set(range(len(survivors), job.ranks + 1)), alive
     reported = {r for loss in first["losses"] for r in loss["lost"]}
     assert reported == lost_ranks, f"reported lost {reported}, expected {lost_ranks}"
     lost: dict[int, tuple[int, int]] = {}

@@ -38,14 +38,15 @@ FAULTS = {"kill": "kill:1:{step}", "kill-rank0": "kill:0:{step}", "stop": "stop:
 TAG = "ELCHE_RANK_LOSS_TIMING"
 
 
-def run_once(out: Path, mode: str, fault: str, step: int, liveness_s: float, timeout_s: float) -> dict[str, Any]:
+def run_once(out: Path, mode: str, fault: str, step: int, liveness_s: float, timeout_s: float,
+             devices: int = 3, accelerator: str = "cpu") -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     tag = secrets.token_hex(6)
     env = {**os.environ, TAG: tag, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     command = [sys.executable, str(SCRIPT), str(out), "--mode", mode, "--fault", FAULTS[fault].format(step=step),
-               "--liveness", str(liveness_s), "--epochs", "2"]
+               "--liveness", str(liveness_s), "--epochs", "2", "--devices", str(devices), "--accelerator", accelerator]
     with open(out / "job.log", "w") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         proc.wait(timeout=timeout_s)
@@ -109,10 +110,11 @@ def _tagged(tag: str) -> list[int]:
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
-        f"Lost-rank cost, 3 CPU ranks (gloo), liveness_timeout={args.liveness} s, {args.repeat} run(s) per cell, "
+        f"Lost-rank cost, {args.devices} {args.accelerator} ranks, liveness_timeout={args.liveness} s, "
+        f"{args.repeat} run(s) per cell, "
         f"host {socket.gethostname()} ({os.cpu_count()} cores), {time.strftime('%Y-%m-%d')}, commit {_commit()}.",
         f"Command: `python tools/rank_loss_timing.py --out {args.out} --liveness {args.liveness} "
-        f"--repeat {args.repeat}`",
+        f"--repeat {args.repeat} --devices {args.devices} --accelerator {args.accelerator}`",
         "",
         "| mode | fault | runs ok | detect s (median, max) | resume s (median, max) | redone samples (median) |",
         "|---|---|---|---|---|---|",
@@ -149,7 +151,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--step", type=int, default=12, help="the faulty rank's optimizer step of the fault")
     parser.add_argument("--liveness", type=float, default=30.0, help="liveness_timeout in seconds (default: 30)")
-    parser.add_argument("--parallel", type=int, default=1, help="jobs at once (3 ranks each)")
+    parser.add_argument("--parallel", type=int, default=1, help="jobs at once")
+    parser.add_argument("--devices", type=int, default=3, help="ranks per job")
+    parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or gpu (NCCL)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cells = [(m, f, k) for m in args.modes for f in args.faults for k in range(args.repeat)]
@@ -158,7 +162,7 @@ def main() -> None:
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         futures = [pool.submit(run_once, args.out / "runs" / f"{m}-{f}-{k}", m, f, args.step, args.liveness,
-                               120.0 + 2 * args.liveness) for m, f, k in cells]
+                               120.0 + 2 * args.liveness, args.devices, args.accelerator) for m, f, k in cells]
         for future in futures:
             rows.append(future.result())
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "error"}), flush=True)

@@ -80,7 +80,8 @@ class FaultLogModel(pl.LightningModule):
             "params": [p.detach().flatten().tolist() for p in self.parameters()],
             "losses": [
                 {"generation": loss.generation, "lost": loss.lost_original, "reasons": loss.reasons,
-                 "trained_batches": loss.trained_batches, "detected_at": loss.detected_at}
+                 "trained_batches": loss.trained_batches, "detected_at": loss.detected_at,
+                 "regrouped_with": loss.regrouped_with}
                 for loss in strategy.lost_ranks
             ],
         }
@@ -125,7 +126,7 @@ def main(args: argparse.Namespace) -> None:
     # Rank-zero-only work (the logger's files, the checkpoint) must follow rank 0 when it is lost.
     callbacks.append(ModelCheckpoint(dirpath=str(Path(args.out_dir, "ckpt")), save_last=True, every_n_epochs=1))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, max_epochs=args.epochs,
+        accelerator=args.accelerator, devices=args.devices, max_epochs=args.epochs,
         strategy=ElCheStrategy(mode=args.mode, max_failure=max_failure, summary=True,
                                liveness_timeout=timedelta(seconds=args.liveness),
                                snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120)),
@@ -141,6 +142,7 @@ if __name__ == "__main__":
     parser.add_argument("out_dir")
     parser.add_argument("--mode", default="nccl_cadence")
     parser.add_argument("--devices", type=int, default=3)
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=480)
     parser.add_argument("--batch-size", type=int, default=8)
