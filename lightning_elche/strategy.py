@@ -264,6 +264,12 @@ class ElCheStrategy(DDPStrategy):
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @property
+    def launch_ranks(self) -> list[int]:
+        """The launch rank of each current rank, in rank order (0..W-1 until a rank is lost)."""
+        membership = self._membership
+        return list(membership.members) if membership is not None else list(range(self.world_size))
+
+    @property
     def lost_ranks(self) -> list[Loss]:
         """The ranks lost during the last fit, one entry per regroup (empty when none was lost)."""
         return list(self._membership.losses) if self._membership is not None else []

@@ -342,6 +342,7 @@ class FakeStrategy:
         self.root_device = torch.device("cpu")
         self.peer = json.dumps(peer_payload).encode()
         self.progress = SimpleNamespace(epoch_batches=160, cohort_step=0, totals=[])
+        self.launch_ranks = [0, 1]
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dtype == torch.int64:

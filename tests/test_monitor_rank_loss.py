@@ -114,6 +114,10 @@ class FakeStrategy:
         self.gathered_worlds: list[int] = []
         self.progress = SimpleNamespace(epoch_batches=120, cohort_step=0, rounds=0, totals=[], lost_totals=[])
 
+    @property
+    def launch_ranks(self) -> list[int]:
+        return list(self.members)
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         rows = []
         for rank in self.members:

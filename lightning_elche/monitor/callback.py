@@ -54,15 +54,6 @@ MAX_PENDING = 8192
 """Syncs per epoch whose user scalars are kept for the epoch-end roll-up (thinned evenly beyond)."""
 
 
-def _original_ranks(strategy: ElCheStrategy, world_size: int) -> list[int]:
-    """Each current rank's number at launch: the identity, unless an earlier fit of this job lost ranks."""
-    membership = getattr(strategy, "_membership", None)  # TODO(lead): a public ElCheStrategy.original_ranks
-    members = getattr(membership, "members", None)
-    if isinstance(members, list) and len(members) == world_size and all(isinstance(r, int) for r in members):
-        return list(members)
-    return list(range(world_size))
-
-
 def rank_lost_record(loss: Loss, ranks_before: list[int], t: float, ts: float, sync: Optional[int],
                      epoch: int) -> dict[str, Any]:
     """The ``event`` record of one agreed loss (without ``node``): who left, why, and who goes on.
@@ -243,7 +234,7 @@ class ElCheMonitor(Callback):
         self._t0 = time.perf_counter()
         self._rank = int(trainer.global_rank)
         self._world = int(trainer.world_size)
-        self._ranks = _original_ranks(strategy, self._world)
+        self._ranks = strategy.launch_ranks
         self._original_rank = self._ranks[self._rank]
         self._meta = self._build_meta(trainer, strategy)
         if self.record_log_dir is not None:
