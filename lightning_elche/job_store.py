@@ -130,7 +130,10 @@ def start_host(address: str, port: int, world_size: int, connect_timeout: timede
     """
     command = [sys.executable, "-c", _BOOTSTRAP, __file__, "--host", address, "--port", str(port),
                "--world-size", str(world_size), "--connect-timeout", str(connect_timeout.total_seconds()),
-               "--silent-after", str(silent_after_s), "--parent-pid", str(os.getpid())]
+               "--silent-after", str(silent_after_s), "--parent-pid", str(os.getpid()),
+               # The host runs this file as it is on disk; the starter's names may differ (the
+               # pytorch_lightning mirror rewrites the package's name in its copy): pass them on.
+               "--ranks-prefix", RANKS_PREFIX, "--ready-line", READY_LINE]
     if max_lifetime_s is not None:
         command += ["--max-lifetime", str(max_lifetime_s)]
     if log_file is not None:
@@ -290,7 +293,7 @@ def serve(options: argparse.Namespace) -> str:
     started = time.monotonic()
     store = dist.TCPStore(options.host, options.port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
-    print(READY_LINE, flush=True)
+    print(options.ready_line, flush=True)
     _discard_output()
     watch = JobWatch(store, options.world_size, options.silent_after)
     while True:
@@ -337,6 +340,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone before any rank registered")
     parser.add_argument("--log-file", type=Path, default=None, help="append why the host exited to this file")
+    parser.add_argument("--ranks-prefix", default=RANKS_PREFIX, help="key prefix of the rank registry")
+    parser.add_argument("--ready-line", default=READY_LINE, help="the line printed once the store serves")
     options = parser.parse_args(argv)
     if options.world_size < 1:
         parser.error(f"--world-size must be at least 1, got {options.world_size}")
@@ -344,7 +349,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    global RANKS_PREFIX
     options = parse_args(argv)
+    RANKS_PREFIX = options.ranks_prefix  # the registry keys (proc_key, ...) of the ranks that start it
     reason = serve(options)
     if options.log_file is not None:
         with open(options.log_file, "a") as log:
