@@ -207,6 +207,10 @@ class Membership:
         except Exception:  # the store may be gone; the peers then notice the process is gone
             pass
 
+    def left_a_notice(self, rank: int) -> bool:
+        """Whether ``rank`` said it was leaving (an exception): it is winding down by itself."""
+        return bool(self.store.check([self._notice_key(rank)]))
+
     def _notice_key(self, rank: int) -> str:
         return f"{self.fit_prefix}/membership/left/{rank}"
 

@@ -632,7 +632,8 @@ class ElCheStrategy(DDPStrategy):
         assert self._membership is not None
         for rank in loss.lost_original:
             proc = self._membership.process_of(rank)
-            if proc is not None and process_alive(*proc):
+            # A rank that failed with an exception left a notice and is ending by itself: let it.
+            if proc is not None and process_alive(*proc) and not self._membership.left_a_notice(rank):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(proc[1], signal.SIGKILL)
 

@@ -107,7 +107,8 @@ def test_nothing_is_left_behind(tmp_path, scenario):
         report = json.loads((tmp_path / f"leftovers{rank}.json").read_text())
         assert report["threads"] == [], report
         assert report["side_group_released"] and report["plane_closed"], report
-        if scenario == "clean":
-            assert report["error"] is None
+        if scenario == "clean" or rank == 0:
+            # Rank 0 survives rank 1's failure (max_failure=None) and finishes the fit.
+            assert report["error"] is None, report
         else:
             assert report["error"] is not None
