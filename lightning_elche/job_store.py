@@ -134,7 +134,7 @@ def start_host(address: str, port: int, world_size: int, connect_timeout: timede
     command = [sys.executable, "-c", _BOOTSTRAP, __file__, "--host", address, "--port", str(port),
                "--world-size", str(world_size), "--connect-timeout", str(connect_timeout.total_seconds()),
                "--silent-after", str(silent_after_s), "--parent-pid", str(os.getpid()),
-               "--registry-prefix", RANKS_PREFIX]
+               "--ranks-prefix", RANKS_PREFIX]
     if max_lifetime_s is not None:
         command += ["--max-lifetime", str(max_lifetime_s)]
     if log_file is not None:
@@ -305,7 +305,7 @@ def serve(options: argparse.Namespace) -> str:
                           timeout=timedelta(seconds=30))
     print(READY_LINE, flush=True)
     _discard_output()
-    watch = JobWatch(store, options.world_size, options.silent_after, options.registry_prefix)
+    watch = JobWatch(store, options.world_size, options.silent_after, options.ranks_prefix)
     while True:
         time.sleep(POLL_INTERVAL_S)
         now = time.monotonic()
@@ -349,7 +349,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-lifetime", type=_positive, default=None, help="exit after this many seconds at most")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone before any rank registered")
-    parser.add_argument("--registry-prefix", default=RANKS_PREFIX, help="key prefix of the rank registry")
+    parser.add_argument("--ranks-prefix", default=RANKS_PREFIX, help="key prefix of the rank registry")
     parser.add_argument("--log-file", type=Path, default=None, help="append why the host exited to this file")
     options = parser.parse_args(argv)
     if options.world_size < 1:
