@@ -40,7 +40,10 @@ POLL_INTERVAL_S = 0.25
 DEFAULT_SILENT_AFTER_S = 120.0
 """A heartbeat that has not changed for this long marks its rank as gone (generous on purpose: the
 host only decides when to leave; the strategy's own liveness timeout detects hung ranks)."""
-READY_LINE = "lightning_elche job store ready"
+# Neither this line nor the registry prefix may depend on the package name: the host runs this
+# file as it is, while a rank may run a copy of it rewritten for another namespace
+# (lightning_elche.pytorch_lightning), so the starting rank passes its prefix to the host.
+READY_LINE = "job store ready"
 
 
 def generation_prefix(generation: int) -> str:
@@ -48,16 +51,16 @@ def generation_prefix(generation: int) -> str:
     return f"lightning_elche/gen{generation}"
 
 
-def proc_key(rank: int) -> str:
-    return f"{RANKS_PREFIX}/{rank}/proc"
+def proc_key(rank: int, prefix: str = RANKS_PREFIX) -> str:
+    return f"{prefix}/{rank}/proc"
 
 
-def exited_key(rank: int) -> str:
-    return f"{RANKS_PREFIX}/{rank}/exited"
+def exited_key(rank: int, prefix: str = RANKS_PREFIX) -> str:
+    return f"{prefix}/{rank}/exited"
 
 
-def heartbeat_key(rank: int) -> str:
-    return f"{RANKS_PREFIX}/{rank}/heartbeat"
+def heartbeat_key(rank: int, prefix: str = RANKS_PREFIX) -> str:
+    return f"{prefix}/{rank}/heartbeat"
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -131,9 +134,7 @@ def start_host(address: str, port: int, world_size: int, connect_timeout: timede
     command = [sys.executable, "-c", _BOOTSTRAP, __file__, "--host", address, "--port", str(port),
                "--world-size", str(world_size), "--connect-timeout", str(connect_timeout.total_seconds()),
                "--silent-after", str(silent_after_s), "--parent-pid", str(os.getpid()),
-               # The host runs this file as it is on disk; the starter's names may differ (the
-               # pytorch_lightning mirror rewrites the package's name in its copy): pass them on.
-               "--ranks-prefix", RANKS_PREFIX, "--ready-line", READY_LINE]
+               "--ranks-prefix", RANKS_PREFIX]
     if max_lifetime_s is not None:
         command += ["--max-lifetime", str(max_lifetime_s)]
     if log_file is not None:
@@ -142,15 +143,18 @@ def start_host(address: str, port: int, world_size: int, connect_timeout: timede
                             start_new_session=True, text=True)
     assert host.stdout is not None and host.stderr is not None
     line = _read_line(host.stdout, ready_timeout_s)
-    if line.strip() != READY_LINE:
+    if line is None or line.strip() != READY_LINE:
+        if line is None:
+            said = f"it was not serving after {ready_timeout_s} s"
+        else:
+            said = f"it wrote {line.strip()!r}" if line else "it exited before serving"
         if host.poll() is None:
             host.kill()
         host.wait()
-        error = host.stderr.read().strip()
+        error = host.stderr.read().strip()[-2000:]
         raise RuntimeError(
-            f"The lightning_elche job store could not start on {address}:{port} (MASTER_ADDR:MASTER_PORT), "
-            f"exit code {host.returncode}: {error[-2000:] or 'no output within ' + str(ready_timeout_s) + ' s'}. "
-            "Is another job using that port?"
+            f"The lightning_elche job store could not start on {address}:{port} (MASTER_ADDR:MASTER_PORT): "
+            f"{said}, exit code {host.returncode}{': ' + error if error else ''}. Is another job using that port?"
         )
     host.stdout.close()
     host.stderr.close()
@@ -163,9 +167,10 @@ def start_host(address: str, port: int, world_size: int, connect_timeout: timede
 _BOOTSTRAP = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
-def _read_line(stream: TextIO, timeout_s: float) -> str:
+def _read_line(stream: TextIO, timeout_s: float) -> Optional[str]:
+    """The next line of ``stream`` ("" at its end), or None when none came within ``timeout_s``."""
     ready, _, _ = select.select([stream], [], [], timeout_s)
-    return stream.readline() if ready else ""
+    return stream.readline() if ready else None
 
 
 def connect(address: str, port: int, timeout: timedelta) -> dist.TCPStore:
@@ -243,10 +248,12 @@ class _Watched:
 class JobWatch:
     """Decides when the job is over, from the rank registry in ``store``."""
 
-    def __init__(self, store: dist.Store, world_size: int, silent_after_s: float) -> None:
+    def __init__(self, store: dist.Store, world_size: int, silent_after_s: float,
+                 registry_prefix: str = RANKS_PREFIX) -> None:
         self.store = store
         self.world_size = world_size
         self.silent_after_s = silent_after_s
+        self.prefix = registry_prefix
         self.watched: dict[int, _Watched] = {}
 
     def ended(self, now: float) -> dict[int, str]:
@@ -268,17 +275,20 @@ class JobWatch:
 
     def _find_registered(self, now: float) -> None:
         for rank in range(self.world_size):
-            if rank not in self.watched and self.store.check([proc_key(rank)]):
-                host, pid = parse_process(self.store.get(proc_key(rank)).decode())
+            key = proc_key(rank, self.prefix)
+            if rank not in self.watched and self.store.check([key]):
+                host, pid = parse_process(self.store.get(key).decode())
                 self.watched[rank] = _Watched(host, pid, beat_changed_at=now)
 
     def _how_ended(self, rank: int, watched: _Watched, now: float) -> Optional[str]:
-        if self.store.check([exited_key(rank)]):
-            return f"exited ({self.store.get(exited_key(rank)).decode()})"
+        exited = exited_key(rank, self.prefix)
+        if self.store.check([exited]):
+            return f"exited ({self.store.get(exited).decode()})"
         if process_alive(watched.host, watched.pid) is False:
             return f"process {watched.pid} is gone"
-        if self.store.check([heartbeat_key(rank)]):
-            beats = int(self.store.get(heartbeat_key(rank)))
+        heartbeat = heartbeat_key(rank, self.prefix)
+        if self.store.check([heartbeat]):
+            beats = int(self.store.get(heartbeat))
             if beats != watched.beats:
                 watched.beats, watched.beat_changed_at = beats, now
         # A rank that never beat is judged by its process and its exit mark alone: without a
@@ -293,9 +303,9 @@ def serve(options: argparse.Namespace) -> str:
     started = time.monotonic()
     store = dist.TCPStore(options.host, options.port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
-    print(options.ready_line, flush=True)
+    print(READY_LINE, flush=True)
     _discard_output()
-    watch = JobWatch(store, options.world_size, options.silent_after)
+    watch = JobWatch(store, options.world_size, options.silent_after, options.ranks_prefix)
     while True:
         time.sleep(POLL_INTERVAL_S)
         now = time.monotonic()
@@ -339,9 +349,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-lifetime", type=_positive, default=None, help="exit after this many seconds at most")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone before any rank registered")
-    parser.add_argument("--log-file", type=Path, default=None, help="append why the host exited to this file")
     parser.add_argument("--ranks-prefix", default=RANKS_PREFIX, help="key prefix of the rank registry")
-    parser.add_argument("--ready-line", default=READY_LINE, help="the line printed once the store serves")
+    parser.add_argument("--log-file", type=Path, default=None, help="append why the host exited to this file")
     options = parser.parse_args(argv)
     if options.world_size < 1:
         parser.error(f"--world-size must be at least 1, got {options.world_size}")
@@ -349,9 +358,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    global RANKS_PREFIX
     options = parse_args(argv)
-    RANKS_PREFIX = options.ranks_prefix  # the registry keys (proc_key, ...) of the ranks that start it
     reason = serve(options)
     if options.log_file is not None:
         with open(options.log_file, "a") as log:

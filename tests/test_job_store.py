@@ -244,8 +244,28 @@ def test_a_taken_port_is_a_clear_error():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(RuntimeError, match=rf"could not start on 127\.0\.0\.1:{port} \(MASTER_ADDR:MASTER_PORT\)"):
+        expected = rf"could not start on 127\.0\.0\.1:{port} \(MASTER_ADDR:MASTER_PORT\): it exited before serving"
+        with pytest.raises(RuntimeError, match=expected):
             start_host("127.0.0.1", port, 2, CONNECT)
+
+
+def test_a_host_started_from_the_pytorch_lightning_namespace_watches_that_namespace_s_registry(tmp_path, sleepers,
+                                                                                              hosts):
+    # The mirror rewrites the package name in the module's text (the registry prefix with it), while
+    # the host runs the original file: the starting rank tells the host which prefix to watch.
+    from lightning_elche.pytorch_lightning import job_store as mirrored
+
+    assert mirrored.RANKS_PREFIX != job_store.RANKS_PREFIX
+    port, log = free_port(), tmp_path / "host.log"
+    host = mirrored.start_host("127.0.0.1", port, 1, CONNECT, log_file=log)
+    hosts.append(host.pid)
+    rank = sleepers()
+    client = mirrored.connect("127.0.0.1", port, CONNECT)
+    client.set(mirrored.proc_key(0), f"{HOSTNAME}:{rank.pid}")
+    rank.kill()
+    rank.wait()
+    host.wait(timeout=10)
+    assert f"rank 0: process {rank.pid} is gone" in exit_reason(log)
 
 
 def test_the_host_refuses_bad_arguments():
