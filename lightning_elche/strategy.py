@@ -883,8 +883,11 @@ class ElCheStrategy(DDPStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        reason = f"{type(exception).__name__}: {exception}".splitlines()[0] if str(exception) else type(exception).__name__
         if self._membership is not None and self._membership.active and not isinstance(exception, RanksLost):
-            self._membership.leave(f"{type(exception).__name__}: {exception}".splitlines()[0])
+            self._membership.leave(reason)
+        if self.job_store_link is not None:
+            self.job_store_link.mark_exited(reason)  # the job's registry keeps why this rank ended
 
     def teardown(self) -> None:
         # The engine stays readable after fit (its totals and controller state are the run's
