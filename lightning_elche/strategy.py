@@ -883,7 +883,7 @@ class ElCheStrategy(DDPStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        reason = f"{type(exception).__name__}: {exception}".splitlines()[0] if str(exception) else type(exception).__name__
+        reason = type(exception).__name__ + (f": {str(exception).splitlines()[0]}" if str(exception) else "")
         if self._membership is not None and self._membership.active and not isinstance(exception, RanksLost):
             self._membership.leave(reason)
         if self.job_store_link is not None:
