@@ -7,11 +7,8 @@ from __future__ import annotations
 import html.parser
 import json
 import math
-import secrets
 import shutil
 import subprocess
-import sys
-import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,16 +16,13 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from multirank_helpers import LAUNCH_TAG, clean_environment, kill_tagged, tagged_processes
+from test_rank_loss import run_job
 
 from lightning_elche import ElCheConfig
 from lightning_elche.membership import Loss
 from lightning_elche.monitor import ElCheMonitor, Timeline, dashboard_data, read_records, render_dashboard
 from lightning_elche.monitor.callback import rank_lost_record
 from lightning_elche.monitor.reports import ReportAccumulator
-
-SCRIPT = Path(__file__).parent / "scripts" / "fault_fit.py"
-
 
 # -- the event record ---------------------------------------------------------------------------
 
@@ -468,37 +462,13 @@ def test_every_time_axis_of_the_dashboard_marks_the_loss_in_headless_chromium(tm
 # -- real 3-rank fits: rank 1, then rank 0, killed ------------------------------------------------
 
 
-def run_fault_job(out: Path, mode: str, fault: str, timeout_s: float = 150.0) -> dict[int, dict[str, Any]]:
+def run_fault_job(out: Path, mode: str, fault: str) -> dict[int, dict[str, Any]]:
     """Run tests/scripts/fault_fit.py with the monitor to its end (every process it started);
     returns the results of the ranks that finished, by launch rank."""
-    out.mkdir(parents=True, exist_ok=True)
-    tag = secrets.token_hex(8)
-    command = [sys.executable, str(SCRIPT), str(out), "--mode", mode, "--devices", "3", "--epochs", "2",
-               "--fault", fault, "--liveness", "5", "--monitor", str(out / "monitor")]
-    log_path = out / "job.log"
-    with open(log_path, "w") as sink:
-        proc = subprocess.Popen(command, env={**clean_environment(), LAUNCH_TAG: tag}, stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 did not finish in {timeout_s} s:\n{log_path.read_text()[-4000:]}")
-        deadline = time.monotonic() + timeout_s  # rank 0 may be the lost one: the others go on
-        while tagged_processes(tag) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        leftover = tagged_processes(tag)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        still = kill_tagged(tag)
-        assert not still, f"processes that could not be killed: {still}"
-    assert not leftover, f"processes left behind: {leftover}"
-    results = {int(p.stem.removeprefix("result-rank")): json.loads(p.read_text())
-               for p in out.glob("result-rank*.json")}
-    assert "ElCheMonitor" not in log_path.read_text(), "the monitor warned:\n" + log_path.read_text()[-4000:]
-    return results
+    job = run_job(out, mode, [fault], epochs=2, extra=("--monitor", str(out / "monitor")))
+    assert not job.leftover, f"processes left behind: {job.leftover}"
+    assert "ElCheMonitor" not in job.log, "the monitor warned:\n" + job.log[-4000:]
+    return job.results
 
 
 def check_monitor_outputs(tmp_path: Path, out: Path, lost: int, results: dict[int, dict[str, Any]]) -> None:

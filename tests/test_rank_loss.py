@@ -44,12 +44,13 @@ class Job:
 
 
 def run_job(out: Path, mode: str, faults: list[str], max_failure: Optional[str] = None,
-            liveness_s: float = 5.0, timeout_s: float = 150.0, ranks: int = RANKS, accelerator: str = "cpu") -> Job:
+            liveness_s: float = 5.0, timeout_s: float = 150.0, ranks: int = RANKS, accelerator: str = "cpu",
+            epochs: int = EPOCHS, extra: tuple[str, ...] = ()) -> Job:
     """Run the job to its end (rank 0's process and every process it started, whichever ends last)."""
     out.mkdir(parents=True, exist_ok=True)
     tag = secrets.token_hex(8)
     command = [sys.executable, str(SCRIPT), str(out), "--mode", mode, "--devices", str(ranks), "--accelerator",
-               accelerator, "--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch-size", str(BATCH),
+               accelerator, "--epochs", str(epochs), *extra, "--samples", str(SAMPLES), "--batch-size", str(BATCH),
                "--liveness", str(liveness_s)]
     for fault in faults:
         command += ["--fault", fault]
