@@ -85,7 +85,7 @@ def test_slurm_requeue_signal_saves_the_hpc_checkpoint_requeues_and_the_requeued
             commands.append((script(tmp_path, "cpu_cadence", *extra), env))
         return commands
 
-    codes, logs = launch(tasks("first", "--fault", "USR1", "--fault-rank", "0", "--fault-round", "3"),
+    codes, logs = launch(tasks("first", "--fault", "USR1", "--fault-rank", "0", "--fault-round", "1"),
                          tmp_path / "logs-first", 150)
     assert codes != [0, 0], logs
     hpc = tmp_path / "hpc_ckpt_1.ckpt"
