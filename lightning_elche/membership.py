@@ -161,6 +161,7 @@ class Membership:
         self.original_rank = rank
         self.members = list(members)  # registry ranks, in the current numbering
         self._inherited_renumbering = renumbered
+        self.abandoned: list[Any] = []
         self.generation = 0
         self.losses: list[Loss] = []
         self.liveness_timeout_s = liveness_timeout.total_seconds()
@@ -237,7 +238,16 @@ class Membership:
             except RuntimeError as error:
                 if _TIMED_OUT not in str(error).lower():
                     raise PeerFailure(f"a collective of the round failed: {str(error).splitlines()[0]}") from error
-            self.check()
+            try:
+                self.check()
+            except PeerFailure:
+                self.abandon(work)
+                raise
+
+    def abandon(self, *handles: Any) -> None:
+        """Keep collectives (and groups) that still wait on a lost rank referenced for the rest of
+        the fit: releasing one joins its transport threads, which would block until its timeout."""
+        self.abandoned.extend(handles)
 
     def check(self) -> None:
         """Raise :class:`PeerFailure` when a peer is lost or a regroup was proposed (rate-limited)."""

@@ -667,6 +667,7 @@ class ElCheStrategy(DDPStrategy):
             if group is not None:
                 with contextlib.suppress(Exception):
                     group.abort()  # a collective stuck on the lost rank must not hold the group
+                self._membership.abandon(group)  # nor may its release wait for that collective
         dist.destroy_process_group()
         store = dist.PrefixStore(f"{self._membership.fit_prefix}/{generation_prefix(self._membership.generation)}/",
                                  self._membership.store)
