@@ -644,7 +644,8 @@ class _SavedState:
     def parse(cls, state: dict[str, Any]) -> _SavedState:
         """Raise ValueError naming the first entry that is malformed or disagrees with the state's
         own ``world_size``."""
-        world_size = _require_int("state['world_size']", state.get("world_size"), 2, "expected an integer >= 2")
+        # 1: saved by the last survivor of lost ranks (ElChe itself needs 2 ranks to start).
+        world_size = _require_int("state['world_size']", state.get("world_size"), 1, "expected an integer >= 1")
         smoothed = state.get("smoothed_ms")
         if not isinstance(smoothed, list) or len(smoothed) != world_size:
             raise ValueError(

@@ -115,3 +115,15 @@ def test_the_controller_keeps_the_survivors_speeds() -> None:
     assert controller.batch_counts[0] > controller.batch_counts[1], "the faster survivor plans more batches"
     with pytest.raises(ValueError, match="retained"):
         controller.retain([0, 0])
+
+
+def test_a_lone_survivors_controller_state_resumes_on_more_ranks() -> None:
+    # torchrun restarts every worker after a loss; the newest checkpoint may come from the last survivor.
+    survivor = ElCheController(world_size=2, anchor=4)
+    survivor.report_timing([10.0, 30.0], [4, 2], 1.0)
+    survivor.retain([0])
+    saved = survivor.state_dict()
+    assert saved["world_size"] == 1
+    resumed = ElCheController(world_size=2, anchor=4)
+    resumed.load_state_dict(saved)
+    assert resumed.world_size == 2 and len(resumed.batch_counts) == 2 and resumed.anchor == survivor.anchor

@@ -199,7 +199,7 @@ def test_max_failure_reached_saves_and_stops_every_survivor(tmp_path: Path) -> N
     assert job.returncode != 0, "the survivor must exit non-zero when max_failure is reached"
     assert not job.results, "no rank may finish the fit normally"
     assert "max_failure=2 reached" in job.log and "lost rank 1" in job.log and "rank 2" in job.log, job.log[-4000:]
-    checkpoint = torch.load(tmp_path / "last-ranks-lost.ckpt", weights_only=False)
+    checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False)
     assert checkpoint["elche"]["rounds"] > 0
 
 
