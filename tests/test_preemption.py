@@ -116,9 +116,11 @@ def test_torchrun_restarts_after_a_killed_worker_and_loses_at_most_the_work_sinc
     assert resumed_from.exists(), logs
     checkpoint = load(resumed_from)
     first, second = step_records(tmp_path, "run0"), step_records(tmp_path, "run1")
-    kept = trained_in_checkpoint(checkpoint, first)
+    # Rank 0 survives the kill until the agent restarts the group, and trains again what rank 1 had
+    # trained past its last sync: both records hold those samples, the consensus once.
+    kept = {epoch: sorted(set(indices)) for epoch, indices in trained_in_checkpoint(checkpoint, first).items()}
     assert not exactly_once_errors([kept, second], range(EPOCHS))
-    lost = sum(len(v) for v in first.values()) - sum(len(v) for v in kept.values())
+    lost = sum(len(set(v)) for v in first.values()) - sum(len(v) for v in kept.values())
     print(f"torchrun restart: {lost} samples trained after the last sync checkpoint were redone")
     assert 0 <= lost <= 512
     assert same_parameters(tmp_path, "run1")
