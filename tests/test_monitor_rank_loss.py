@@ -7,8 +7,6 @@ from __future__ import annotations
 import html.parser
 import json
 import math
-import shutil
-import subprocess
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +14,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from test_monitor import run_chromium
 from test_rank_loss import run_job
 
 from lightning_elche import ElCheConfig
@@ -421,15 +420,7 @@ class DomMarkers(html.parser.HTMLParser):
 
 
 def dump_dom(tmp_path: Path, page: Path) -> str:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        pytest.skip("chromium is not installed (apt-get install -y chromium chromium-driver)")
-    proc = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                           f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1800", "--dump-dom",
-                           page.resolve().as_uri()], capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
+    return run_chromium(tmp_path, "--dump-dom", page.resolve().as_uri()).stdout
 
 
 def check_markers_in_chromium(tmp_path: Path, page: Path, expect_text: str, count: int = 1) -> DomMarkers:
