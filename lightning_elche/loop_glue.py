@@ -595,8 +595,7 @@ def renumber_lightning_ranks(trainer: Trainer, global_rank: int) -> None:
             total = bar.total_train_batches
             bar.train_progress_bar.total = total if math.isfinite(total) else None
     # Validation shards were cut for the old ranks (DistributedSampler): cut them again for the new.
-    for loop in (trainer.fit_loop.epoch_loop.val_loop,):
-        loop._combined_loader = None
+    trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
 
 
 def process_group_timeout(strategy: Any) -> Optional[timedelta]:

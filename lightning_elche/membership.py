@@ -279,7 +279,7 @@ class Membership:
         notice = self._notice_key(peer)
         if self.store.check([notice]):
             return f"it failed: {self.store.get(notice).decode(errors='replace')}"
-        proc = self._proc(peer)
+        proc = self.process_of(peer)
         if proc is not None and process_alive(*proc) is False:
             return f"its process (pid {proc[1]}) is gone"
         count = self.store.add(heartbeat_key(peer), 0)
@@ -292,7 +292,8 @@ class Membership:
             return f"silent for {silent:.0f} s (liveness_timeout={self.liveness_timeout_s:.0f} s)"
         return None
 
-    def _proc(self, peer: int) -> Optional[tuple[str, int]]:
+    def process_of(self, peer: int) -> Optional[tuple[str, int]]:
+        """``(host, pid)`` of an original rank, when it registered."""
         if peer not in self._procs:
             key = proc_key(peer)
             if not self.store.check([key]):
@@ -300,9 +301,6 @@ class Membership:
             self._procs[peer] = parse_process(self.store.get(key).decode())
         return self._procs[peer]
 
-    def process_of(self, peer: int) -> Optional[tuple[str, int]]:
-        """``(host, pid)`` of an original rank, when it registered."""
-        return self._proc(peer)
 
     # -- agreement -----------------------------------------------------------------------------------
 
