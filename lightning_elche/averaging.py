@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -70,27 +70,59 @@ def round_weights(steps: Sequence[int], gamma: float) -> RoundWeights:
     )
 
 
-class FlatTensors:
-    """A fixed, ordered list of tensors mirrored in flat persistent buffers (one per dtype/device).
+Kind = tuple[torch.dtype, torch.device]
 
-    The list is fixed at construction so that every rank reduces the same bytes in the same
-    order, whatever gradients exist. Values move between the live tensors and the flat buffers
-    with in-place multi-tensor copies; the live tensors' storage is never rebound.
+
+def _by_kind(tensors: Iterable[Tensor]) -> dict[Kind, list[Tensor]]:
+    groups: dict[Kind, list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups
+
+
+def _slot(flat: Tensor, offset: int, like: Tensor) -> Tensor:
+    """The slice of ``flat`` at ``offset`` shaped and strided like ``like``.
+
+    Dense non-contiguous layouts (``channels_last``) keep their strides, so binding a parameter
+    never changes the memory format its kernels were chosen for."""
+    if like.is_contiguous():
+        return flat[offset : offset + like.numel()].view_as(like)
+    for memory_format in (torch.channels_last, torch.channels_last_3d):
+        if like.dim() == (4 if memory_format is torch.channels_last else 5) and like.is_contiguous(
+            memory_format=memory_format
+        ):
+            return flat.as_strided(like.shape, like.stride(), flat.storage_offset() + offset)
+    return flat[offset : offset + like.numel()].view_as(like)  # any other striding: contiguous
+
+
+class FlatTensors:
+    """A fixed, ordered list of tensors living in flat persistent buffers (one per dtype/device).
+
+    At construction every tensor's values move into its slice of the flat buffer of its dtype and
+    device, and the tensor is rebound there (``t.data = slice``): the tensor objects stay the same
+    (optimizers, hooks and ``state_dict`` keep working on them) but their storage *is* the flat
+    buffer, so a round reduces the parameters' own memory with no copy in or out and no second
+    parameter-sized buffer. The list is fixed, so every rank reduces the same bytes in the same
+    order whatever gradients exist.
+
+    Code that rebinds a tensor later (``p.data = ...``, ``load_state_dict(assign=True)``) breaks
+    the link; :meth:`relink` finds that (a pointer comparison per tensor, at round frequency) and
+    moves the new values back into the buffer.
     """
 
-    def __init__(self, tensors: Iterable[Tensor]) -> None:
+    def __init__(self, tensors: Iterable[Tensor], storage: Optional[Mapping[Kind, Tensor]] = None) -> None:
         self.tensors: list[Tensor] = list(tensors)
-        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for t in self.tensors:
-            groups.setdefault((t.dtype, t.device), []).append(t)
         self._groups: list[tuple[list[Tensor], Tensor, list[Tensor]]] = []
-        for (dtype, device), members in groups.items():
-            flat = torch.empty(sum(t.numel() for t in members), dtype=dtype, device=device)
+        for (dtype, device), members in _by_kind(self.tensors).items():
+            numel = sum(t.numel() for t in members)
+            flat = torch.empty(numel, dtype=dtype, device=device) if storage is None else storage[(dtype, device)]
+            assert flat.numel() == numel, "storage sized for other tensors"
             views, offset = [], 0
             for t in members:
-                views.append(flat[offset : offset + t.numel()].view_as(t))
+                views.append(_slot(flat, offset, t))
                 offset += t.numel()
             self._groups.append((members, flat, views))
+        self._bind(everything=True)
 
     @property
     def flats(self) -> list[Tensor]:
@@ -108,34 +140,69 @@ class FlatTensors:
     def __bool__(self) -> bool:
         return bool(self.tensors)
 
-    def pack(self) -> None:
-        """Copy the live tensors into the flat buffers."""
-        for members, _, views in self._groups:
-            torch._foreach_copy_(views, members)
+    def fits(self) -> bool:
+        """Whether every tensor still has the shape, dtype and device of its slot (a tensor that
+        changed any of them needs a new layout, not a relink)."""
+        return all(
+            t.shape == view.shape and t.dtype == view.dtype and t.device == view.device
+            for members, _, views in self._groups
+            for t, view in zip(members, views, strict=True)
+        )
 
-    def unpack(self) -> None:
-        """Copy the flat buffers back into the live tensors, in place."""
-        for members, _, views in self._groups:
-            torch._foreach_copy_(members, views)
+    def relink(self) -> int:
+        """Move tensors that were rebound elsewhere back into their slots, keeping their current
+        values; how many were. Call before reading or writing the flat buffers."""
+        return self._bind(everything=False)
 
-    def release(self) -> None:
-        """Drop the flat buffers (the live tensors are untouched); the mirror is empty afterwards."""
+    @torch.no_grad()
+    def _bind(self, everything: bool) -> int:
+        moved = 0
+        for members, _, views in self._groups:
+            for t, view in zip(members, views, strict=True):
+                if everything or t.data_ptr() != view.data_ptr():
+                    view.copy_(t)
+                    t.data = view
+                    moved += 1
+        return moved
+
+    @torch.no_grad()
+    def release(self, unbind: Sequence[Tensor] = ()) -> None:
+        """Forget the grouping; empty afterwards. The tensors keep their values; those in
+        ``unbind`` get storage of their own (the others keep sharing the flat buffers' memory)."""
+        for t in unbind:
+            t.data = t.detach().clone(memory_format=torch.preserve_format)
         self._groups = []
 
-    def blend(self, alpha: float) -> None:
-        """``live ← (1 − alpha)·live + alpha·flat``, in place (elastic averaging toward the buffers)."""
-        for members, _, views in self._groups:
-            torch._foreach_lerp_(members, views, alpha)
+    def lerp_toward(self, values: Sequence[Tensor], alpha: float) -> None:
+        """``flat ← (1 − alpha)·flat + alpha·values`` per flat buffer, in place (elastic averaging)."""
+        torch._foreach_lerp_(self.flats, list(values), alpha)
 
     def signature(self) -> list[tuple[str, int]]:
         """(dtype, numel) per flat buffer: ranks whose signatures differ cannot average."""
         return [(str(flat.dtype), flat.numel()) for flat in self.flats]
 
 
+def shared_flat_tensors(*segments: Sequence[Tensor]) -> tuple[list[Tensor], list[FlatTensors]]:
+    """Bind every segment's tensors into one flat buffer per dtype/device, segments back to back.
+
+    Returns the joint buffers (what a round reduces in one collective each) and one
+    :class:`FlatTensors` per segment, whose flat buffers are slices of the joint ones."""
+    sizes: dict[Kind, list[int]] = {}
+    for i, segment in enumerate(segments):
+        for kind, members in _by_kind(segment).items():
+            sizes.setdefault(kind, [0] * len(segments))[i] = sum(t.numel() for t in members)
+    joint = {kind: torch.empty(sum(per), dtype=kind[0], device=kind[1]) for kind, per in sizes.items()}
+    bound = []
+    for i, segment in enumerate(segments):
+        starts = {kind: sum(per[:i]) for kind, per in sizes.items()}
+        bound.append(FlatTensors(segment, {k: joint[k][starts[k] : starts[k] + per[i]] for k, per in sizes.items()}))
+    return list(joint.values()), bound
+
+
 def trainable_parameters(module: nn.Module) -> list[tuple[str, Tensor]]:
     """``(name, tensor)`` of the parameters averaging rounds reduce: those with ``requires_grad``,
     in ``named_parameters`` order."""
-    return [(name, p.data) for name, p in module.named_parameters() if p.requires_grad]
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
 def averaged_buffers(module: nn.Module) -> list[tuple[str, Tensor]]:
@@ -163,12 +230,15 @@ def averaged_state(module: nn.Module) -> tuple[FlatTensors, FlatTensors]:
 
 
 class AveragedLayout:
-    """What a plane averages, kept in step with the module's ``requires_grad`` flags.
+    """What a plane averages, kept in step with the module: its trainable parameters and float
+    buffers, bound into one flat buffer per dtype/device (:func:`shared_flat_tensors`), parameters
+    first, so that one collective per dtype reduces both.
 
     Planes call :meth:`refresh` when a round starts (never per step): if the set of trainable
-    parameters changed since the last round (a backbone unfrozen between epochs), the parameter
-    mirror is rebuilt. Ranks that change the flags at different points average different layouts;
-    :attr:`signature` travels in every round's metadata so that this fails on every rank at once.
+    parameters changed since the last round (a backbone unfrozen between epochs), everything moves
+    into new flat buffers. Ranks that change the flags at different points average different
+    layouts; :attr:`signature` travels in every round's metadata so that this fails on every rank
+    at once.
 
     Args:
         module: the model; ``None`` for a fixed layout (:meth:`fixed`).
@@ -179,56 +249,75 @@ class AveragedLayout:
         self.names: tuple[str, ...] = ()
         self.params = FlatTensors([])
         self.buffers = FlatTensors([])
+        self.joint: list[Tensor] = []
         self.signature = 0.0
         self._buffer_names: list[tuple[str, Tensor]] = []
         if module is not None:
-            named_buffers = averaged_buffers(module)
-            self.buffers = FlatTensors(t for _, t in named_buffers)
-            self._buffer_names = named_buffers
-            self._build(trainable_parameters(module))
+            self._build(trainable_parameters(module), averaged_buffers(module))
 
     @classmethod
     def fixed(cls, params: FlatTensors, buffers: FlatTensors) -> AveragedLayout:
         """A layout of given tensors that never changes (benchmarks, tests)."""
         layout = cls(None)
         layout.params, layout.buffers = params, buffers
+        layout.joint = params.flats + buffers.flats
         layout.names = tuple(f"param{i}" for i in range(len(params.tensors)))
         layout._buffer_names = [(f"buffer{i}", t) for i, t in enumerate(buffers.tensors)]
         layout.signature = layout_signature(list(zip(layout.names, params.tensors, strict=True)), layout._buffer_names)
         return layout
 
-    def _build(self, named: list[tuple[str, Tensor]]) -> None:
-        self.names = tuple(name for name, _ in named)
-        self.params = FlatTensors(t for _, t in named)
-        self.signature = layout_signature(named, self._buffer_names)
+    def _build(self, params: list[tuple[str, Tensor]], buffers: list[tuple[str, Tensor]]) -> None:
+        leaving = [t for t in self.params.tensors if all(t is not kept for _, kept in params)]
+        self.params.release(unbind=leaving)  # a frozen tensor must not keep the old buffer alive
+        self.buffers.release()
+        self.names = tuple(name for name, _ in params)
+        self._buffer_names = buffers
+        self.joint, (self.params, self.buffers) = shared_flat_tensors(
+            [t for _, t in params], [t for _, t in buffers]
+        )
+        self.signature = layout_signature(params, buffers)
 
     def refresh(self) -> bool:
-        """Rebuild the parameter mirror if the trainable set changed; whether it did.
+        """Bring the layout up to date with the module; whether it was rebuilt.
 
-        A Python walk over the parameters' flags, no device work: cheap at round frequency."""
-        if self.module is None:
-            return False
-        named = trainable_parameters(self.module)
-        if tuple(name for name, _ in named) == self.names:
-            return False
-        self._build(named)
-        return True
+        Rebuilt when the trainable set changed (names, or a parameter object replaced) or a
+        tensor changed shape, dtype or device; tensors merely rebound elsewhere (``p.data = x``)
+        are moved back into their slots. A Python walk over the parameters, no device
+        synchronization: cheap at round frequency."""
+        if self.module is not None:
+            named = trainable_parameters(self.module)
+            current = self.params.tensors
+            same = len(named) == len(current) and all(p is t for (_, p), t in zip(named, current, strict=True))
+            if not (same and self.params.fits() and self.buffers.fits()):
+                self._build(named, averaged_buffers(self.module))
+                return True
+        self.params.relink()
+        self.buffers.relink()
+        return False
 
 
-def divergence_norms(pre: Sequence[Tensor], consensus: Sequence[Tensor]) -> Tensor:
+def divergence_norms(pre: Sequence[Tensor], consensus: Sequence[Tensor],
+                     pre_norms: Optional[Sequence[Tensor]] = None) -> Tensor:
     """``[||pre - consensus||, ||pre||, ||consensus||]`` over all tensors, as a float64 tensor.
 
-    ``pre`` is overwritten with the difference (it is the caller's scratch copy). Norms are taken
-    per flat buffer in its own precision with fused multi-tensor kernels and only combined in
-    float64: an f64 upcast of the whole model would cost more than the all-reduce itself. Stays on
-    the device: the values travel in the next round's metadata, so reading them costs no extra sync.
+    ``pre`` is overwritten with the difference (it is the caller's scratch copy). ``pre_norms``,
+    the per-tensor norms of ``pre`` if the caller took them already (while the reduce ran). Norms
+    are taken per flat buffer in its own precision with fused multi-tensor kernels and only
+    combined in float64: an f64 upcast of the whole model would cost more than the all-reduce
+    itself. Stays on the device: the values travel in the next round's metadata, so reading them
+    costs no extra sync.
     """
     pre, consensus = list(pre), list(consensus)
-    # Few launches: this runs once per sync and its fixed cost shows on fast interconnects.
-    before = torch._foreach_norm(pre + consensus)
+    # Few launches and passes: this runs once per sync and its cost shows on fast interconnects.
+    if pre_norms is None:
+        pre_norms = torch._foreach_norm(pre)
     torch._foreach_sub_(pre, consensus)
-    norms = torch.stack([*torch._foreach_norm(pre), *before]).to(torch.float64)
-    return norms.square_().view(3, len(pre)).sum(dim=1).sqrt_()
+    after = torch._foreach_norm(pre + consensus)
+    count = len(pre)
+    norms = torch.stack([*after[:count], *pre_norms, *after[count:]]).to(torch.float64)
+    if count == 1:  # one flat buffer (one dtype): the three norms already
+        return norms
+    return norms.square_().view(3, count).sum(dim=1).sqrt_()
 
 
 def relative_divergence(delta_norm: float, post_norm: float) -> float:

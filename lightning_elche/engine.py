@@ -340,7 +340,8 @@ class ElCheEngine:
         if divergence is not None:
             local[Meta.DELTA_NORM : Meta.POST_NORM + 1] = divergence
         if self.params:
-            norms = torch._foreach_norm(self.params)
+            with torch.no_grad():  # the live parameters themselves (a layout change rebinds them)
+                norms = torch._foreach_norm(self.params)
             local[Meta.FINITE] = torch.stack(norms).isfinite().all().to(torch.float64)
         else:
             local[Meta.FINITE] = 1.0

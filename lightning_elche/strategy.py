@@ -457,7 +457,7 @@ class ElCheStrategy(DDPStrategy):
             world_size=self.world_size,
             device=self.root_device,
             # Frozen parameters too: one may be unfrozen later (the planes stamp the current signature).
-            params=[p.detach() for p in self.lightning_module.parameters()],
+            params=list(self.lightning_module.parameters()),
             signature=layout.signature,
             step_budget=self._session.step_budget,
             outer=outer,

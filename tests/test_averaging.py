@@ -39,17 +39,46 @@ def test_buffers_are_equal_over_movers_not_work_weighted():
     assert w.param_factors == (0.9, 0.1, 0.0)
 
 
-def test_flat_tensors_round_trip_in_place():
+def test_flat_tensors_bind_the_live_tensors_to_the_flat_storage():
     a, b = torch.arange(6.0).view(2, 3), torch.tensor([7.0])
-    storage = (a.data_ptr(), b.data_ptr())
+    objects = (id(a), id(b))
     flat = FlatTensors([a, b])
-    flat.pack()
-    assert flat.flats[0].tolist() == [0, 1, 2, 3, 4, 5, 7]
-    flat.flats[0].mul_(2)
-    flat.unpack()
+    assert flat.flats[0].tolist() == [0, 1, 2, 3, 4, 5, 7]  # values moved in
+    flat.flats[0].mul_(2)  # a round writing the buffer writes the tensors themselves
     assert a.tolist() == [[0, 2, 4], [6, 8, 10]] and b.tolist() == [14.0]
-    assert (a.data_ptr(), b.data_ptr()) == storage
+    assert (id(a), id(b)) == objects
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == flat.flats[0].data_ptr()
     assert flat.numel == 7 and flat.nbytes == 28
+
+
+def test_flat_tensors_relink_a_tensor_whose_data_was_replaced_keeping_its_new_values():
+    a, b = torch.zeros(2, 2), torch.zeros(3)
+    flat = FlatTensors([a, b])
+    a.data = torch.full((2, 2), 5.0)  # user code rebinding a parameter
+    assert flat.relink() == 1
+    assert flat.flats[0].tolist() == [5.0] * 4 + [0.0] * 3
+    flat.flats[0].fill_(1.0)
+    assert a.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert flat.relink() == 0 and flat.fits()
+    a.data = torch.zeros(3, 3)  # a new shape cannot go back into its slot
+    assert not flat.fits()
+
+
+def test_flat_tensors_keep_channels_last_strides():
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    before = conv.weight.detach().clone()
+    FlatTensors([conv.weight, conv.bias])
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(conv.weight, before)
+
+
+def test_flat_tensors_release_can_give_tensors_their_own_storage():
+    a, b = torch.ones(2), torch.ones(2)
+    flat = FlatTensors([a, b])
+    shared = flat.flats[0].data_ptr()
+    flat.release(unbind=[a])
+    assert a.data_ptr() != shared and b.data_ptr() == shared + 2 * 4
+    assert a.tolist() == [1.0, 1.0] and not flat.flats
 
 
 def test_flat_tensors_group_by_dtype():

@@ -86,7 +86,7 @@ def test_collective_plane_neither_sends_nor_touches_frozen_parameters():
 
     with mock.patch.object(collective_plane.dist, "all_reduce", all_reduce):
         plane.average(round_weights([1, 1], 1.0))
-    assert sent == [5, 8]  # the head's parameters, then the BatchNorm buffers
+    assert sent == [5 + 8]  # the head's parameters and the BatchNorm buffers, in one joint buffer
     assert plane.round_bytes == (5 + 8) * 4
     assert all(torch.equal(a, b) for a, b in zip(frozen_before, model[0].parameters(), strict=True))
 

@@ -60,3 +60,48 @@ def test_a_killed_rank_is_survived_on_nccl_without_a_watchdog_abort(tmp_path, mo
     fault = json.loads((tmp_path / "fault-rank1.json").read_text())
     assert loss["detected_at"] - fault["time"] < 60.0
     print(f"{mode}: lost after {loss['detected_at'] - fault['time']:.2f} s, regrouped with {loss['regrouped_with']}")
+
+
+def test_zero_copy_round_on_one_gpu_nccl_premul_and_inductor(tmp_path):
+    """One GPU, a one-rank NCCL group: the plane scales inside the reduction (PreMulSum) on the
+    parameters' own storage, holds one parameter-sized buffer (the pre-round values), and an
+    inductor-compiled model sees every value a round writes."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_elche.averaging import AveragedLayout, round_weights
+    from lightning_elche.planes.collective import CollectivePlane
+
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).cuda()
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        x = torch.randn(64, 1024, device="cuda")
+        compiled = torch.compile(model)
+        expected = model(x).detach()
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        plane = CollectivePlane(AveragedLayout(model), 0, 1, torch.device("cuda", 0))
+        torch.cuda.synchronize()
+        # The parameters moved into the flat buffer; their old storage was freed: no net growth.
+        assert torch.cuda.memory_allocated() - allocated < 0.05 * param_bytes
+        assert torch.allclose(compiled(x), expected, atol=1e-5)
+        assert plane._premul, "NCCL should scale inside the reduction"
+        before = torch.cuda.memory_allocated()
+        plane.average(round_weights([1], 1.0))
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - before < 1.05 * param_bytes  # only the pre-round copy
+        plane.sum_scaled(plane.params.flats, 0.5)  # one rank, factor 1/2: the round halves every value
+        with torch.no_grad():
+            halved = model[2].weight.clone()
+        assert torch.allclose(compiled(x), model(x), atol=1e-5)
+        assert plane.params.flats[0].untyped_storage().data_ptr() == model[2].weight.untyped_storage().data_ptr()
+        torch.manual_seed(0)
+        model_ref = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).cuda()
+        assert torch.allclose(halved, 0.5 * model_ref[2].weight.detach(), atol=1e-7)
+        plane.close()
+    finally:
+        dist.destroy_process_group()

@@ -243,8 +243,7 @@ def _micro_model(ctx: RankContext, section: str) -> dict[str, Any]:
     plane = CollectivePlane(layout, ctx.rank, ctx.world, meta_device)
     weights = round_weights([1] * ctx.world, 1.0)
     plane_s = _time_collective(ctx, lambda: plane.average(weights), iters)
-    plane.params.pack()
-    flat_s = _time_collective(ctx, lambda: plane.sum_scaled(plane.params, 1.0), iters)
+    flat_s = _time_collective(ctx, lambda: plane.sum_scaled(plane.params.flats, 1.0), iters)
     local = torch.zeros(META_SIZE, dtype=torch.float64)
     exchange_s = _time_collective(ctx, lambda: plane.exchange(local), iters)
     plane.close()
@@ -272,8 +271,9 @@ def microbenchmark(ctx: RankContext) -> dict[str, Any]:
     """Per model of the run: seconds per raw ``dist.all_reduce`` of a flat float32 tensor of its
     parameter count, per flat-parameter all-reduce as the plane issues it
     (``CollectivePlane.sum_scaled``: pre-scale and SUM all-reduce of its persistent flat buffer),
-    per ``CollectivePlane.average`` of its parameters (pack, pre-scale, SUM all-reduce, divergence
-    norms, unpack: ElChe's whole averaging path), per metadata exchange (a round's all-gather),
+    per ``CollectivePlane.average`` of its parameters (keep the pre-round values, scaled SUM
+    all-reduce of the parameters' own flat storage, divergence norms: ElChe's whole averaging
+    path), per metadata exchange (a round's all-gather),
     and (model-independent) per chunk claim of the pooled dispatch."""
     out = {section: _micro_model(ctx, section) for section in (THROUGHPUT, CONVERGENCE)}
     claim_s = _pool_claim_s(ctx)

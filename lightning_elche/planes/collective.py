@@ -1,8 +1,10 @@
 """The ``nccl_*`` modes: a blocking round on the job's default process group.
 
-NCCL on GPUs, gloo on CPU. Each rank pre-scales its flat parameter buffer by its share of the
-realized-work mass and a SUM all-reduce yields the consensus directly, which is copied back into
-the live parameters in place. Only trainable parameters travel (see :class:`AveragedLayout`).
+NCCL on GPUs, gloo on CPU. The parameters live in one flat buffer per dtype for the whole fit
+(:class:`~lightning_elche.averaging.FlatTensors`), so the round all-reduces their own storage:
+each rank's contribution is scaled by its share of the realized-work mass (inside the reduction
+on NCCL, ``PreMulSum``; one multiply first on gloo) and the SUM is the consensus, in place. Only
+trainable parameters travel (see :class:`AveragedLayout`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ class CollectivePlane(AveragingPlane):
         self.outer = outer
         self.group = group
         self._meta_out: Optional[Tensor] = None
-        self._pre: Optional[list[Tensor]] = None
+        self._pre_joint: Optional[list[Tensor]] = None  # the joint buffers before the round
+        self._pre: list[Tensor] = []  # their parameter parts
+        self._failed = False  # the last round's collectives did not finish: its values need restoring
+        self._premul_backend: Optional[bool] = None
         self._local: Optional[Tensor] = None
 
     @property
@@ -66,7 +71,7 @@ class CollectivePlane(AveragingPlane):
 
     def start(self, local: Tensor) -> None:
         if stamp_layout(local, self.layout):
-            self._pre = None  # sized for the old layout
+            self._pre_joint = None  # sized for the old layout
             if self.outer is not None:
                 # Its momentum and previous global have the old layout's shape: restart it (every
                 # rank relayouts at the same round, so every rank restarts alike).
@@ -86,6 +91,7 @@ class CollectivePlane(AveragingPlane):
     def regroup(self, group: Optional[Any], rank: int, world_size: int) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
         self._meta_out = None
+        self._premul_backend = None
 
     def exchange(self, local: Tensor) -> Tensor:
         """All-gather one float64 vector per rank; a ``[world_size, len(local)]`` CPU tensor."""
@@ -102,41 +108,78 @@ class CollectivePlane(AveragingPlane):
     def average(self, weights: RoundWeights, outer: Optional[OuterOptimizer] = None) -> Optional[Tensor]:
         """Average in place; returns this rank's divergence measurement (``None`` if nobody moved).
 
-        Every collective runs on the flat buffers before anything is written back, so a round that
-        fails on a lost peer leaves the live parameters and buffers as they were (it can run again)."""
+        The collectives write into the live parameters and buffers. Their values before the round
+        are kept (they also measure the drift), and a round that failed on a lost peer puts them
+        back when it runs again, so it runs from the same contribution."""
         if not weights.realized:
             return None
-        params = self.params
-        params.pack()
-        if self._pre is None:
-            self._pre = [torch.empty_like(flat) for flat in params.flats]
-        # Keep this replica's parameters to measure how far it drifted from the consensus.
-        torch._foreach_copy_(self._pre, params.flats)
-        self.sum_scaled(params, weights.param_factors[self.rank])
-        if self.buffers:
-            self.buffers.pack()
-            self.sum_scaled(self.buffers, weights.buffer_factors[self.rank])
-        divergence = divergence_norms(self._pre, params.flats)
-        if outer is not None:
-            outer.step(params.flats)
-        params.unpack()
-        if self.buffers:
-            self.buffers.unpack()
-        return divergence
-
-    def sum_scaled(self, flat: FlatTensors, factor: float) -> None:
-        """The wire part of a round: pre-scale each flat buffer by this rank's weight and SUM
-        all-reduce it in place (one collective per dtype group, all in flight at once)."""
-        works = []
-        for buffer in flat.flats:
-            buffer.mul_(factor)
-            works.append(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        params, buffers, joint = self.params, self.buffers, self.layout.joint
+        if self._failed and self._pre_joint is not None:
+            torch._foreach_copy_(joint, self._pre_joint)
+            self._failed = False
+        if self._pre_joint is None:
+            self._pre_joint, self._pre = _shadow(joint, params.flats)
+        # Keep this replica's values: for the drift measurement, and for a retry.
+        torch._foreach_copy_(self._pre_joint, joint)
+        self._failed = True  # until every collective is done (a PeerFailure leaves it set)
+        param_factor, buffer_factor = weights.param_factors[self.rank], weights.buffer_factors[self.rank]
+        if buffers and param_factor > 0.0 and buffer_factor != param_factor:
+            # Buffers are averaged equally over the movers, parameters by work: one collective
+            # per dtype reduces both, so the buffers carry the ratio of the two weights.
+            torch._foreach_mul_(buffers.flats, buffer_factor / param_factor)
+        works = self.sum_scaled(self.layout.joint, param_factor, wait=False)
+        pre_norms = torch._foreach_norm(self._pre)  # runs beside the reduce (another stream, thread)
         for work in works:
             self._await(work, self._host_blocking)
+        self._failed = False
+        divergence = divergence_norms(self._pre, params.flats, pre_norms)
+        if outer is not None:
+            outer.step(params.flats)
+        return divergence
+
+    def sum_scaled(self, flats: list[Tensor], factor: float, wait: bool = True) -> list[Any]:
+        """The wire part of a round: SUM all-reduce each flat buffer in place, every rank's values
+        scaled by its ``factor`` (one collective per buffer, all in flight at once); the works
+        when not ``wait``."""
+        if self._premul:
+            op = dist._make_nccl_premul_sum(factor)
+        else:
+            torch._foreach_mul_(flats, factor)
+            op = dist.ReduceOp.SUM
+        works = [dist.all_reduce(flat, op=op, group=self.group, async_op=True) for flat in flats]
+        if wait:
+            for work in works:
+                self._await(work, self._host_blocking)
+            return []
+        return works
+
+    @property
+    def _premul(self) -> bool:
+        # NCCL scales inside the reduction: no separate pass over the parameters.
+        if self._premul_backend is None:
+            self._premul_backend = (
+                dist.is_initialized()
+                and "nccl" in str(dist.get_backend(self.group))
+                and hasattr(dist, "_make_nccl_premul_sum")
+            )
+        return self._premul_backend
 
     def close(self) -> None:
         # The engine outlives fit (its totals are the run's record): free the model-sized buffers.
-        self._pre = None
+        self._pre_joint, self._pre = None, []
         self._meta_out = None
         self.params.release()
         self.buffers.release()
+
+
+def _shadow(joint: list[Tensor], parts: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """A copy-sized twin of each joint buffer, and the slices of those twins where ``parts``
+    (slices of the joint buffers) sit."""
+    twins = [torch.empty_like(flat) for flat in joint]
+    views = []
+    for part in parts:
+        storage = part.untyped_storage().data_ptr()
+        index = next(i for i, flat in enumerate(joint) if flat.untyped_storage().data_ptr() == storage)
+        offset = part.storage_offset() - joint[index].storage_offset()
+        views.append(twins[index][offset : offset + part.numel()])
+    return twins, views

@@ -45,12 +45,17 @@ class SnapshotTimeout(TimeoutError):
 
 
 class HostMirror:
-    """Pinned f32 host copies of a :class:`FlatTensors`, filled from the device without blocking it."""
+    """Pinned f32 host copies of a :class:`FlatTensors`, filled from the device without blocking it.
+
+    A device-side snapshot sits between the live tensors and the host copy: the copy to the host
+    runs on a side stream while training goes on writing the parameters, so it must read values
+    that stay put. The same buffer stages a consensus on its way back in."""
 
     def __init__(self, source: FlatTensors) -> None:
         self.source = source
         pin = torch.cuda.is_available() and any(f.is_cuda for f in source.flats)
         self.buffers = [torch.empty(f.numel(), dtype=torch.float32, pin_memory=pin) for f in source.flats]
+        self.staged = [torch.empty_like(f) for f in source.flats]
         self.cuda = pin
         self._stream = torch.cuda.Stream() if pin else None
         self._ready: Optional[torch.cuda.Event] = None
@@ -58,15 +63,15 @@ class HostMirror:
 
     def capture(self) -> None:
         """Snapshot the live tensors (device work is queued; :meth:`wait` before reading)."""
-        self.source.pack()
         if not self.cuda:
             torch._foreach_copy_(self.buffers, self.source.flats)
             return
         assert self._stream is not None
+        torch._foreach_copy_(self.staged, self.source.flats)
         self._stream.wait_stream(torch.cuda.current_stream())  # also orders it after the last restore
         with torch.cuda.stream(self._stream):
-            for host, flat in zip(self.buffers, self.source.flats, strict=True):
-                host.copy_(flat, non_blocking=True)
+            for host, staged in zip(self.buffers, self.staged, strict=True):
+                host.copy_(staged, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record(self._stream)
 
@@ -85,15 +90,20 @@ class HostMirror:
 
     def restore(self, values: list[Tensor], alpha: float) -> None:
         """``live ← (1 − alpha)·live + alpha·values`` (a plain copy when alpha is 1), in place."""
-        # The flat buffers are scratch between rounds: stage the consensus there, then copy or blend.
-        torch._foreach_copy_(self.source.flats, values, non_blocking=True)
         if alpha >= 1.0:
-            self.source.unpack()
+            torch._foreach_copy_(self.source.flats, values, non_blocking=True)
         else:
-            self.source.blend(alpha)
+            # On the device and in the parameters' dtype first: a lerp takes operands of one kind.
+            torch._foreach_copy_(self.staged, values, non_blocking=True)
+            self.source.lerp_toward(self.staged, alpha)
         if self.cuda:
             self._restored = torch.cuda.Event()
             self._restored.record()
+
+    def release(self) -> None:
+        """Drop the host and staging buffers (the live tensors are untouched)."""
+        self.buffers, self.staged = [], []
+        self.source.release()
 
 
 class CpuPlane(AveragingPlane):
@@ -167,7 +177,6 @@ class CpuPlane(AveragingPlane):
         if not self.bf16_wire:
             return
         if reference is None:
-            self.layout.params.pack()
             reference = [flat.detach().to("cpu", torch.float32, copy=True) for flat in self.layout.params.flats]
         self._reference = reference or [torch.empty(n, dtype=torch.float32) for n in sizes]
         self._wire = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
@@ -181,6 +190,10 @@ class CpuPlane(AveragingPlane):
         averaged parameter has no reference every rank agrees on, since each rank has already
         trained it locally by the time its first round after the change starts."""
         self.params.wait_restored()  # the old buffers must not go while a copy out of them runs
+        if self.buffers is not None:
+            self.buffers.wait_restored()
+        if self.buffers is None or self.buffers.source is not self.layout.buffers:
+            self.buffers = HostMirror(self.layout.buffers) if self.layout.buffers else None
         self._allocate_params([])
         self._exact_round = self.bf16_wire
         if self.outer is not None:
@@ -276,12 +289,11 @@ class CpuPlane(AveragingPlane):
             self._thread.join(timeout=self.snapshot_timeout.total_seconds() + 5.0)
         if not self._thread.is_alive():
             # Release the pinned host memory (the engine outlives fit for inspection).
-            self.params.buffers, self._consensus, self._scratch, self._gathered = [], [], [], None
+            self._consensus, self._scratch, self._gathered = [], [], None
             self._reference, self._residual, self._wire = [], [], []
-            self.params.source.release()
+            self.params.release()
             if self.buffers is not None:
-                self.buffers.buffers = []
-                self.buffers.source.release()
+                self.buffers.release()
 
     @property
     def closed(self) -> bool:

@@ -1,0 +1,193 @@
+"""The parameters live in the averaging plane's flat buffer for the whole fit (zero-copy rounds)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+from unittest import mock
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from zero_copy_helpers import ConvClassifier, ZeroCopyProbe, load_probe_records
+
+from lightning_elche import ElCheStrategy
+from lightning_elche.averaging import AveragedLayout, round_weights
+from lightning_elche.membership import PeerFailure
+from lightning_elche.planes import collective as collective_plane
+from lightning_elche.planes.collective import CollectivePlane
+
+
+class Done:
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class Failed(Done):
+    def wait(self, timeout: Any = None) -> bool:
+        raise PeerFailure("peer lost mid-reduce")
+
+
+def two_layer() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+
+
+def test_collective_plane_reduces_the_parameters_own_storage():
+    model = two_layer()
+    plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=2, device=torch.device("cpu"))
+    storages: list[int] = []
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def all_reduce(tensor: torch.Tensor, **kwargs: Any) -> Done:
+        storages.append(tensor.untyped_storage().data_ptr())
+        tensor.mul_(2.0)  # a peer with the same values, weight 1/2 each
+        return Done()
+
+    with mock.patch.object(collective_plane.dist, "all_reduce", all_reduce):
+        divergence = plane.average(round_weights([1, 1], 1.0))
+    params = [p for p in model.parameters()]
+    assert storages[0] == params[0].untyped_storage().data_ptr() == params[-1].untyped_storage().data_ptr()
+    assert all(torch.allclose(a, b) for a, b in zip(before, params, strict=True))
+    assert divergence is not None and divergence[0].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_one_collective_carries_parameters_by_work_and_buffers_equally():
+    model = two_layer()
+    with torch.no_grad():
+        model[1].running_mean.fill_(2.0)
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    buffers = torch.cat([b.detach().flatten() for b in model.buffers() if b.is_floating_point()])
+    plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=2, device=torch.device("cpu"))
+    sent: list[torch.Tensor] = []
+
+    def all_reduce(tensor: torch.Tensor, **kwargs: Any) -> Done:
+        sent.append(tensor.clone())
+        return Done()
+
+    with mock.patch.object(collective_plane.dist, "all_reduce", all_reduce):
+        plane.average(round_weights([3, 1], 1.0))  # this rank: 3/4 of the work, 1/2 of the movers
+    assert len(sent) == 1
+    assert torch.allclose(sent[0], torch.cat([0.75 * params, 0.5 * buffers]))
+
+
+def test_user_rebinding_p_data_is_averaged_with_its_new_values():
+    model = two_layer()
+    plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=2, device=torch.device("cpu"))
+    weight = model[0].weight
+    weight.data = torch.full_like(weight, 3.0)  # new storage, outside the flat buffer
+    plane.start(torch.zeros(64, dtype=torch.float64))  # a round start relinks
+
+    def all_reduce(tensor: torch.Tensor, **kwargs: Any) -> Done:
+        tensor.add_(1.0)  # the peer's scaled share: 1.0 everywhere
+        return Done()
+
+    with mock.patch.object(collective_plane.dist, "all_reduce", all_reduce):
+        plane.average(round_weights([1, 1], 1.0))
+    assert torch.equal(weight, torch.full_like(weight, 2.5))  # 3.0 / 2 + 1.0
+    assert weight.untyped_storage().data_ptr() == plane.params.flats[0].untyped_storage().data_ptr()
+
+
+def test_a_round_that_failed_mid_reduce_runs_again_from_the_same_values():
+    model = two_layer()
+    plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=2, device=torch.device("cpu"))
+    before = [t.detach().clone() for t in list(model.parameters()) + [model[1].running_mean]]
+
+    def scribble(tensor: torch.Tensor, **kwargs: Any) -> Done:
+        tensor.fill_(float("nan"))  # half-reduced garbage in the parameters' own storage
+        return Failed()
+
+    with mock.patch.object(collective_plane.dist, "all_reduce", scribble), pytest.raises(PeerFailure):
+        plane.average(round_weights([1, 1], 1.0))
+
+    def alone(tensor: torch.Tensor, **kwargs: Any) -> Done:
+        return Done()  # the survivor alone: its own (unscaled, weight 1) values
+
+    with mock.patch.object(collective_plane.dist, "all_reduce", alone):
+        plane.average(round_weights([1], 1.0))
+    after = list(model.parameters()) + [model[1].running_mean]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_unfreezing_moves_the_parameter_into_a_new_buffer_and_frees_the_old_one_of_frozen_ones():
+    model = two_layer()
+    layout = AveragedLayout(model)
+    first = model[0].weight
+    old_flat = storage(layout.params.flats[0])
+    model[0].requires_grad_(False)
+    assert layout.refresh()
+    assert storage(first) != old_flat  # the frozen weight got its own storage
+    assert storage(model[2].weight) == storage(layout.params.flats[0])
+    model[0].requires_grad_(True)
+    assert layout.refresh() and storage(first) == storage(layout.params.flats[0])
+    model[0].weight = nn.Parameter(torch.ones(4, 3))  # a replaced parameter object
+    assert layout.refresh() and storage(model[0].weight) == storage(layout.params.flats[0])
+
+
+def fit(tmp_path, mode: str, model: ConvClassifier, probe: ZeroCopyProbe, **trainer_kwargs: Any) -> pl.Trainer:
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+        callbacks=[probe, *trainer_kwargs.pop("callbacks", [])],
+        strategy=ElCheStrategy(mode=mode, start_method="spawn", timeout=timedelta(seconds=30)), **trainer_kwargs,
+    )
+    trainer.fit(model)
+    return trainer
+
+
+def assert_identical_replicas(records: list[dict[str, Any]]) -> None:
+    assert records[0]["params"] == records[1]["params"]
+    assert records[0]["buffers"] == records[1]["buffers"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_fit_keeps_parameters_in_the_flat_buffer_and_its_checkpoint_loads_into_a_plain_model(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit(tmp_path, "nccl_cadence", ConvClassifier("adam"), ZeroCopyProbe(str(tmp_path)),
+        callbacks=[checkpoint], enable_checkpointing=True)
+    records = load_probe_records(tmp_path)
+    for record in records:
+        assert record["linked"] and all(share == 1.0 for share in record["linked"]), record["linked"]
+    assert_identical_replicas(records)
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["state_dict"]
+    plain = ConvClassifier("adam")
+    plain.load_state_dict(saved)
+    assert [p.detach().flatten().tolist() for p in plain.parameters()] == records[0]["params"]
+    # The views of the flat buffer are written as one storage, not once per parameter.
+    state_bytes = sum(t.numel() * t.element_size() for t in saved.values())
+    assert (tmp_path / "ckpt" / "last.ckpt").stat().st_size < 2 * state_bytes + 200_000
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_async"])
+def test_user_code_replacing_p_data_on_one_rank_is_relinked_at_the_next_round(tmp_path, mode):
+    fit(tmp_path, mode, ConvClassifier("sgd"), ZeroCopyProbe(str(tmp_path), rebind_rank=1, rebind_step=3))
+    records = load_probe_records(tmp_path)
+    rebound = records[1]["rebound_at"]
+    assert rebound > 0 and 0.0 < records[1]["linked_after_rebind"] < 1.0  # the rebinding took it out
+    after = records[1]["linked"][rebound:]  # unlinked until the next round starts, linked from then on
+    relinked = next(i for i, share in enumerate(after) if share == 1.0)
+    assert all(share < 1.0 for share in after[:relinked]) and all(share == 1.0 for share in after[relinked:])
+    assert_identical_replicas(records)
+    assert all(v == v for p in records[0]["params"] for v in p)  # finite, no NaN
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_torch_compiled_model_trains_on_the_flat_buffer(tmp_path):
+    fit(tmp_path, "nccl_cadence", ConvClassifier("adam", compile_backend="aot_eager"), ZeroCopyProbe(str(tmp_path)))
+    records = load_probe_records(tmp_path)
+    assert all(share == 1.0 for record in records for share in record["linked"])
+    assert_identical_replicas(records)
