@@ -140,6 +140,11 @@ class ElCheController:
             deque(maxlen=TRUST_WINDOW_CAP) for _ in range(world_size)
         ]
         self._zero_reports: list[int] = [0] * world_size
+        # A rank's first reading (of the fit, or after its readings were cleared) covers its
+        # warm-up (lazy initialization, allocator and kernel caches, the first batches' data
+        # loading): it plans the next window, then the rank's second reading replaces it. Averaged
+        # in instead, it made a fast rank look slower than it is for a whole trust window.
+        self._warmup_reading: list[bool] = [False] * world_size
 
         self.anchor_rank: int | None = None
         self.phase: Phase = Phase.PROBE
@@ -291,13 +296,20 @@ class ElCheController:
             wall = float(wall_ms[rank])
             count = batches[rank]
             if count > 0 and wall > 0.0 and math.isfinite(wall):
-                self._ms_windows[rank].append(wall / count)
+                window = self._ms_windows[rank]
+                if self._warmup_reading[rank]:
+                    window.clear()
+                    self._warmup_reading[rank] = False
+                elif not window:
+                    self._warmup_reading[rank] = True
+                window.append(wall / count)
                 self._zero_reports[rank] = 0
                 continue
             self._zero_reports[rank] += 1
             # A rank silent for a whole trust window re-learns from scratch when it returns.
             if self._zero_reports[rank] >= TRUST_WINDOW_CAP:
                 self._ms_windows[rank].clear()
+                self._warmup_reading[rank] = False
 
     def _resolve_slow_ms(self, anchor_rank: int) -> float:
         """The anchor rank's ms/batch; re-elects among ranks with data when a pinned anchor rank
@@ -531,6 +543,7 @@ class ElCheController:
         self.batch_counts = [self.batch_counts[rank] for rank in kept]
         self._ms_windows = [self._ms_windows[rank] for rank in kept]
         self._zero_reports = [self._zero_reports[rank] for rank in kept]
+        self._warmup_reading = [self._warmup_reading[rank] for rank in kept]
         self.anchor_rank = kept.index(self.anchor_rank) if self.anchor_rank in kept else None
         initial = self._initial_anchor_rank
         self._initial_anchor_rank = kept.index(initial) if initial in kept else None
@@ -575,6 +588,7 @@ class ElCheController:
         self.consecutive_stable = saved.consecutive_stable
         self.proposed_anchor = None
         self._zero_reports = [0] * self.world_size
+        self._warmup_reading = [False] * self.world_size  # a saved mean is a steady reading
         for window in self._ms_windows:
             window.clear()
         if saved.world_size != self.world_size:

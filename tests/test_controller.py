@@ -219,6 +219,7 @@ def test_batch_count_clamped_to_max_diff() -> None:
 
 def test_dead_zone_holds_small_changes() -> None:
     c = ElCheController(2, 10, overhead_target=0.50)
+    c.report_timing([500.0, 1000.0], [10, 10], 1.0)  # the warm-up reading: replaced by the next
     c.report_timing([500.0, 1000.0], [10, 10], 1.0)
     assert c.batch_counts == [20, 10]
     c.report_timing([520.0, 1000.0], [10, 10], 1.0)  # mean 51 ms: target 20, unchanged
@@ -227,6 +228,33 @@ def test_dead_zone_holds_small_changes() -> None:
     assert c.batch_counts == [20, 10]
     c.report_timing([700.0, 1000.0], [10, 10], 1.0)  # mean 57 ms: target 18, 10 %
     assert c.batch_counts == [18, 10]
+
+
+def test_the_warm_up_reading_plans_one_window_then_leaves_the_average() -> None:
+    # The first window of a fit carries each rank's warm-up: here it makes the 4x faster rank look
+    # only 2.5x faster. It plans the next window (there is nothing better yet), then the second
+    # reading replaces it instead of being averaged with it for a whole trust window.
+    c = ElCheController(2, 10, overhead_target=0.50)
+    c.report_timing([400.0, 1000.0], [10, 10], 1.0)  # 40 vs 100 ms/batch, warm-up included
+    assert c.batch_counts == [25, 10]
+    c.report_timing([25 * 25.0, 1000.0], [25, 10], 1.0)  # steady: 25 vs 100 ms/batch
+    assert c.smoothed_ms(0) == 25.0
+    assert c.batch_counts == [40, 10]
+    c.report_timing([40 * 26.0, 1000.0], [40, 10], 1.0)  # later readings are averaged as before
+    assert c.smoothed_ms(0) == 25.5
+
+
+def test_a_rank_that_re_learns_after_silence_drops_its_warm_up_reading_again() -> None:
+    c = ElCheController(2, 10, overhead_target=0.50)
+    for _ in range(3):
+        c.report_timing([250.0, 1000.0], [10, 10], 1.0)
+    for _ in range(5):  # rank 0 silent for a whole trust window: its readings are cleared
+        c.report_timing([0.0, 1000.0], [0, 10], 1.0)
+    assert c.smoothed_ms_or_none(0) is None
+    c.report_timing([800.0, 1000.0], [10, 10], 1.0)  # back, with a warm-up
+    assert c.smoothed_ms(0) == 80.0
+    c.report_timing([250.0, 1000.0], [10, 10], 1.0)
+    assert c.smoothed_ms(0) == 25.0
 
 
 # -- speed ratio hint -----------------------------------------------------------------------

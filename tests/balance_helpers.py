@@ -1,0 +1,180 @@
+"""A deterministic, virtual-time model of blocking cadence epochs: the real controller and the real
+pooled dispatch, ranks that take a fixed time per batch, no processes and no clocks.
+
+Each rank iterates its :class:`~lightning_elche.data.PoolDispatch` the way Lightning's fetcher does
+(one batch fetched ahead, ``batch_started`` after the refill), trains a batch in ``batch_s[r]``
+virtual seconds (plus ``first_batch_s[r]`` once per fit, a warm-up), and joins a blocking round when
+its window is due or it is out of data. A round releases every rank at the latest arrival plus
+``sync_s``; the controller gets each rank's window wall and batches, as the engine reports them,
+and its plan goes back to every sampler. An out-of-data rank joins zero-mass rounds until every
+rank is out of data, which ends the epoch for all. The model answers where a fast rank's time goes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_elche.config import ElCheConfig
+from lightning_elche.controller import ElCheController
+from lightning_elche.data import ElCheSampler
+from lightning_elche.guard import Stable
+
+
+class _Counter:
+    """The store's atomic add, append, check and get, in memory."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+        self.texts: dict[str, bytes] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+    def append(self, key: str, value: str) -> None:
+        self.texts[key] = self.texts.get(key, b"") + value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.texts or key in self.values for key in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.texts[key] if key in self.texts else str(self.values[key]).encode()
+
+
+@dataclass
+class EpochResult:
+    batches: list[int]
+    """Batches each rank trained in the epoch."""
+    seconds: float
+    """From the epoch's start to the round that ended it."""
+    idle_s: list[float] = field(default_factory=list)
+    """Per rank: time spent waiting in rounds (including the epoch-end drain)."""
+
+
+@dataclass
+class FitResult:
+    epochs: list[EpochResult]
+    plans: list[tuple[int, ...]]
+    """The controller's plan after every round."""
+    batch_s: tuple[float, ...]
+
+    def efficiency(self, first_epoch: int = 1) -> float:
+        """Samples per second from ``first_epoch`` on over the sum of the ranks' solo rates (the
+        benchmark's steady-state efficiency, in batches)."""
+        epochs = self.epochs[first_epoch:]
+        trained = sum(sum(e.batches) for e in epochs)
+        seconds = sum(e.seconds for e in epochs)
+        return trained / seconds / sum(1.0 / t for t in self.batch_s)
+
+    def batch_shares(self, first_epoch: int = 1) -> list[float]:
+        epochs = self.epochs[first_epoch:]
+        per_rank = [sum(e.batches[r] for e in epochs) for r in range(len(self.batch_s))]
+        return [b / sum(per_rank) for b in per_rank]
+
+
+@dataclass
+class _Rank:
+    rank: int
+    sampler: ElCheSampler
+    indices: object = None
+    fetched: deque = field(default_factory=deque)
+    steps: int = 0
+    window_start: float = 0.0
+    trained: int = 0
+    idle_s: float = 0.0
+    arrived: float = 0.0
+    out_of_data: bool = False
+
+
+def simulate_cadence_fit(
+    batch_s: Sequence[float],
+    epochs: int = 3,
+    samples: int = 1024,
+    batch: int = 32,
+    chunk: int = 4,
+    sync_s: float = 0.0,
+    first_batch_s: Sequence[float] | None = None,
+    mode: str = "nccl_cadence",
+    anchor: int | None = None,
+) -> FitResult:
+    world = len(batch_s)
+    config = ElCheConfig.preset(mode)
+    if anchor is not None:
+        config = ElCheConfig(mode=config.mode, anchor=anchor)
+    controller = ElCheController.from_config(config, world)
+    counter = _Counter()
+    ranks = [
+        _Rank(r, ElCheSampler(samples, batch, r, world, shuffle=True, seed=0, dispatch="pool", counter=counter,
+                              key_prefix="balance", max_chunk_batches=chunk))
+        for r in range(world)
+    ]
+    controller.set_epoch_size(ranks[0].sampler.num_batches)
+    warm = list(first_batch_s) if first_batch_s is not None else [0.0] * world
+    plans: list[tuple[int, ...]] = []
+    results: list[EpochResult] = []
+    now = 0.0
+
+    def fetch(state: _Rank) -> None:
+        got = list(itertools.islice(state.indices, batch))  # type: ignore[call-overload]
+        if got:
+            state.fetched.append(got)
+
+    for epoch in range(epochs):
+        start = now
+        for state in ranks:
+            state.sampler.set_epoch(epoch)
+            state.sampler.started_batches = 0
+            state.indices = iter(state.sampler)
+            state.fetched.clear()
+            state.steps = state.trained = 0
+            state.idle_s = 0.0
+            state.window_start = now
+            state.out_of_data = False
+            fetch(state)  # the fetcher's prefetch
+        ready = [(now, r) for r in range(world)]
+        parked: list[int] = []
+        epoch_over = False
+        while not epoch_over:
+            if ready:
+                at, r = heapq.heappop(ready)
+                state = ranks[r]
+                state.fetched.popleft()
+                fetch(state)  # refilled before the batch starts, as Lightning's fetcher does
+                state.sampler.batch_started()
+                at += batch_s[r] + warm[r]
+                warm[r] = 0.0
+                state.steps += 1
+                state.trained += 1
+                state.out_of_data = not state.fetched
+                if state.out_of_data or state.steps >= controller.planned_batches(r):
+                    state.arrived = at
+                    parked.append(r)
+                else:
+                    heapq.heappush(ready, (at, r))
+                continue
+            # Every rank is in the round: it completes at the latest arrival.
+            assert len(parked) == world
+            done = max(ranks[r].arrived for r in parked) + sync_s
+            walls = [1000.0 * (s.arrived - s.window_start) if s.steps else 0.0 for s in ranks]
+            controller.report_timing(walls, [s.steps for s in ranks], 1000.0 * sync_s)
+            controller.apply_verdict(Stable())
+            plans.append(tuple(controller.batch_counts))
+            for state in ranks:
+                state.sampler.on_round(controller.batch_counts)
+                state.idle_s += done - state.arrived
+            epoch_over = all(s.out_of_data for s in ranks)
+            parked = []
+            for state in ranks:
+                state.steps = 0
+                state.window_start = state.arrived = done
+                if state.out_of_data:
+                    parked.append(state.rank)  # joins the next round at once, with zero mass
+                elif not epoch_over:
+                    heapq.heappush(ready, (done, state.rank))
+            now = done
+        results.append(EpochResult([s.trained for s in ranks], now - start, [s.idle_s for s in ranks]))
+    return FitResult(results, plans, tuple(batch_s))
