@@ -33,6 +33,7 @@ from lightning_elche.job_store import heartbeat_key, parse_process, proc_key, pr
 
 DEFAULT_LIVENESS_TIMEOUT = timedelta(seconds=30)
 _CHECK_INTERVAL_S = 0.5
+_SPIN_S = 0.005  # how long a wait on a device collective polls without sleeping
 _TIMED_OUT = "timed out"
 
 MaxFailure = Optional[Union[int, float]]
@@ -226,6 +227,7 @@ class Membership:
         Raises:
             PeerFailure: the collective failed, a peer is lost, or survivors already started a regroup.
         """
+        spin_until = time.monotonic() + _SPIN_S
         while True:
             try:
                 if host_blocking:
@@ -234,7 +236,9 @@ class Membership:
                 if work.is_completed():
                     work.wait()
                     return
-                time.sleep(0.0002)
+                # Spin first: a sleep's wake-up latency would add to every short collective.
+                if time.monotonic() >= spin_until:
+                    time.sleep(0.0002)
             except RuntimeError as error:
                 if _TIMED_OUT not in str(error).lower():
                     raise PeerFailure(f"a collective of the round failed: {str(error).splitlines()[0]}") from error

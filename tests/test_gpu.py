@@ -91,7 +91,9 @@ def test_zero_copy_round_on_one_gpu_nccl_premul_and_inductor(tmp_path):
         assert torch.allclose(compiled(x), expected, atol=1e-5)
         assert plane._premul, "NCCL should scale inside the reduction"
         before = torch.cuda.memory_allocated()
-        plane.average(round_weights([1], 1.0))
+        divergence = plane.average(round_weights([1], 1.0))
+        delta, pre, post = divergence.tolist()
+        assert delta == 0.0 and pre == pytest.approx(post, rel=1e-6) and pre > 0.0
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() - before < 1.05 * param_bytes  # only the pre-round copy
         plane.sum_scaled(plane.params.flats, 0.5)  # one rank, factor 1/2: the round halves every value
