@@ -35,6 +35,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning_elche.averaging import AveragedLayout, FlatTensors, round_weights
 from lightning_elche.bench.arms import PostLocalSGDStrategy, make_strategy
 from lightning_elche.bench.config import PG_TIMEOUT_S, BenchConfig
+from lightning_elche.bench.memory import read_peaks, reset_peaks
 from lightning_elche.bench.meter import BenchMeter
 from lightning_elche.bench.plan import CONVERGENCE, SOLO_PAIR, SOLO_RANK0, THROUGHPUT, Group, Job
 from lightning_elche.bench.workloads import (
@@ -294,6 +295,9 @@ def _throttle(ctx: RankContext, job: Job, device_rank: int, fit_rank: int) -> Op
         if ctx.device.type != "cuda":
             raise ValueError(f"setting {job.setting.label} limits SMs and needs CUDA")
         total = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        if not 1 <= sms <= total:
+            raise ValueError(f"--rank1-sms={sms} (setting {job.setting.label}): rank {device_rank}'s GPU has {total} "
+                             f"SMs; expected 1 to {total}")
         # Half an SM of slack so that float rounding never drops a granule in green_context_sms.
         return Throttle(fit_rank, max(1.0, total / (sms + 0.5)), method="sm_limit")
     if slowdown > 1.0:
@@ -349,6 +353,15 @@ def _common_record(job: Job, trainer: Trainer, meter: BenchMeter, throttle: Opti
     return record
 
 
+def _memory(ctx: RankContext, meter: BenchMeter, baseline: Optional[int]) -> Optional[dict[str, Any]]:
+    """This rank's accelerator peaks of the fit that just ended and the pinned host bytes its
+    averaging plane held (None on a CPU device: nothing is measured there)."""
+    peaks = read_peaks(ctx.device, baseline)
+    if peaks is not None:
+        peaks["pinned_held"] = meter.pinned_held
+    return peaks
+
+
 def run_solo(ctx: RankContext, job: Job, as_rank: int) -> dict[str, Any]:
     """One single-process fit of the device of rank ``as_rank``, with that rank's throttle."""
     workload = ctx.workload(job.section)
@@ -369,9 +382,11 @@ def run_solo(ctx: RankContext, job: Job, as_rank: int) -> dict[str, Any]:
     callbacks: list[Any] = [c for c in (throttle, meter) if c is not None]
     devices: Any = [ctx.device.index] if ctx.device.type == "cuda" else 1
     trainer = _trainer(ctx, "auto", devices, max_epochs, callbacks)
+    baseline = reset_peaks(ctx.device)
     started = time.time()
     trainer.fit(module, train_dataloaders=train_loader(workload.train_set(share), batch, drop_last))
     record = _common_record(job, trainer, meter, throttle, stats, time.time() - started)
+    record["memory"] = _memory(ctx, meter, baseline)
     record.update({"arm": f"solo_rank{as_rank}", "solo_of_rank": as_rank, "batch_size": batch,
                    "train_samples": len(workload.train_set(share))})
     return record
@@ -392,9 +407,11 @@ def run_multi(ctx: RankContext, job: Job) -> dict[str, Any]:
     callbacks: list[Any] = [c for c in (throttle, meter) if c is not None]
     strategy = make_strategy(job.arm, ctx.config)
     trainer = _trainer(ctx, strategy, ctx.world, max_epochs, callbacks)
+    baseline = reset_peaks(ctx.device)
     started = time.time()
     trainer.fit(module, train_dataloaders=train_loader(workload.train_set(), batch, drop_last))
     record = _common_record(job, trainer, meter, throttle, stats, time.time() - started)
+    record["memory"] = _memory(ctx, meter, baseline)
     record.update({"batch_size": batch, "train_samples": len(workload.train_set())})
     progress = strategy.progress if isinstance(strategy, ElCheStrategy) else None
     if progress is not None:
