@@ -110,7 +110,11 @@ def memory_table(section: dict[str, Any], world: int = 2) -> list[str]:
 
 
 def _pp(value: Optional[float]) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}"
+    """A fraction as percent with one decimal ("-0.0", a rounding artefact, shown as 0.0)."""
+    if value is None:
+        return "n/a"
+    text = f"{100 * value:.1f}"
+    return "0.0" if text == "-0.0" else text
 
 
 def breakdown_table(section: dict[str, Any]) -> list[str]:
