@@ -102,6 +102,10 @@ def check_machine(config: BenchConfig) -> Optional[str]:
         import torch
 
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if config.share_gpu:
+            if found < 1:
+                return "--share-gpu puts every rank on cuda:0; this machine has no GPU"
+            return sm_problem(config, [torch.cuda.get_device_properties(0).multi_processor_count] * world)
         if found < world:
             return (f"--rig {config.rig.name} runs one process per GPU and needs {world} GPUs; this machine has "
                     f"{found}. Rigs for fewer GPUs: gpu2-hetero, gpu2-homo (2), gpu4-hetero (4).")

@@ -265,6 +265,10 @@ class BenchConfig:
     skipped_modes: dict[str, str] = field(default_factory=dict)
     conv_arms: Optional[tuple[str, ...]] = None
     """2-rank arms of the convergence section (``None``: every arm)."""
+    share_gpu: bool = False
+    """Every rank on ``cuda:0``, over gloo, each rank a one-device "node" for Lightning (hidden
+    ``--share-gpu``): checks the memory columns on a one-GPU machine; its rates mean nothing (the
+    processes time-share the GPU)."""
 
     @property
     def headline(self) -> Setting:
@@ -320,6 +324,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--micro-iters", type=int, default=None,
                         help="timed iterations of the all-reduce microbenchmark")
     parser.add_argument("--only-headline", action="store_true", help="skip the rig's other heterogeneity settings")
+    # Hidden: for checking the memory columns on one GPU (docs/benchmarks.md, "Memory").
+    parser.add_argument("--share-gpu", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
     args = parser.parse_args(argv)
     if args.rig is None and args.replot is None:
@@ -387,6 +393,11 @@ def settings_for(rig: Rig, slowdowns: Optional[str], rank_slowdowns: Optional[st
 def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped: dict[str, str]) -> BenchConfig:
     rig = RIGS[args.rig]
     budget = budget_for(rig, args.budget)
+    if args.share_gpu:
+        if rig.accelerator != "cuda":
+            raise ValueError(f"--share-gpu puts every rank on cuda:0; --rig {rig.name} runs on CPU")
+        # NCCL refuses two ranks on one GPU; gloo reduces CUDA tensors through the host.
+        rig = replace(rig, backend="gloo", description=f"{rig.description}; every rank on cuda:0 (--share-gpu, gloo)")
     overrides: dict[str, object] = {}
     if args.model is not None:
         overrides["model"] = args.model
@@ -437,4 +448,5 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         plots=not args.no_plots,
         skipped_modes=skipped,
         conv_arms=conv_arms,
+        share_gpu=bool(args.share_gpu),
     )

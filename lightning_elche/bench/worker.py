@@ -139,14 +139,16 @@ class RankContext:
 # -- set-up --------------------------------------------------------------------------------
 
 
-def _set_rank_environment(rank: int, port: int, world: int) -> None:
+def _set_rank_environment(rank: int, port: int, world: int, ranks_as_nodes: bool = False) -> None:
+    """What a launcher would set. ``ranks_as_nodes`` (``--share-gpu``): each rank is the only
+    process of its own "node", so that Lightning maps every rank to device 0."""
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world),
         "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "NODE_RANK": "0",
+        "LOCAL_RANK": "0" if ranks_as_nodes else str(rank),
+        "NODE_RANK": str(rank) if ranks_as_nodes else "0",
     })
     from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -158,13 +160,14 @@ def _init_process_group(rank: int, port: int, config: BenchConfig) -> tuple[torc
     timeout = timedelta(seconds=PG_TIMEOUT_S)
     world = config.rig.world_size
     if config.rig.accelerator == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", 0 if config.share_gpu else rank)
         torch.cuda.set_device(device)
         torch.set_num_threads(max(1, (os.cpu_count() or world) // world))  # as Lightning's DDP would
         torch.backends.cudnn.benchmark = True
         torch.set_float32_matmul_precision("high")
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timeout, device_id=device)
+        bound = {"device_id": device} if config.rig.backend == "nccl" else {}
+        dist.init_process_group(config.rig.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timeout, **bound)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
@@ -305,10 +308,12 @@ def _throttle(ctx: RankContext, job: Job, device_rank: int, fit_rank: int) -> Op
     return None
 
 
-def _trainer(ctx: RankContext, strategy: Any, devices: Any, max_epochs: int, callbacks: list[Any]) -> Trainer:
+def _trainer(ctx: RankContext, strategy: Any, devices: Any, max_epochs: int, callbacks: list[Any],
+             num_nodes: int = 1) -> Trainer:
     return Trainer(
         accelerator=ctx.accelerator,
         devices=devices,
+        num_nodes=num_nodes,
         strategy=strategy,
         max_epochs=max_epochs,
         callbacks=callbacks,
@@ -406,7 +411,10 @@ def run_multi(ctx: RankContext, job: Job) -> dict[str, Any]:
     throttle = _throttle(ctx, job, ctx.rank, ctx.rank)
     callbacks: list[Any] = [c for c in (throttle, meter) if c is not None]
     strategy = make_strategy(job.arm, ctx.config)
-    trainer = _trainer(ctx, strategy, ctx.world, max_epochs, callbacks)
+    if ctx.config.share_gpu:  # every rank a one-device node: Lightning maps each to cuda:0
+        trainer = _trainer(ctx, strategy, 1, max_epochs, callbacks, num_nodes=ctx.world)
+    else:
+        trainer = _trainer(ctx, strategy, ctx.world, max_epochs, callbacks)
     baseline = reset_peaks(ctx.device)
     started = time.time()
     trainer.fit(module, train_dataloaders=train_loader(workload.train_set(), batch, drop_last))
@@ -499,7 +507,7 @@ def worker_main(rank: int, config: BenchConfig, plan: list[Group], run_dir: str,
     """Entry point of a rank process (the target of a ``spawn`` process)."""
     status = 1
     try:
-        _set_rank_environment(rank, port, config.rig.world_size)
+        _set_rank_environment(rank, port, config.rig.world_size, ranks_as_nodes=config.share_gpu)
         _quiet()
         device, control = _init_process_group(rank, port, config)
         ctx = RankContext(rank, config, run_dir, device, control, t0)
