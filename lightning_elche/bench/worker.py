@@ -299,8 +299,9 @@ def _throttle(ctx: RankContext, job: Job, device_rank: int, fit_rank: int) -> Op
             raise ValueError(f"setting {job.setting.label} limits SMs and needs CUDA")
         total = torch.cuda.get_device_properties(ctx.device).multi_processor_count
         if not 1 <= sms <= total:
-            raise ValueError(f"--rank1-sms={sms} (setting {job.setting.label}): rank {device_rank}'s GPU has {total} "
-                             f"SMs; expected 1 to {total}")
+            knob = "--rank1-sms" if ctx.world == 2 else f"the {ctx.config.rig.name} SM spread"
+            raise ValueError(f"{knob}={sms} (setting {job.setting.label}): rank {device_rank}'s GPU has {total} SMs; "
+                             f"expected 1 to {total}")
         # Half an SM of slack so that float rounding never drops a granule in green_context_sms.
         return Throttle(fit_rank, max(1.0, total / (sms + 0.5)), method="sm_limit")
     if slowdown > 1.0:
