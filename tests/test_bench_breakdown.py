@@ -215,3 +215,11 @@ def test_records_are_not_modified_by_the_breakdown():
     before = copy.deepcopy(records)
     metrics.loss_breakdown(records, [100.0, 50.0], averaging_s=0.01)
     assert records == before
+
+
+def test_share_gpu_runs_every_rank_over_gloo_and_only_on_gpu_rigs():
+    config = _config(["--rig", "gpu2-homo", "--share-gpu"])
+    assert config.share_gpu and config.rig.backend == "gloo" and config.rig.accelerator == "cuda"
+    assert _config(["--rig", "gpu2-homo"]).rig.backend == "nccl"
+    with pytest.raises(ValueError, match="--share-gpu puts every rank on cuda:0; --rig cpu2 runs on CPU"):
+        _config(["--rig", "cpu2", "--share-gpu"])
