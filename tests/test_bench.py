@@ -349,7 +349,7 @@ def test_cpu2_tiny_end_to_end(tmp_path):
             assert all(v >= 0.0 for v in split["seconds"][part]), (mode, part)
         span = split["span_s"]
         assert all(v >= -0.01 * span for v in split["seconds"]["outside_rounds"]), (mode, split["seconds"])
-        assert split["averaging_s"] is None, mode  # CPU: every round's reduce is waited for on the host
+        assert split["reduce_device_s"] is None, mode  # CPU: every round's reduce is waited for on the host
     assert not any("loss_breakdown" in arms[arm] for arm in ("ddp", "ddp_post_local_sgd", "solo_rank0"))
 
     table = (out / "cpu2.md").read_text()

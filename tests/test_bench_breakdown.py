@@ -73,7 +73,7 @@ def test_loss_breakdown_charges_each_wait_to_its_cause_and_sums_to_one_minus_eff
 def test_loss_breakdown_first_window_and_device_side_averaging():
     records = _elche_records()
     records[0]["rounds"][0]["calibrations"] = 0  # round 2 then closes a window planned uncalibrated
-    split = metrics.loss_breakdown(records, [100.0, 50.0], averaging_s=0.01)
+    split = metrics.loss_breakdown(records, [100.0, 50.0], reduce_device_s=0.01)
     capacity = 2.2 * 150.0
     assert split["fractions"]["first_window"] == pytest.approx(100 * 0.1 / capacity)
     assert split["fractions"]["plan_lag"] == pytest.approx(0.0)
@@ -213,7 +213,7 @@ def test_seeds_zero_runs_no_convergence_section():
 def test_records_are_not_modified_by_the_breakdown():
     records = _elche_records()
     before = copy.deepcopy(records)
-    metrics.loss_breakdown(records, [100.0, 50.0], averaging_s=0.01)
+    metrics.loss_breakdown(records, [100.0, 50.0], reduce_device_s=0.01)
     assert records == before
 
 

@@ -158,13 +158,13 @@ def _ran(group: Group, records: dict[str, list[dict[str, Any]]]) -> bool:
 def throughput_sections(config: BenchConfig, plan: list[Group], records: dict[str, list[dict[str, Any]]]
                         ) -> dict[str, dict[str, Any]]:
     sections: dict[str, dict[str, Any]] = {}
-    # The slowest rank's seconds per whole averaging path of the throughput model (loss breakdown).
-    averaging_s = max(r[THROUGHPUT]["plane_average_s"] for r in records["micro"]) if "micro" in records else None
+    # The slowest rank's seconds per flat-parameter all-reduce of the throughput model (loss breakdown).
+    reduce_device_s = max(r[THROUGHPUT]["flat_all_reduce_s"] for r in records["micro"]) if "micro" in records else None
     for setting in config.settings:
         groups = [g for g in plan if g.section == THROUGHPUT and g.jobs[0].setting == setting and _ran(g, records)]
         representatives = setting.representatives(config.rig.world_size)
         passes = [metrics.throughput_pass([(job.arm, job.job_id) for job in g.jobs], records, representatives,
-                                          averaging_s)
+                                          reduce_device_s)
                   for g in groups]
         if passes:
             section = metrics.aggregate_passes(passes)

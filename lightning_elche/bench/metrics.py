@@ -173,10 +173,10 @@ def arm_kind(arm: str) -> str:
 
 
 def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: Sequence[float],
-                       averaging_s: Optional[float] = None) -> dict[str, Any]:
+                       reduce_device_s: Optional[float] = None) -> dict[str, Any]:
     """Throughput, syncs, bytes per sample, idle, batch share, memory and (ElChe) the breakdown of
     the lost efficiency of one multi-rank fit; ``solo_rates``: the solo rate of each rank's speed
-    class, per rank; ``averaging_s``: the microbenchmark's seconds per averaging path (CUDA)."""
+    class, per rank; ``reduce_device_s``: the microbenchmark's seconds per flat-parameter all-reduce."""
     world = len(records)
     kind = arm_kind(arm)
     stats = records[0]["model"]
@@ -206,7 +206,7 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
         out["round_s"] = mean_round_seconds(records, info["rounds"])
         # Only the nccl_* modes queue the parameter all-reduce on the device without the host waiting.
         device_reduce = records[0].get("device_type") == "cuda" and arm.startswith("nccl")
-        out["loss_breakdown"] = loss_breakdown(records, solo_rates, averaging_s if device_reduce else None)
+        out["loss_breakdown"] = loss_breakdown(records, solo_rates, reduce_device_s if device_reduce else None)
     idle, how = idle_fractions(kind, records, solo_rates, records[0]["batch_size"])
     steady = [r["steps"] for r in records]  # each rank's batches from epoch 1 on (the meter's count)
     out.update({
@@ -242,10 +242,11 @@ def share_error(batch_share: Sequence[Optional[float]], speed_share: Sequence[fl
 
 
 def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dict[str, Any]]],
-                    representatives: Optional[Sequence[int]] = None, averaging_s: Optional[float] = None
+                    representatives: Optional[Sequence[int]] = None, reduce_device_s: Optional[float] = None
                     ) -> dict[str, Any]:
-    """One pass: ``jobs`` = [(arm, job id)], the first being the solo job; ``averaging_s``: the
-    microbenchmark's seconds per averaging path of the throughput model (see :func:`loss_breakdown`).
+    """One pass: ``jobs`` = [(arm, job id)], the first being the solo job; ``reduce_device_s``: the
+    microbenchmark's seconds per flat-parameter all-reduce of the throughput model (see
+    :func:`loss_breakdown`).
 
     ``representatives[r]`` is the rank whose solo fit measured rank ``r``'s speed class (default:
     every rank ran its own solo, as on the 2-rank rigs). Solo arms are named by that rank.
@@ -271,7 +272,7 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
             arms[f"solo_rank{rep}"]["ranks"] = [r for r, x in enumerate(reps) if x == rep]
     speed_share = [rate / ideal if ideal > 0 else 0.0 for rate in rates]
     for arm, job_id in multi:
-        arms[arm] = multi_rank_metrics(arm, records[job_id], rates, averaging_s)
+        arms[arm] = multi_rank_metrics(arm, records[job_id], rates, reduce_device_s)
         arms[arm]["share_error"] = share_error(arms[arm]["steady_batch_share"], speed_share)
     memory_vs_ddp(arms)
     ddp_rate = arms.get(DDP, {}).get("samples_per_s")
@@ -460,7 +461,7 @@ def _round_syncs(rounds: Sequence[dict[str, Any]], final_sync: Sequence[float]) 
 
 
 def loss_breakdown(records: Sequence[dict[str, Any]], solo_rates: Sequence[float],
-                   averaging_s: Optional[float] = None) -> Optional[dict[str, Any]]:
+                   reduce_device_s: Optional[float] = None) -> Optional[dict[str, Any]]:
     """Where an ElChe arm's ``1 - efficiency`` goes, from every round's metadata (rank 0's round
     listener) and each rank's steady-state span; None when the fit recorded no rounds.
 
@@ -478,10 +479,11 @@ def loss_breakdown(records: Sequence[dict[str, Any]], solo_rates: Sequence[float
       engine's window compute time minus n_r / s_r) plus time in neither a window nor a round
       (``outside_rounds``: epoch turnovers, the ranks' different epoch-1 starts).
 
-    ``averaging_s`` (CUDA ``nccl_*`` modes): the microbenchmark's seconds per whole averaging path.
-    There the parameter all-reduce is queued without the host waiting, so its device time lands
-    in the next window's compute; it is moved from rest to sync for every realized round
-    (``sync_device_s``), and the host-visible part stays ``sync_host_s``.
+    ``reduce_device_s`` (CUDA ``nccl_*`` modes): the microbenchmark's seconds per flat-parameter
+    all-reduce (``CollectivePlane.sum_scaled``, synchronized). There the all-reduce is queued
+    without the host waiting, so its device time lands in the next window's compute; it is moved
+    from rest to sync for every realized round (``sync_device``); the host-visible part of the
+    round stays ``sync_host``. The round's other small kernels (pack, norms, unpack) stay in rest.
     """
     rounds = sorted(records[0].get("rounds") or [], key=lambda p: p["index"])
     final_sync = [r.get("final_sync_s") for r in records]
@@ -520,7 +522,7 @@ def loss_breakdown(records: Sequence[dict[str, Any]], solo_rates: Sequence[float
     productive = [records[r]["samples"] / solo_rates[r] for r in range(world)]
     lost = [span - p for p in productive]
     sync_host = list(parts["sync"])
-    sync_device = [realized_rounds * averaging_s if averaging_s else 0.0] * world
+    sync_device = [realized_rounds * reduce_device_s if reduce_device_s else 0.0] * world
     parts["sync"] = [h + d for h, d in zip(sync_host, sync_device, strict=True)]
     parts["rest"] = [lost[r] - sum(parts[k][r] for k in BREAKDOWN_PARTS[:4]) for r in range(world)]
     compute_vs_solo = [compute[r] - productive[r] - sync_device[r] for r in range(world)]
@@ -540,6 +542,6 @@ def loss_breakdown(records: Sequence[dict[str, Any]], solo_rates: Sequence[float
                     "sync_device": sync_device, "compute_vs_solo": compute_vs_solo, "outside_rounds": outside},
         "rounds_in_span": sum(1 for p in rounds if min(p["epoch"]) >= 1),
         "realized_rounds_in_span": realized_rounds,
-        "averaging_s": averaging_s,
+        "reduce_device_s": reduce_device_s,
         "epoch0_first_window_wait_s": epoch0_first_window,
     }
