@@ -332,8 +332,30 @@ def test_cpu2_tiny_end_to_end(tmp_path):
     for arm in ("ddp", "ddp_post_local_sgd", *modes):
         check_multi_rank_row(arm, other["arms"][arm])
 
+    # Memory: nothing can be measured on CPU ranks, and the table says so instead of inventing numbers.
+    for arm, row in arms.items():
+        assert row["memory"] == {"measured": False, "reason": "n/a (CPU)"}, arm
+    # Where each ElChe arm's lost efficiency goes: the parts add up to the efficiency the throughput
+    # table reports (computed separately, from the steady-state rate), and the round and window
+    # times the engine reported fit inside the span the efficiency is measured over.
+    for mode in modes:
+        split = arms[mode]["loss_breakdown"]
+        assert split is not None, mode
+        assert split["efficiency"] == pytest.approx(arms[mode]["efficiency"], rel=1e-9), mode
+        assert sum(split["fractions"].values()) == pytest.approx(1.0 - arms[mode]["efficiency"], abs=1e-9), mode
+        assert split["rounds_in_span"] >= 1, mode
+        for part in ("first_window", "plan_lag", "epoch_end_drain", "sync"):
+            assert split["fractions"][part] >= 0.0, (mode, part)
+            assert all(v >= 0.0 for v in split["seconds"][part]), (mode, part)
+        span = split["span_s"]
+        assert all(v >= -0.01 * span for v in split["seconds"]["outside_rounds"]), (mode, split["seconds"])
+        assert split["reduce_device_s"] is None, mode  # CPU: every round's reduce is waited for on the host
+    assert not any("loss_breakdown" in arms[arm] for arm in ("ddp", "ddp_post_local_sgd", "solo_rank0"))
+
     table = (out / "cpu2.md").read_text()
     assert "| `ddp` |" in table and "| `nccl_cadence` |" in table and result["commit"] in table
+    assert "| `ddp` |" + " n/a (CPU) |" * 5 in table
+    assert "| arm | efficiency | 1 - eff. | (a) first window | (b) plan lag | (c) epoch-end drain | (d) sync |" in table
     if importlib.util.find_spec("matplotlib") is not None:
         assert sorted(result["plots"]["files"]) == ["cpu2-elche.png", "cpu2-quality.png"]
         for name in result["plots"]["files"]:

@@ -102,12 +102,30 @@ def check_machine(config: BenchConfig) -> Optional[str]:
         import torch
 
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if config.share_gpu:
+            if found < 1:
+                return "--share-gpu puts every rank on cuda:0; this machine has no GPU"
+            return sm_problem(config, [torch.cuda.get_device_properties(0).multi_processor_count] * world)
         if found < world:
             return (f"--rig {config.rig.name} runs one process per GPU and needs {world} GPUs; this machine has "
                     f"{found}. Rigs for fewer GPUs: gpu2-hetero, gpu2-homo (2), gpu4-hetero (4).")
+        return sm_problem(config, [torch.cuda.get_device_properties(k).multi_processor_count for k in range(world)])
     elif (os.cpu_count() or 1) < world:
         print(f"[bench] warning: --rig {config.rig.name} runs {world} ranks on {os.cpu_count()} logical CPU(s): the "
               "ranks share cores, so rates and efficiencies are not meaningful (structure only).", file=sys.stderr)
+    return None
+
+
+def sm_problem(config: BenchConfig, gpu_sms: list[int]) -> Optional[str]:
+    """Why a setting's SM limit cannot apply to its rank's GPU (None: every one fits);
+    ``gpu_sms[r]``: the SMs of rank r's GPU."""
+    for setting in config.settings:
+        for rank, sms in enumerate(gpu_sms):
+            wanted = setting.rank_throttle(rank)[1]
+            if wanted is not None and not 1 <= wanted <= sms:
+                knob = "--rank1-sms" if config.rig.world_size == 2 else f"the {config.rig.name} SM spread"
+                return (f"{knob}={wanted} (setting {setting.label}): rank {rank}'s GPU has {sms} SMs; expected "
+                        f"1 to {sms}")
     return None
 
 
@@ -140,10 +158,13 @@ def _ran(group: Group, records: dict[str, list[dict[str, Any]]]) -> bool:
 def throughput_sections(config: BenchConfig, plan: list[Group], records: dict[str, list[dict[str, Any]]]
                         ) -> dict[str, dict[str, Any]]:
     sections: dict[str, dict[str, Any]] = {}
+    # The slowest rank's seconds per flat-parameter all-reduce of the throughput model (loss breakdown).
+    reduce_device_s = max(r[THROUGHPUT]["flat_all_reduce_s"] for r in records["micro"]) if "micro" in records else None
     for setting in config.settings:
         groups = [g for g in plan if g.section == THROUGHPUT and g.jobs[0].setting == setting and _ran(g, records)]
         representatives = setting.representatives(config.rig.world_size)
-        passes = [metrics.throughput_pass([(job.arm, job.job_id) for job in g.jobs], records, representatives)
+        passes = [metrics.throughput_pass([(job.arm, job.job_id) for job in g.jobs], records, representatives,
+                                          reduce_device_s)
                   for g in groups]
         if passes:
             section = metrics.aggregate_passes(passes)

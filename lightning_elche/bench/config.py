@@ -265,6 +265,10 @@ class BenchConfig:
     skipped_modes: dict[str, str] = field(default_factory=dict)
     conv_arms: Optional[tuple[str, ...]] = None
     """2-rank arms of the convergence section (``None``: every arm)."""
+    share_gpu: bool = False
+    """Every rank on ``cuda:0``, over gloo, each rank a one-device "node" for Lightning (hidden
+    ``--share-gpu``): checks the memory columns on a one-GPU machine; its rates mean nothing (the
+    processes time-share the GPU)."""
 
     @property
     def headline(self) -> Setting:
@@ -281,7 +285,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="rewrite the Markdown table and plots from an existing <rig>.json (nothing is run)")
     parser.add_argument("--budget", default="full", choices=("tiny", "quick", "full"), help="how long to run")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="where the results go")
-    parser.add_argument("--seeds", type=int, default=None, help="convergence seeds (default: 3 for full)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="convergence seeds (default: 3 for full; 0: throughput and microbenchmark only)")
     parser.add_argument("--throughput-seeds", type=int, default=1, help="interleaved throughput passes")
     parser.add_argument("--model", choices=("resnet20", "resnet20x4", "mlp"), default=None,
                         help="throughput model (resnet20x4: 4x the channels, compute-bound on large GPUs)")
@@ -297,6 +302,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="N-rank CPU rigs: comma-separated k of each rank, replacing the rig's headline spread "
                              "(default 1,1.5,2,3, repeated for cpu8)")
     parser.add_argument("--tp-seconds", type=float, default=None, help="length of a throughput fit")
+    parser.add_argument("--tp-epoch-samples", type=int, default=None,
+                        help="training samples per throughput epoch over all ranks (default: the budget's; "
+                             "gpu2-*: 262144 makes an ElChe epoch last >= 10 s on 2 H200s, docs/benchmarks.md)")
+    parser.add_argument("--rank1-sms", default=None,
+                        help="gpu2-hetero: comma-separated SM counts of rank 1's green context, the first is the "
+                             "headline setting, labelled smN (default 32; 16 gives a >= 4x gap on a H200); each "
+                             "between 1 and the GPU's SMs")
     parser.add_argument("--conv-epochs", type=int, default=None, help="epochs of a convergence fit")
     parser.add_argument("--local-sgd-period", type=int, default=8, help="K of the post-local-SGD arm")
     parser.add_argument("--local-sgd-warmup", type=int, default=16,
@@ -312,14 +324,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--micro-iters", type=int, default=None,
                         help="timed iterations of the all-reduce microbenchmark")
     parser.add_argument("--only-headline", action="store_true", help="skip the rig's other heterogeneity settings")
+    # Hidden: for checking the memory columns on one GPU (docs/benchmarks.md, "Memory").
+    parser.add_argument("--share-gpu", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
     args = parser.parse_args(argv)
     if args.rig is None and args.replot is None:
         parser.error("--rig is required")
-    for name in ("seeds", "throughput_seeds", "conv_epochs", "tp_batch", "conv_batch", "micro_iters"):
+    for name in ("throughput_seeds", "conv_epochs", "tp_batch", "conv_batch", "micro_iters", "tp_epoch_samples"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            parser.error(f"--{name.replace('_', '-')}={value} must be >= 1")
+    if args.seeds is not None and args.seeds < 0:
+        parser.error(f"--seeds={args.seeds} must be >= 0 (0: no convergence section)")
     if args.local_sgd_period < 1 or args.local_sgd_warmup < 0:
         parser.error("--local-sgd-period must be >= 1 and --local-sgd-warmup >= 0")
     for name in ("tp_seconds", "deadline_s"):
@@ -329,9 +345,29 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def settings_for(rig: Rig, slowdowns: Optional[str], rank_slowdowns: Optional[str] = None) -> tuple[Setting, ...]:
-    """The rig's settings, CPU ``--slowdowns`` (``"3,1"``) turned into settings, or the N-rank
-    CPU rigs' headline spread replaced by ``--rank-slowdowns`` (``"1,2,2,4"``)."""
+def rank1_sms_settings(rig: Rig, rank1_sms: str) -> tuple[Setting, ...]:
+    """``--rank1-sms`` (``"32,16"``) as gpu2-hetero settings ``sm32``, ``sm16``. Whether each count
+    fits rank 1's GPU is checked where the GPU is known (``check_machine``, and again in the rank)."""
+    if rig.name != "gpu2-hetero":
+        raise ValueError(f"--rank1-sms={rank1_sms!r} applies to the gpu2-hetero rig only (rank 1's green context); "
+                         f"--rig {rig.name} has no SM-limited rank 1")
+    try:
+        values = [int(v) for v in rank1_sms.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"--rank1-sms={rank1_sms!r}: expected distinct whole SM counts >= 1 (and at most the GPU's "
+                         "SMs), comma-separated, e.g. 32 or 32,16")
+    return tuple(Setting(f"sm{v}", sms=v) for v in values)
+
+
+def settings_for(rig: Rig, slowdowns: Optional[str], rank_slowdowns: Optional[str] = None,
+                 rank1_sms: Optional[str] = None) -> tuple[Setting, ...]:
+    """The rig's settings, CPU ``--slowdowns`` (``"3,1"``) turned into settings, the N-rank
+    CPU rigs' headline spread replaced by ``--rank-slowdowns`` (``"1,2,2,4"``), or gpu2-hetero's
+    SM counts of rank 1 replaced by ``--rank1-sms`` (``"32,16"``)."""
+    if rank1_sms is not None:
+        return rank1_sms_settings(rig, rank1_sms)
     if rank_slowdowns is not None:
         if rig.accelerator != "cpu" or rig.world_size == 2:
             raise ValueError(f"--rank-slowdowns={rank_slowdowns!r} applies to the N-rank CPU rigs (cpu4, cpu8) only")
@@ -357,6 +393,11 @@ def settings_for(rig: Rig, slowdowns: Optional[str], rank_slowdowns: Optional[st
 def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped: dict[str, str]) -> BenchConfig:
     rig = RIGS[args.rig]
     budget = budget_for(rig, args.budget)
+    if args.share_gpu:
+        if rig.accelerator != "cuda":
+            raise ValueError(f"--share-gpu puts every rank on cuda:0; --rig {rig.name} runs on CPU")
+        # NCCL refuses two ranks on one GPU; gloo reduces CUDA tensors through the host.
+        rig = replace(rig, backend="gloo", description=f"{rig.description}; every rank on cuda:0 (--share-gpu, gloo)")
     overrides: dict[str, object] = {}
     if args.model is not None:
         overrides["model"] = args.model
@@ -374,7 +415,14 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
     if args.deadline_s is not None:
         overrides["deadline_s"] = args.deadline_s
     budget = replace(budget, **overrides)  # type: ignore[arg-type]
-    settings = settings_for(rig, args.slowdowns, args.rank_slowdowns)
+    settings = settings_for(rig, args.slowdowns, args.rank_slowdowns, args.rank1_sms)
+    if args.tp_epoch_samples is not None:
+        smallest = rig.world_size * budget.tp_batch
+        if args.tp_epoch_samples < smallest:
+            raise ValueError(f"--tp-epoch-samples={args.tp_epoch_samples} is too small: each of the {rig.world_size} "
+                             f"ranks needs at least one batch of {budget.tp_batch} (--tp-batch), so at least "
+                             f"{smallest}")
+        budget = replace(budget, tp_samples=args.tp_epoch_samples)
     conv_arms = None
     if args.conv_arms is not None:
         conv_arms = tuple(a.strip() for a in args.conv_arms.split(",") if a.strip())
@@ -400,4 +448,5 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         plots=not args.no_plots,
         skipped_modes=skipped,
         conv_arms=conv_arms,
+        share_gpu=bool(args.share_gpu),
     )

@@ -11,6 +11,14 @@ around held-out scoring), never per step.
 * Time cap: at each epoch end (from the second on), rank 0 decides whether the fit has run long
   enough and every rank adopts its decision through a gloo group, so all ranks stop together.
 * ElChe trace: after each round rank 0 records the time, anchor, and per-rank step share.
+* ElChe rounds: a round listener (host code the strategy calls after every round, on every
+  rank) lets rank 0 keep each round's metadata (every rank's steps, window compute time, sync
+  time of its previous round, out-of-data flag, epoch) and the controller's calibration count;
+  at the end of training every rank adds the sync time of its last round, which no later round
+  reports. Nothing is added to the training path: no collective, no device synchronization.
+* Memory: the pinned host bytes the averaging plane holds, read at the end of training (before
+  the strategy's teardown releases them); the accelerator peaks are read around ``fit`` by the
+  worker (:mod:`lightning_elche.bench.memory`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_elche.bench.memory import plane_pinned_bytes
 from lightning_elche.bench.workloads import Workload
 
 
@@ -70,6 +79,10 @@ class BenchMeter(Callback):
         self.trace: list[dict[str, Any]] = []
         self.stopped_by_cap = False
         self._last_round = 0
+        self.rounds: list[dict[str, Any]] = []
+        self.final_sync_s: Optional[float] = None
+        self.pinned_held: Optional[int] = None
+        self._listening: Any = None
 
     # -- clocks ---------------------------------------------------------------------------
 
@@ -83,6 +96,22 @@ class BenchMeter(Callback):
         self.t_fit0 = time.time()
         if self.evaluate and self.rank == 0:
             self._score(pl_module, epoch=-1)
+        # Rank 0 only: the metadata of a round is the same on every rank.
+        if self.trace_elche and self.rank == 0 and hasattr(trainer.strategy, "add_round_listener"):
+            trainer.strategy.add_round_listener(self._on_round)
+            self._listening = trainer.strategy
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if hasattr(trainer.strategy, "remove_round_listener"):
+            trainer.strategy.remove_round_listener(self._on_round)
+        self._listening = None
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            # The engine's own duration of this rank's last sync (set when its last round returned):
+            # every earlier one is reported by the next round's metadata, this one by no round.
+            last = getattr(engine, "_last_sync_s", None)
+            self.final_sync_s = float(last) if isinstance(last, (int, float)) else None
+        self.pinned_held = plane_pinned_bytes(trainer.strategy)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.current_epoch == 1:
@@ -154,10 +183,33 @@ class BenchMeter(Callback):
         point["share"] = [s / total if total else 0.0 for s in steps]
         self.trace.append(point)
 
+    def _on_round(self, outcome: Any, metrics: dict[str, float]) -> None:
+        """Round listener (rank 0, every round; host values only)."""
+        if self._listening is None:
+            return
+        engine = getattr(self._listening, "engine", None)
+        controller = getattr(engine, "controller", None)
+        try:
+            reports = outcome.reports
+            self.rounds.append({
+                "index": int(outcome.index),
+                "t": time.time(),
+                "steps": [int(r.steps) for r in reports],
+                "compute_s": [float(r.compute_s) for r in reports],
+                "last_sync_s": [float(r.last_sync_s) for r in reports],
+                "out_of_data": [bool(r.out_of_data) for r in reports],
+                "epoch": [int(r.epoch) for r in reports],
+                "calibrations": int(getattr(controller, "calibration_count", -1)),
+            })
+        except (AttributeError, TypeError, ValueError):  # the outcome changed shape: stop recording
+            self.rounds = []
+            self._listening = None  # removing it here would disturb the strategy's loop over its listeners
+
     def record(self) -> dict[str, Any]:
         """This rank's numbers (plain JSON values)."""
         return {
             "rank": self.rank,
+            "device_type": self.device.type,
             "t_fit0": self.t_fit0,
             "t_start": self.t_start,
             "t_end": self.t_end,
@@ -170,4 +222,7 @@ class BenchMeter(Callback):
             "curve": self.curve,
             "trace": self.trace,
             "stopped_by_cap": self.stopped_by_cap,
+            "rounds": self.rounds,
+            "final_sync_s": self.final_sync_s,
+            "pinned_held": self.pinned_held,
         }

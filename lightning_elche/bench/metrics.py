@@ -172,9 +172,11 @@ def arm_kind(arm: str) -> str:
     return "elche"
 
 
-def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: Sequence[float]) -> dict[str, Any]:
-    """Throughput, syncs, bytes per sample, idle and batch share of one multi-rank fit;
-    ``solo_rates``: the solo rate of each rank's speed class, per rank."""
+def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: Sequence[float],
+                       reduce_device_s: Optional[float] = None) -> dict[str, Any]:
+    """Throughput, syncs, bytes per sample, idle, batch share, memory and (ElChe) the breakdown of
+    the lost efficiency of one multi-rank fit; ``solo_rates``: the solo rate of each rank's speed
+    class, per rank; ``reduce_device_s``: the microbenchmark's seconds per flat-parameter all-reduce."""
     world = len(records)
     kind = arm_kind(arm)
     stats = records[0]["model"]
@@ -202,6 +204,9 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
         if stall is not None:
             out["stall"] = stall
         out["round_s"] = mean_round_seconds(records, info["rounds"])
+        # Only the nccl_* modes queue the parameter all-reduce on the device without the host waiting.
+        device_reduce = records[0].get("device_type") == "cuda" and arm.startswith("nccl")
+        out["loss_breakdown"] = loss_breakdown(records, solo_rates, reduce_device_s if device_reduce else None)
     idle, how = idle_fractions(kind, records, solo_rates, records[0]["batch_size"])
     steady = [r["steps"] for r in records]  # each rank's batches from epoch 1 on (the meter's count)
     out.update({
@@ -216,6 +221,7 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
         "steady_batch_share": [s / sum(steady) if sum(steady) else None for s in steady],
         "stopped_by_cap": any(r["stopped_by_cap"] for r in records),
         "model": stats,
+        "memory": memory_summary(records),
     })
     return out
 
@@ -236,8 +242,11 @@ def share_error(batch_share: Sequence[Optional[float]], speed_share: Sequence[fl
 
 
 def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dict[str, Any]]],
-                    representatives: Optional[Sequence[int]] = None) -> dict[str, Any]:
-    """One pass: ``jobs`` = [(arm, job id)], the first being the solo job.
+                    representatives: Optional[Sequence[int]] = None, reduce_device_s: Optional[float] = None
+                    ) -> dict[str, Any]:
+    """One pass: ``jobs`` = [(arm, job id)], the first being the solo job; ``reduce_device_s``: the
+    microbenchmark's seconds per flat-parameter all-reduce of the throughput model (see
+    :func:`loss_breakdown`).
 
     ``representatives[r]`` is the rank whose solo fit measured rank ``r``'s speed class (default:
     every rank ran its own solo, as on the 2-rank rigs). Solo arms are named by that rank.
@@ -257,13 +266,15 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
         record = by_rank[rep]
         arms[f"solo_rank{rep}"] = {"kind": "solo", "samples_per_s": class_rate[rep], "syncs": 0,
                                    "bytes_per_sample": 0.0, "idle": [0.0], "idle_method": "single process",
-                                   "epochs": record["epochs"], "throttle": record.get("throttle")}
+                                   "epochs": record["epochs"], "throttle": record.get("throttle"),
+                                   "memory": memory_summary([record])}
         if len(reps) != 2:
             arms[f"solo_rank{rep}"]["ranks"] = [r for r, x in enumerate(reps) if x == rep]
     speed_share = [rate / ideal if ideal > 0 else 0.0 for rate in rates]
     for arm, job_id in multi:
-        arms[arm] = multi_rank_metrics(arm, records[job_id], rates)
+        arms[arm] = multi_rank_metrics(arm, records[job_id], rates, reduce_device_s)
         arms[arm]["share_error"] = share_error(arms[arm]["steady_batch_share"], speed_share)
+    memory_vs_ddp(arms)
     ddp_rate = arms.get(DDP, {}).get("samples_per_s")
     for row in arms.values():
         row["efficiency"] = row["samples_per_s"] / ideal if ideal > 0 else None
@@ -398,3 +409,139 @@ def microbenchmark(per_rank: Sequence[dict[str, Any]], world: int) -> dict[str, 
         if "pool_claim_s" in first:  # runs before the pooled dispatch's timing existed lack it
             out[section]["pool_claim_s"] = max(r[section]["pool_claim_s"] for r in per_rank)
     return out
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+MEMORY_NOT_MEASURED = "n/a (CPU)"
+
+
+def memory_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per rank: peak accelerator bytes allocated and reserved during the fit, the allocated bytes
+    when it started, and the pinned host bytes (held by the averaging plane; PyTorch's pinned
+    allocator's peak). ``measured`` is False on CPU devices, where nothing is measured."""
+    memory = [r.get("memory") for r in records]
+    if not memory or any(m is None for m in memory):
+        return {"measured": False, "reason": MEMORY_NOT_MEASURED}
+    return {
+        "measured": True,
+        "peak_allocated": [m["peak_allocated"] for m in memory],
+        "peak_reserved": [m["peak_reserved"] for m in memory],
+        "baseline_allocated": [m["baseline_allocated"] for m in memory],
+        "pinned_held": [m.get("pinned_held") for m in memory],
+        "host_allocator_peak": [m.get("host_allocator_peak") for m in memory],
+        "param_bytes_f32": 4 * int(records[0]["model"]["param_numel"]),
+    }
+
+
+def memory_vs_ddp(arms: dict[str, dict[str, Any]]) -> None:
+    """Add to each measured multi-rank arm's memory the difference of its peak to DDP's, per rank,
+    in f32 parameter copies: ``(peak - ddp_peak) / (4 * parameters)``."""
+    ddp = arms.get(DDP, {}).get("memory", {})
+    for row in arms.values():
+        memory = row.get("memory")
+        if not memory or not memory.get("measured") or not ddp.get("measured") or row.get("kind") == "solo":
+            continue
+        copies = memory["param_bytes_f32"]
+        memory["vs_ddp_param_copies"] = [(peak - base) / copies if copies else None
+                                         for peak, base in zip(memory["peak_allocated"], ddp["peak_allocated"],
+                                                               strict=True)]
+
+
+# -- where the lost percent goes ---------------------------------------------------------------
+
+BREAKDOWN_PARTS = ("first_window", "plan_lag", "epoch_end_drain", "sync", "rest")
+
+
+def _round_syncs(rounds: Sequence[dict[str, Any]], final_sync: Sequence[float]) -> list[list[float]]:
+    """Per round j, per rank: the sync time right after the rank's window j (the engine reports it
+    in round j+1's metadata; the last round's comes from each rank's engine at the end of fit)."""
+    return [list(rounds[j + 1]["last_sync_s"]) if j + 1 < len(rounds) else list(final_sync)
+            for j in range(len(rounds))]
+
+
+def loss_breakdown(records: Sequence[dict[str, Any]], solo_rates: Sequence[float],
+                   reduce_device_s: Optional[float] = None) -> Optional[dict[str, Any]]:
+    """Where an ElChe arm's ``1 - efficiency`` goes, from every round's metadata (rank 0's round
+    listener) and each rank's steady-state span; None when the fit recorded no rounds.
+
+    Over the steady span T (epoch 1 to the end, as for the efficiency), rank r trained n_r samples
+    at solo rate s_r, so it lost ``L_r = T - n_r / s_r`` seconds of its solo capacity, and
+    ``1 - efficiency = sum_r s_r L_r / (T sum_r s_r)`` exactly. Each L_r is split, per round j
+    of epochs >= 1 (sync_rj = rank r's sync time after its window j):
+
+    * sync: ``min_k sync_kj``, the round's cost to the rank that arrived last (it waited for nobody);
+    * the rest of sync_rj is waiting for a peer, charged to
+      (a) first window when round j closed a window planned before the controller's first
+      calibration, else (c) epoch-end drain when some rank was out of data in round j, else
+      (b) plan lag (the plan gave the ranks windows of unequal duration);
+    * rest = L_r - (a + b + c + sync): computing slower than alone (``compute_vs_solo``: the
+      engine's window compute time minus n_r / s_r) plus time in neither a window nor a round
+      (``outside_rounds``: epoch turnovers, the ranks' different epoch-1 starts).
+
+    ``reduce_device_s`` (CUDA ``nccl_*`` modes): the microbenchmark's seconds per flat-parameter
+    all-reduce (``CollectivePlane.sum_scaled``, synchronized). There the all-reduce is queued
+    without the host waiting, so its device time lands in the next window's compute; it is moved
+    from rest to sync for every realized round (``sync_device``); the host-visible part of the
+    round stays ``sync_host``. The round's other small kernels (pack, norms, unpack) stay in rest.
+    """
+    rounds = sorted(records[0].get("rounds") or [], key=lambda p: p["index"])
+    final_sync = [r.get("final_sync_s") for r in records]
+    starts = [r.get("t_start") for r in records]
+    ends = [r.get("t_end") for r in records]
+    world = len(records)
+    if (not rounds or any(v is None for v in (*final_sync, *starts, *ends)) or len(solo_rates) != world
+            or any(len(p["steps"]) != world for p in rounds)
+            or [p["index"] for p in rounds] != list(range(rounds[0]["index"], rounds[0]["index"] + len(rounds)))):
+        return None
+    span = max(ends) - min(starts)
+    capacity = span * sum(solo_rates)
+    if span <= 0 or capacity <= 0 or any(s <= 0 for s in solo_rates):
+        return None
+    syncs = _round_syncs(rounds, final_sync)
+    zero = [0.0] * world
+    parts = {name: list(zero) for name in ("first_window", "plan_lag", "epoch_end_drain", "sync")}
+    compute, synced, epoch0_first_window = list(zero), list(zero), list(zero)
+    realized_rounds = 0
+    for j, point in enumerate(rounds):
+        cost = min(syncs[j])
+        uncalibrated = rounds[0]["index"] == 1 and (j == 0 or rounds[j - 1]["calibrations"] == 0)
+        steady = min(point["epoch"]) >= 1
+        if not steady:
+            if uncalibrated:
+                for r in range(world):
+                    epoch0_first_window[r] += syncs[j][r] - cost
+            continue
+        realized_rounds += sum(point["steps"]) > 0
+        kind = "first_window" if uncalibrated else "epoch_end_drain" if any(point["out_of_data"]) else "plan_lag"
+        for r in range(world):
+            parts["sync"][r] += cost
+            parts[kind][r] += syncs[j][r] - cost
+            compute[r] += point["compute_s"][r]
+            synced[r] += syncs[j][r]
+    productive = [records[r]["samples"] / solo_rates[r] for r in range(world)]
+    lost = [span - p for p in productive]
+    sync_host = list(parts["sync"])
+    sync_device = [realized_rounds * reduce_device_s if reduce_device_s else 0.0] * world
+    parts["sync"] = [h + d for h, d in zip(sync_host, sync_device, strict=True)]
+    parts["rest"] = [lost[r] - sum(parts[k][r] for k in BREAKDOWN_PARTS[:4]) for r in range(world)]
+    compute_vs_solo = [compute[r] - productive[r] - sync_device[r] for r in range(world)]
+    outside = [span - compute[r] - synced[r] for r in range(world)]
+
+    def share(seconds: Sequence[float]) -> float:
+        return sum(rate * s for rate, s in zip(solo_rates, seconds, strict=True)) / capacity
+
+    trained = sum(r["samples"] for r in records)
+    return {
+        "span_s": span,
+        "efficiency": trained / capacity,
+        "one_minus_efficiency": 1.0 - trained / capacity,
+        "fractions": {name: share(parts[name]) for name in BREAKDOWN_PARTS},
+        "rest_detail": {"compute_vs_solo": share(compute_vs_solo), "outside_rounds": share(outside)},
+        "seconds": {**parts, "lost": lost, "productive": productive, "compute": compute, "sync_host": sync_host,
+                    "sync_device": sync_device, "compute_vs_solo": compute_vs_solo, "outside_rounds": outside},
+        "rounds_in_span": sum(1 for p in rounds if min(p["epoch"]) >= 1),
+        "realized_rounds_in_span": realized_rounds,
+        "reduce_device_s": reduce_device_s,
+        "epoch0_first_window_wait_s": epoch0_first_window,
+    }

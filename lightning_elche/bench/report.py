@@ -77,6 +77,90 @@ def throughput_table(section: dict[str, Any], world: int = 2) -> list[str]:
     return lines
 
 
+def _mb(values: Optional[list[Optional[float]]]) -> str:
+    if not values:
+        return "n/a"
+    return " / ".join("n/a" if v is None else f"{v / 1e6:,.0f}" for v in values)
+
+
+def memory_table(section: dict[str, Any], world: int = 2) -> list[str]:
+    """Peak accelerator memory of every arm beside DDP's (and the pinned host memory of the
+    ``cpu_*`` modes); empty for results recorded before memory was measured."""
+    rows = {arm: row["memory"] for arm, row in section["arms"].items() if "memory" in row}
+    if not rows:
+        return []
+    ranks = "r0 / r1" if world == 2 else " / ".join(f"r{r}" for r in range(world))
+    lines = [
+        f"| arm | peak allocated MB {ranks} | vs DDP, f32 parameter copies {ranks} | peak reserved MB {ranks} | "
+        f"pinned host MB held by the plane {ranks} | pinned allocator peak MB {ranks} |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for arm, memory in rows.items():
+        if not memory.get("measured"):
+            why = memory.get("reason", "n/a")
+            lines.append(f"| `{arm}` | {why} | {why} | {why} | {why} | {why} |")
+            continue
+        copies = memory.get("vs_ddp_param_copies")
+        vs_ddp = " / ".join("n/a" if c is None else f"{c:+.2f}" for c in copies) if copies else "-"
+        pinned = memory.get("pinned_held")
+        held = _mb(pinned) if pinned and any(v for v in pinned) else "-"
+        lines.append(f"| `{arm}` | {_mb(memory['peak_allocated'])} | {vs_ddp} | {_mb(memory['peak_reserved'])} | "
+                     f"{held} | {_mb(memory.get('host_allocator_peak'))} |")
+    return lines
+
+
+def _pp(value: Optional[float]) -> str:
+    """A fraction as percent with one decimal ("-0.0", a rounding artefact, shown as 0.0)."""
+    if value is None:
+        return "n/a"
+    text = f"{100 * value:.1f}"
+    return "0.0" if text == "-0.0" else text
+
+
+def breakdown_table(section: dict[str, Any]) -> list[str]:
+    """Each ElChe arm's ``1 - efficiency`` split into first window, plan lag, epoch-end drain, sync
+    and rest (percent of the ideal); empty for results recorded before the split existed."""
+    rows = {arm: row for arm, row in section["arms"].items() if row.get("kind") == "elche" and "loss_breakdown" in row}
+    if not rows:
+        return []
+    speed = section.get("speed_share") or []
+    lines = [
+        "| arm | efficiency | 1 - eff. | (a) first window | (b) plan lag | (c) epoch-end drain | (d) sync | "
+        "(e) rest: compute vs solo + outside rounds | steady batch share r0 (speed share) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm, row in rows.items():
+        split = row["loss_breakdown"]
+        share = row.get("steady_batch_share") or [None]
+        share_cell = f"{_pp(share[0])} % ({_pp(speed[0]) if speed else 'n/a'} %)"
+        if split is None:
+            missing = " n/a |" * 6
+            lines.append(f"| `{arm}` | {_num(row.get('efficiency'))} |{missing} {share_cell} |")
+            continue
+        parts, rest = split["fractions"], split["rest_detail"]
+        lines.append(
+            f"| `{arm}` | {_num(split['efficiency'])} | {_pp(split['one_minus_efficiency'])} | "
+            f"{_pp(parts['first_window'])} | {_pp(parts['plan_lag'])} | {_pp(parts['epoch_end_drain'])} | "
+            f"{_pp(parts['sync'])} | {_pp(parts['rest'])}: {_pp(rest['compute_vs_solo'])} + "
+            f"{_pp(rest['outside_rounds'])} | {share_cell} |"
+        )
+    return lines
+
+
+def section_extras(section: dict[str, Any], world: int) -> list[str]:
+    """The memory and loss-breakdown tables of a throughput section (nothing for older results)."""
+    out: list[str] = []
+    memory = memory_table(section, world)
+    if memory:
+        out += ["", "Memory of each fit (last pass; peaks per rank from `torch.cuda.max_memory_*`, reset before "
+                "the fit; the difference to DDP in f32 parameter copies):", "", *memory]
+    split = breakdown_table(section)
+    if split:
+        out += ["", "Where each ElChe arm's lost efficiency goes (last pass; percent of the ideal, the parts sum to "
+                "1 - eff.; formulas in docs/benchmarks.md):", "", *split]
+    return out
+
+
 def _rank_list(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
@@ -173,6 +257,7 @@ def markdown(result: dict[str, Any]) -> str:
         *throughput_table(result, world),
         "",
         slowdown_line(result, world),
+        *section_extras(result, world),
     ]
     conv = result.get("convergence")
     if conv:
@@ -192,7 +277,7 @@ def markdown(result: dict[str, Any]) -> str:
             *micro_table(result["microbenchmark"])]
     for label, section in result.get("other_settings", {}).items():
         out += ["", f"## Throughput: {section['description']} (`{label}`)", "", *throughput_table(section, world), "",
-                slowdown_line(section, world)]
+                slowdown_line(section, world), *section_extras(section, world)]
     out += ["", "## Notes", ""]
     out += [f"- `{arm}`: {arm_description(arm)}." for arm in result["arms"]]
     for mode, why in result.get("elche_modes_skipped", {}).items():

@@ -35,6 +35,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning_elche.averaging import AveragedLayout, FlatTensors, round_weights
 from lightning_elche.bench.arms import PostLocalSGDStrategy, make_strategy
 from lightning_elche.bench.config import PG_TIMEOUT_S, BenchConfig
+from lightning_elche.bench.memory import read_peaks, reset_peaks
 from lightning_elche.bench.meter import BenchMeter
 from lightning_elche.bench.plan import CONVERGENCE, SOLO_PAIR, SOLO_RANK0, THROUGHPUT, Group, Job
 from lightning_elche.bench.workloads import (
@@ -138,14 +139,16 @@ class RankContext:
 # -- set-up --------------------------------------------------------------------------------
 
 
-def _set_rank_environment(rank: int, port: int, world: int) -> None:
+def _set_rank_environment(rank: int, port: int, world: int, ranks_as_nodes: bool = False) -> None:
+    """What a launcher would set. ``ranks_as_nodes`` (``--share-gpu``): each rank is the only
+    process of its own "node", so that Lightning maps every rank to device 0."""
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world),
         "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "NODE_RANK": "0",
+        "LOCAL_RANK": "0" if ranks_as_nodes else str(rank),
+        "NODE_RANK": str(rank) if ranks_as_nodes else "0",
     })
     from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -157,13 +160,14 @@ def _init_process_group(rank: int, port: int, config: BenchConfig) -> tuple[torc
     timeout = timedelta(seconds=PG_TIMEOUT_S)
     world = config.rig.world_size
     if config.rig.accelerator == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", 0 if config.share_gpu else rank)
         torch.cuda.set_device(device)
         torch.set_num_threads(max(1, (os.cpu_count() or world) // world))  # as Lightning's DDP would
         torch.backends.cudnn.benchmark = True
         torch.set_float32_matmul_precision("high")
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timeout, device_id=device)
+        bound = {"device_id": device} if config.rig.backend == "nccl" else {}
+        dist.init_process_group(config.rig.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timeout, **bound)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
@@ -294,6 +298,10 @@ def _throttle(ctx: RankContext, job: Job, device_rank: int, fit_rank: int) -> Op
         if ctx.device.type != "cuda":
             raise ValueError(f"setting {job.setting.label} limits SMs and needs CUDA")
         total = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+        if not 1 <= sms <= total:
+            knob = "--rank1-sms" if ctx.world == 2 else f"the {ctx.config.rig.name} SM spread"
+            raise ValueError(f"{knob}={sms} (setting {job.setting.label}): rank {device_rank}'s GPU has {total} SMs; "
+                             f"expected 1 to {total}")
         # Half an SM of slack so that float rounding never drops a granule in green_context_sms.
         return Throttle(fit_rank, max(1.0, total / (sms + 0.5)), method="sm_limit")
     if slowdown > 1.0:
@@ -301,10 +309,12 @@ def _throttle(ctx: RankContext, job: Job, device_rank: int, fit_rank: int) -> Op
     return None
 
 
-def _trainer(ctx: RankContext, strategy: Any, devices: Any, max_epochs: int, callbacks: list[Any]) -> Trainer:
+def _trainer(ctx: RankContext, strategy: Any, devices: Any, max_epochs: int, callbacks: list[Any],
+             num_nodes: int = 1) -> Trainer:
     return Trainer(
         accelerator=ctx.accelerator,
         devices=devices,
+        num_nodes=num_nodes,
         strategy=strategy,
         max_epochs=max_epochs,
         callbacks=callbacks,
@@ -349,6 +359,15 @@ def _common_record(job: Job, trainer: Trainer, meter: BenchMeter, throttle: Opti
     return record
 
 
+def _memory(ctx: RankContext, meter: BenchMeter, baseline: Optional[int]) -> Optional[dict[str, Any]]:
+    """This rank's accelerator peaks of the fit that just ended and the pinned host bytes its
+    averaging plane held (None on a CPU device: nothing is measured there)."""
+    peaks = read_peaks(ctx.device, baseline)
+    if peaks is not None:
+        peaks["pinned_held"] = meter.pinned_held
+    return peaks
+
+
 def run_solo(ctx: RankContext, job: Job, as_rank: int) -> dict[str, Any]:
     """One single-process fit of the device of rank ``as_rank``, with that rank's throttle."""
     workload = ctx.workload(job.section)
@@ -369,9 +388,11 @@ def run_solo(ctx: RankContext, job: Job, as_rank: int) -> dict[str, Any]:
     callbacks: list[Any] = [c for c in (throttle, meter) if c is not None]
     devices: Any = [ctx.device.index] if ctx.device.type == "cuda" else 1
     trainer = _trainer(ctx, "auto", devices, max_epochs, callbacks)
+    baseline = reset_peaks(ctx.device)
     started = time.time()
     trainer.fit(module, train_dataloaders=train_loader(workload.train_set(share), batch, drop_last))
     record = _common_record(job, trainer, meter, throttle, stats, time.time() - started)
+    record["memory"] = _memory(ctx, meter, baseline)
     record.update({"arm": f"solo_rank{as_rank}", "solo_of_rank": as_rank, "batch_size": batch,
                    "train_samples": len(workload.train_set(share))})
     return record
@@ -391,10 +412,15 @@ def run_multi(ctx: RankContext, job: Job) -> dict[str, Any]:
     throttle = _throttle(ctx, job, ctx.rank, ctx.rank)
     callbacks: list[Any] = [c for c in (throttle, meter) if c is not None]
     strategy = make_strategy(job.arm, ctx.config)
-    trainer = _trainer(ctx, strategy, ctx.world, max_epochs, callbacks)
+    if ctx.config.share_gpu:  # every rank a one-device node: Lightning maps each to cuda:0
+        trainer = _trainer(ctx, strategy, 1, max_epochs, callbacks, num_nodes=ctx.world)
+    else:
+        trainer = _trainer(ctx, strategy, ctx.world, max_epochs, callbacks)
+    baseline = reset_peaks(ctx.device)
     started = time.time()
     trainer.fit(module, train_dataloaders=train_loader(workload.train_set(), batch, drop_last))
     record = _common_record(job, trainer, meter, throttle, stats, time.time() - started)
+    record["memory"] = _memory(ctx, meter, baseline)
     record.update({"batch_size": batch, "train_samples": len(workload.train_set())})
     progress = strategy.progress if isinstance(strategy, ElCheStrategy) else None
     if progress is not None:
@@ -482,7 +508,7 @@ def worker_main(rank: int, config: BenchConfig, plan: list[Group], run_dir: str,
     """Entry point of a rank process (the target of a ``spawn`` process)."""
     status = 1
     try:
-        _set_rank_environment(rank, port, config.rig.world_size)
+        _set_rank_environment(rank, port, config.rig.world_size, ranks_as_nodes=config.share_gpu)
         _quiet()
         device, control = _init_process_group(rank, port, config)
         ctx = RankContext(rank, config, run_dir, device, control, t0)
