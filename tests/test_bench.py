@@ -354,7 +354,7 @@ def test_cpu2_tiny_end_to_end(tmp_path):
 
     table = (out / "cpu2.md").read_text()
     assert "| `ddp` |" in table and "| `nccl_cadence` |" in table and result["commit"] in table
-    assert "| `ddp` |" + " n/a (CPU) |" * 5 in table
+    assert "| `ddp` |" + " n/a (CPU) |" * 4 in table
     assert "| arm | efficiency | 1 - eff. | (a) first window | (b) plan lag | (c) epoch-end drain | (d) sync |" in table
     if importlib.util.find_spec("matplotlib") is not None:
         assert sorted(result["plots"]["files"]) == ["cpu2-elche.png", "cpu2-quality.png"]

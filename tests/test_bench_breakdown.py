@@ -118,7 +118,7 @@ def test_breakdown_table_shows_every_part_and_the_share_against_the_speed_share(
 def _memory_record(peak: int, pinned: int = 0) -> dict[str, Any]:
     return {"model": {"param_numel": 1_000_000},
             "memory": {"peak_allocated": peak, "peak_reserved": peak + 10**6, "baseline_allocated": 10**6,
-                       "pinned_held": pinned, "host_allocator_peak": pinned}}
+                       "pinned_held": pinned}}
 
 
 def test_memory_column_measures_copies_against_ddp_and_says_n_a_on_cpu():
@@ -133,13 +133,13 @@ def test_memory_column_measures_copies_against_ddp_and_says_n_a_on_cpu():
     assert arms["nccl_cadence"]["memory"]["vs_ddp_param_copies"] == pytest.approx([-1.0, 0.5])
     assert arms["ddp"]["memory"]["vs_ddp_param_copies"] == pytest.approx([0.0, 0.0])
     table = memory_table({"arms": arms})
-    assert "| `nccl_cadence` | 16 / 22 | -1.00 / +0.50 | 17 / 23 | - | 0 / 0 |" in table
-    assert "| `cpu_async` | 12 / 12 | -2.00 / -2.00 | 13 / 13 | 8 / 8 | 8 / 8 |" in table
+    assert "| `nccl_cadence` | 16 / 22 | -1.00 / +0.50 | 17 / 23 | - |" in table
+    assert "| `cpu_async` | 12 / 12 | -2.00 / -2.00 | 13 / 13 | 8 / 8 |" in table
     cpu = {"memory": None, "model": {"param_numel": 10}}
     on_cpu = {"ddp": {"kind": "ddp", "memory": metrics.memory_summary([cpu, cpu])}}
     metrics.memory_vs_ddp(on_cpu)
     assert on_cpu["ddp"]["memory"] == {"measured": False, "reason": "n/a (CPU)"}
-    assert memory_table({"arms": on_cpu})[-1] == "| `ddp` |" + " n/a (CPU) |" * 5
+    assert memory_table({"arms": on_cpu})[-1] == "| `ddp` |" + " n/a (CPU) |" * 4
 
 
 class _Pinned(torch.Tensor):

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from lightning_elche.bench.workloads import THROUGHPUT_MODELS
+
 WORLD_SIZE = 2
 PG_TIMEOUT_S = 60
 MIN_MEASURED_SLOWDOWN = 1.3
@@ -288,7 +290,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=None,
                         help="convergence seeds (default: 3 for full; 0: throughput and microbenchmark only)")
     parser.add_argument("--throughput-seeds", type=int, default=1, help="interleaved throughput passes")
-    parser.add_argument("--model", choices=("resnet20", "resnet20x4", "mlp"), default=None,
+    parser.add_argument("--model", choices=THROUGHPUT_MODELS, default=None,
                         help="throughput model (resnet20x4: 4x the channels, compute-bound on large GPUs)")
     parser.add_argument("--tp-batch", type=int, default=None, help="per-device batch size of the throughput section")
     parser.add_argument("--conv-batch", type=int, default=None, help="per-device batch size of the convergence section")

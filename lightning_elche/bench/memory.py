@@ -11,10 +11,9 @@ Pinned host memory is counted two ways, both recorded:
 * ``pinned_held``: the bytes of the pinned tensors the averaging plane holds at the end of
   training (found by walking the plane's attributes, before the strategy's teardown releases
   them): what a ``cpu_*`` mode keeps for its host snapshots and consensus.
-* ``host_allocator``: the peak of PyTorch's pinned host allocator
-  (``torch.cuda.host_memory_stats()['active_bytes.peak']`` after ``reset_peak_host_memory_stats``;
-  absent on torch versions without them): every pinned block checked out during the fit, by
-  anyone in this process, block sizes rounded up to powers of two.
+
+PyTorch's pinned host allocator statistics are not used: on torch 2.11 their peak read tens of
+GB for a single-process fit that pins a few hundred MB (the counter is not reset per fit).
 
 On a CPU device nothing is measured (``None``): CPU rigs report "n/a (CPU)".
 """
@@ -30,28 +29,12 @@ _WALK_DEPTH = 3
 """Attribute levels searched for pinned tensors below the plane (plane -> mirror -> list)."""
 
 
-def _host_stats() -> Optional[dict[str, Any]]:
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    if stats is None:
-        return None
-    try:
-        return dict(stats())
-    except RuntimeError:  # no CUDA driver in this process
-        return None
-
-
 def reset_peaks(device: torch.device) -> Optional[int]:
     """Start a fit's measurement; returns the allocated bytes now (None on a CPU device)."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    reset_host = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
-    if reset_host is not None:
-        try:
-            reset_host()
-        except RuntimeError:
-            pass
     return int(torch.cuda.memory_allocated(device))
 
 
@@ -60,16 +43,11 @@ def read_peaks(device: torch.device, baseline: Optional[int]) -> Optional[dict[s
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
-    out: dict[str, Any] = {
+    return {
         "peak_allocated": int(torch.cuda.max_memory_allocated(device)),
         "peak_reserved": int(torch.cuda.max_memory_reserved(device)),
         "baseline_allocated": baseline,
-        "host_allocator_peak": None,
     }
-    host = _host_stats()
-    if host is not None and "active_bytes.peak" in host:
-        out["host_allocator_peak"] = int(host["active_bytes.peak"])
-    return out
 
 
 def pinned_bytes(root: Any) -> int:

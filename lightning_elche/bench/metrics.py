@@ -418,8 +418,8 @@ MEMORY_NOT_MEASURED = "n/a (CPU)"
 
 def memory_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per rank: peak accelerator bytes allocated and reserved during the fit, the allocated bytes
-    when it started, and the pinned host bytes (held by the averaging plane; PyTorch's pinned
-    allocator's peak). ``measured`` is False on CPU devices, where nothing is measured."""
+    when it started, and the pinned host bytes held by the averaging plane. ``measured`` is False
+    on CPU devices, where nothing is measured."""
     memory = [r.get("memory") for r in records]
     if not memory or any(m is None for m in memory):
         return {"measured": False, "reason": MEMORY_NOT_MEASURED}
@@ -429,7 +429,6 @@ def memory_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "peak_reserved": [m["peak_reserved"] for m in memory],
         "baseline_allocated": [m["baseline_allocated"] for m in memory],
         "pinned_held": [m.get("pinned_held") for m in memory],
-        "host_allocator_peak": [m.get("host_allocator_peak") for m in memory],
         "param_bytes_f32": 4 * int(records[0]["model"]["param_numel"]),
     }
 

@@ -92,20 +92,20 @@ def memory_table(section: dict[str, Any], world: int = 2) -> list[str]:
     ranks = "r0 / r1" if world == 2 else " / ".join(f"r{r}" for r in range(world))
     lines = [
         f"| arm | peak allocated MB {ranks} | vs DDP, f32 parameter copies {ranks} | peak reserved MB {ranks} | "
-        f"pinned host MB held by the plane {ranks} | pinned allocator peak MB {ranks} |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"pinned host MB held by the plane {ranks} |",
+        "|---|---:|---:|---:|---:|",
     ]
     for arm, memory in rows.items():
         if not memory.get("measured"):
             why = memory.get("reason", "n/a")
-            lines.append(f"| `{arm}` | {why} | {why} | {why} | {why} | {why} |")
+            lines.append(f"| `{arm}` | {why} | {why} | {why} | {why} |")
             continue
         copies = memory.get("vs_ddp_param_copies")
         vs_ddp = " / ".join("n/a" if c is None else f"{c:+.2f}" for c in copies) if copies else "-"
         pinned = memory.get("pinned_held")
         held = _mb(pinned) if pinned and any(v for v in pinned) else "-"
         lines.append(f"| `{arm}` | {_mb(memory['peak_allocated'])} | {vs_ddp} | {_mb(memory['peak_reserved'])} | "
-                     f"{held} | {_mb(memory.get('host_allocator_peak'))} |")
+                     f"{held} |")
     return lines
 
 

@@ -252,8 +252,9 @@ CHAR_SPECS: dict[str, CharSpec] = {
 CHAR_SPEC_GPU = CHAR_SPECS["small"]
 CHAR_SPEC_CPU = CHAR_SPECS["tiny"]
 
-THROUGHPUT_MODELS = ("resnet20", "resnet20x4", "mlp")
-"""``resnet20x4``: ResNet-20 with 4x the channels (64/128/256)."""
+THROUGHPUT_MODELS = ("resnet20", "resnet20x4", "mlp", "mlp-wide")
+"""``resnet20x4``: ResNet-20 with 4x the channels (64/128/256); ``mlp-wide``: 3072-8192-5120-10,
+67 M parameters (256 MB in f32), where parameter-sized buffers dominate the memory peak."""
 
 
 def throughput_net(model: str) -> nn.Module:
@@ -264,6 +265,9 @@ def throughput_net(model: str) -> nn.Module:
         return resnet20(base_width=64)
     if model == "mlp":
         return mlp(math.prod(IMAGE_SHAPE), 512, 2)
+    if model == "mlp-wide":
+        return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(IMAGE_SHAPE), 8192), nn.ReLU(),
+                             nn.Linear(8192, 5120), nn.ReLU(), nn.Linear(5120, NUM_CLASSES))
     raise ValueError(f"unknown throughput model {model!r}: expected one of {', '.join(THROUGHPUT_MODELS)}")
 
 
