@@ -47,15 +47,17 @@ class SnapshotTimeout(TimeoutError):
 class HostMirror:
     """Pinned f32 host copies of a :class:`FlatTensors`, filled from the device without blocking it.
 
-    A device-side snapshot sits between the live tensors and the host copy: the copy to the host
-    runs on a side stream while training goes on writing the parameters, so it must read values
-    that stay put. The same buffer stages a consensus on its way back in."""
+    With ``staged`` a device-side snapshot sits between the live tensors and the host copy: the
+    copy to the host runs on a side stream while training goes on writing the parameters (a
+    non-blocking round), so it must read values that stay put; the same buffer stages a consensus
+    on its way back in for a blend. A blocking round holds training until its copies are done and
+    adopts with a plain copy, so it needs no such parameter-sized device buffer."""
 
-    def __init__(self, source: FlatTensors) -> None:
+    def __init__(self, source: FlatTensors, staged: bool = True) -> None:
         self.source = source
         pin = torch.cuda.is_available() and any(f.is_cuda for f in source.flats)
         self.buffers = [torch.empty(f.numel(), dtype=torch.float32, pin_memory=pin) for f in source.flats]
-        self.staged = [torch.empty_like(f) for f in source.flats]
+        self.staged = [torch.empty_like(f) for f in source.flats] if staged or not pin else []
         self.cuda = pin
         self._stream = torch.cuda.Stream() if pin else None
         self._ready: Optional[torch.cuda.Event] = None
@@ -67,11 +69,12 @@ class HostMirror:
             torch._foreach_copy_(self.buffers, self.source.flats)
             return
         assert self._stream is not None
-        torch._foreach_copy_(self.staged, self.source.flats)
+        if self.staged:
+            torch._foreach_copy_(self.staged, self.source.flats)
         self._stream.wait_stream(torch.cuda.current_stream())  # also orders it after the last restore
         with torch.cuda.stream(self._stream):
-            for host, staged in zip(self.buffers, self.staged, strict=True):
-                host.copy_(staged, non_blocking=True)
+            for host, device in zip(self.buffers, self.staged or self.source.flats, strict=True):
+                host.copy_(device, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record(self._stream)
 
@@ -94,6 +97,7 @@ class HostMirror:
             torch._foreach_copy_(self.source.flats, values, non_blocking=True)
         else:
             # On the device and in the parameters' dtype first: a lerp takes operands of one kind.
+            assert self.staged, "a blend needs the staging buffer (HostMirror(staged=True))"
             torch._foreach_copy_(self.staged, values, non_blocking=True)
             self.source.lerp_toward(self.staged, alpha)
         if self.cuda:
@@ -151,7 +155,7 @@ class CpuPlane(AveragingPlane):
         self.group = group
         self.error_feedback = error_feedback
         self._exact_round = False
-        self.buffers = HostMirror(layout.buffers) if layout.buffers else None
+        self.buffers = HostMirror(layout.buffers, staged=non_blocking) if layout.buffers else None
         self._allocate_params(None)
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._results: queue.Queue[Any] = queue.Queue()
@@ -165,7 +169,7 @@ class CpuPlane(AveragingPlane):
         """Host buffers for the current parameter layout. ``reference`` is the bf16 wire's last
         consensus; ``None`` takes the live parameters (identical on every rank at construction),
         ``[]`` leaves it to the next (exact) round."""
-        self.params = HostMirror(self.layout.params)
+        self.params = HostMirror(self.layout.params, staged=self.non_blocking)
         sizes = [b.numel() for b in self.params.buffers]
         # The consensus lands here; f32 whatever the wire, so that blending and the outer step are exact.
         self._consensus = [torch.empty(n, dtype=torch.float32, pin_memory=self.params.cuda) for n in sizes]
@@ -193,7 +197,7 @@ class CpuPlane(AveragingPlane):
         if self.buffers is not None:
             self.buffers.wait_restored()
         if self.buffers is None or self.buffers.source is not self.layout.buffers:
-            self.buffers = HostMirror(self.layout.buffers) if self.layout.buffers else None
+            self.buffers = HostMirror(self.layout.buffers, staged=self.non_blocking) if self.layout.buffers else None
         self._allocate_params([])
         self._exact_round = self.bf16_wire
         if self.outer is not None:
