@@ -120,7 +120,7 @@ def test_integer_like_arguments_are_accepted() -> None:
     c = ElCheController(_Index(2), _Index(10), max_batch_diff=_Index(3))  # type: ignore[arg-type]
     assert (c.world_size, c.anchor, c.max_batch_diff) == (2, 10, 3)
     assert c.smoothed_ms(_Index(0)) == 0.0  # type: ignore[arg-type]
-    assert c.planned_batches(_Index(1)) == 10  # type: ignore[arg-type]
+    assert c.planned_batches(_Index(1)) == ctl.CALIBRATION_ANCHOR  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rank=True"):
         c.smoothed_ms(True)  # type: ignore[arg-type]
 
@@ -976,7 +976,9 @@ def test_epoch_size_caps_the_window_with_at_least_one_batch_per_rank():
 def test_planned_batches_bound_the_lead_over_the_slowest_plan():
     c = ctl.ElCheController(world_size=2, anchor=3, max_batch_diff=2)
     c.batch_counts = [9, 3]
+    c.calibration_count = ctl.CALIBRATION_WINDOWS  # past the short calibration windows
     assert [c.planned_batches(0), c.planned_batches(1)] == [5, 3]
     free = ctl.ElCheController(world_size=2, anchor=3)
     free.batch_counts = [9, 3]
+    free.calibration_count = ctl.CALIBRATION_WINDOWS
     assert [free.planned_batches(0), free.planned_batches(1)] == [9, 3]
