@@ -346,3 +346,40 @@ def test_max_batch_diff_bounds_the_lead_over_the_slowest_plan():
     for _ in range(CALIBRATION_WINDOWS):
         sync(loose, plane2, steps=10, peer={"COMPUTE_S": 0.5})
     assert loose.planned_steps == loose.controller.batch_counts[1] + 3
+
+
+def test_a_round_tells_the_plan_what_is_left_of_the_epoch():
+    engine, plane, _ = make_engine()
+    engine.set_epoch_size(60)
+    started = 0
+    for _ in range(CALIBRATION_WINDOWS):  # equal speeds: plan [10, 10] after them
+        started += 2
+        sync(engine, plane, steps=2, peer={"EPOCH_BATCHES": started, "COMPUTE_S": 0.02})
+    # Each round carries the batches every rank started in the epoch (this rank reported none yet).
+    assert engine.controller.batch_counts == [10, 10] and not engine.controller.window_reaches_epoch_end
+    run_window(engine, 10)
+    plane.peer_rows.append({"STEPS": 10, "EPOCH_BATCHES": 39, "COMPUTE_S": 0.1})
+    with mock.patch.object(engine.clock, "close_window", return_value=0.1):
+        (outcome,) = engine.run_round(0, out_of_data=False, epoch_batches=14)
+    assert outcome.epoch_batches == (14, 39) and outcome.epoch == 0
+    assert outcome.dispatch_shares == pytest.approx((0.5, 0.5))
+    # 60 - 53 = 7 batches left, fewer than the window's 20: every rank runs to the epoch's end.
+    assert engine.controller.window_reaches_epoch_end
+    assert engine.planned_steps == 7
+    run_window(engine, 3)
+    plane.peer_rows.append({"STEPS": 4, "EPOCH_BATCHES": 43, "OUT_OF_DATA": 1.0, "COMPUTE_S": 0.04})
+    with mock.patch.object(engine.clock, "close_window", return_value=0.03):
+        (outcome,) = engine.run_round(0, out_of_data=True, epoch_batches=17)
+    assert outcome.epoch_over
+    # The next window starts the next epoch, all of it left: the anchor's window again.
+    assert not engine.controller.window_reaches_epoch_end and engine.planned_steps == 10
+
+
+def test_the_sync_modes_keep_their_window_at_the_epoch_end():
+    # Lockstep windows of one batch over an equal split: 2 batches left would be the window to
+    # the epoch's end under the pooled dispatch.
+    engine, plane, _ = make_engine(mode="nccl_sync")
+    engine.set_epoch_size(5)
+    sync(engine, plane, steps=1, peer={"EPOCH_BATCHES": 3})
+    assert engine.controller.batch_counts == [1, 1]
+    assert not engine.controller.window_reaches_epoch_end and engine.planned_steps == 1
