@@ -57,7 +57,8 @@ DEAD_ZONE = 0.05
 CALIBRATION_WINDOWS = 2
 """The fit's first windows are short: the first, planned from no reading, and the second, planned
 from the warm-up readings. Each costs the fast ranks a wait for the slowest one's window at a
-guessed ratio; at the full anchor that was (speed gap - 1) x anchor fast batches."""
+guessed ratio; at the full anchor that was (speed gap - 1) x anchor fast batches. A window that
+runs to the epoch's end ends the calibration: it was long, whatever the plan."""
 
 CALIBRATION_ANCHOR = 2
 """Batches the anchor rank runs in a calibration window (when ``anchor`` is larger)."""
@@ -164,6 +165,7 @@ class ElCheController:
         self.phase: Phase = Phase.PROBE
         self.calibrated: bool = False
         self.calibration_count: int = 0
+        self._calibration_windows_left = CALIBRATION_WINDOWS
         self.proposed_anchor: int | None = None
         self.growth_enabled: bool = True
         self.consecutive_stable: int = 0
@@ -255,25 +257,27 @@ class ElCheController:
         fit's first :data:`CALIBRATION_WINDOWS` windows, so that a plan from no or from warm-up
         readings is soon replaced by a measured one."""
         counts = list(self.batch_counts)
-        if self.calibration_count >= CALIBRATION_WINDOWS or self.anchor <= CALIBRATION_ANCHOR:
+        if self._calibration_windows_left <= 0 or self.anchor <= CALIBRATION_ANCHOR:
             return counts
         return [max(1, _round_half_away(count * CALIBRATION_ANCHOR / self.anchor)) for count in counts]
 
     @property
     def window_reaches_epoch_end(self) -> bool:
-        """The current window's plan covers every batch left in the epoch, and the pooled dispatch
-        shares them out: every rank runs to the epoch's end (see :meth:`planned_batches`)."""
-        return self._window_reaches_epoch_end(self.window_counts())
+        """The plan (``batch_counts``, at the full anchor) covers every batch left in the epoch,
+        and the pooled dispatch shares them out: every rank runs to the epoch's end (see
+        :meth:`planned_batches`)."""
+        return self._window_reaches_epoch_end()
 
-    def _window_reaches_epoch_end(self, counts: Sequence[int]) -> bool:
+    def _window_reaches_epoch_end(self) -> bool:
         left = self._epoch_batches_left
-        return (
-            self._pooled_dispatch
-            and self._max_batch_diff is None
-            and left is not None
-            and left > 0
-            and sum(counts) >= left
-        )
+        if not self._pooled_dispatch or self._max_batch_diff is not None or left is None or left <= 0:
+            return False
+        # Before any reading, the window at the full anchor: when that reaches the epoch's end no
+        # calibration round is needed, the pool shares the epoch out as the ranks claim it. After
+        # warm-up readings, the calibration window: their shares are too rough to hand out the
+        # rest of the epoch by.
+        counts = self.batch_counts if not self.calibrated else self.window_counts()
+        return sum(counts) >= left
 
     def planned_batches(self, rank: int) -> int:
         """Batches ``rank`` runs in the current window (:meth:`window_counts`).
@@ -289,10 +293,10 @@ class ElCheController:
         fetched, and every other rank, out of data, waiting a whole slow batch for it.
         """
         rank = self._checked_rank("rank", rank)
-        counts = self.window_counts()
-        if self._window_reaches_epoch_end(counts):
+        if self._window_reaches_epoch_end():
             assert self._epoch_batches_left is not None
             return self._epoch_batches_left
+        counts = self.window_counts()
         lead = self._max_batch_diff
         return counts[rank] if lead is None else min(counts[rank], min(counts) + lead)
 
@@ -321,6 +325,7 @@ class ElCheController:
         if fill_ms is not None:
             self._require_per_rank("fill_ms", fill_ms)
         self.last_overhead = 0.0
+        ran_to_epoch_end = self._window_reaches_epoch_end()
         self._ingest_readings(wall_ms, batches)
         if self.anchor_rank is None or self.phase >= Phase.STABLE:
             elected = self._elect_anchor_rank()
@@ -347,6 +352,7 @@ class ElCheController:
         self._recompute_batch_counts(slow_ms)
         self.calibrated = True
         self.calibration_count += 1
+        self._calibration_windows_left = 0 if ran_to_epoch_end else self._calibration_windows_left - 1
         self._advance_phase()
 
     def _ingest_readings(self, wall_ms: Sequence[float], batches: Sequence[int]) -> None:
@@ -661,6 +667,7 @@ class ElCheController:
         self._zero_reports = [0] * self.world_size
         self._warmup_reading = [False] * self.world_size  # a saved mean is a steady reading
         self._epoch_batches_left = None  # the resumed epoch's first round tells
+        self._calibration_windows_left = 0  # recalibrated below when the world size changed
         for window in self._ms_windows:
             window.clear()
         if saved.world_size != self.world_size:
@@ -668,6 +675,7 @@ class ElCheController:
             self.batch_counts = [self.anchor] * self.world_size
             self.window_cap_binding = False
             self.calibrated = False  # the first report sets the counts from the new ranks' speeds
+            self._calibration_windows_left = CALIBRATION_WINDOWS
             return
         self.anchor_rank = saved.anchor_rank
         self.batch_counts = list(saved.batch_counts)

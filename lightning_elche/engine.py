@@ -214,6 +214,10 @@ class ElCheEngine:
     def set_epoch_size(self, num_batches: int) -> None:
         """Batches per epoch over all ranks, once the training data is known (caps the window)."""
         self.controller.set_epoch_size(num_batches)
+        if self.last_outcome is None:
+            # Before this run's first round: the whole epoch is left (a resumed epoch's remainder is
+            # smaller, which only keeps the first window at its planned counts).
+            self.controller.set_epoch_batches_left(self.controller.max_total_batches)
 
     def start_epoch(self) -> None:
         """Exclude the time between epochs (validation, checkpoints) from the next window."""

@@ -126,6 +126,7 @@ def simulate_cadence_fit(
     ]
     epoch_size = ranks[0].sampler.num_batches
     controller.set_epoch_size(epoch_size)
+    controller.set_epoch_batches_left(epoch_size)  # as the engine does before its first round
     warm = list(first_batch_s) if first_batch_s is not None else [0.0] * world
     plans: list[tuple[int, ...]] = []
     results: list[EpochResult] = []

@@ -976,11 +976,11 @@ def test_epoch_size_caps_the_window_with_at_least_one_batch_per_rank():
 def test_planned_batches_bound_the_lead_over_the_slowest_plan():
     c = ctl.ElCheController(world_size=2, anchor=3, max_batch_diff=2)
     c.batch_counts = [9, 3]
-    c.calibration_count = ctl.CALIBRATION_WINDOWS  # past the short calibration windows
+    c._calibration_windows_left = 0  # past the short calibration windows
     assert [c.planned_batches(0), c.planned_batches(1)] == [5, 3]
     free = ctl.ElCheController(world_size=2, anchor=3)
     free.batch_counts = [9, 3]
-    free.calibration_count = ctl.CALIBRATION_WINDOWS
+    free._calibration_windows_left = 0
     assert [free.planned_batches(0), free.planned_batches(1)] == [9, 3]
 
 
@@ -1056,3 +1056,28 @@ def test_speed_shares_follow_the_measured_speeds_once_every_rank_has_a_reading()
     feed(c, [100.0, 450.0], 1.0, batches=[2, 2])
     # 50 ms vs 225 ms per batch: shares 0.818 / 0.182, not the plan's rounded 45 / 10.
     assert c.speed_shares() == pytest.approx([225 / 275, 50 / 275])
+
+
+def test_a_first_window_to_the_epoch_end_needs_no_calibration_round() -> None:
+    # 30 batches per epoch: the anchor's first window (10 + 10) does not reach the end, its short
+    # calibration window does not either. At 16 batches the first window reaches the end: the
+    # pool shares the epoch as the ranks claim it, and that long window ends the calibration.
+    short = ctl.ElCheController(world_size=2, anchor=10, pooled_dispatch=True)
+    short.set_epoch_batches_left(30)
+    assert [short.planned_batches(0), short.planned_batches(1)] == [2, 2]
+    tiny = ctl.ElCheController(world_size=2, anchor=10, pooled_dispatch=True)
+    tiny.set_epoch_batches_left(16)
+    assert [tiny.planned_batches(0), tiny.planned_batches(1)] == [16, 16]
+    feed(tiny, [12 * 50.0, 4 * 200.0], 1.0, batches=[12, 4])
+    tiny.set_epoch_batches_left(100)
+    assert [tiny.planned_batches(0), tiny.planned_batches(1)] == [40, 10]
+
+
+def test_a_resume_on_another_world_size_calibrates_again() -> None:
+    saved = calibrated().state_dict()
+    same = ctl.ElCheController(world_size=2, anchor=10)
+    same.load_state_dict(saved)
+    assert same.planned_batches(0) == 40
+    resized = ctl.ElCheController(world_size=3, anchor=10)
+    resized.load_state_dict(saved)
+    assert [resized.planned_batches(r) for r in range(3)] == [2, 2, 2]
