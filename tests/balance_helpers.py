@@ -3,17 +3,21 @@ pooled dispatch, ranks that take a fixed time per batch, no processes and no clo
 
 Each rank iterates its :class:`~lightning_elche.data.PoolDispatch` the way Lightning's fetcher does
 (one batch fetched ahead, ``batch_started`` after the refill), trains a batch in ``batch_s[r]``
-virtual seconds (plus ``first_batch_s[r]`` once per fit, a warm-up), and joins a blocking round when
-its window is due or it is out of data. A round releases every rank at the latest arrival plus
-``sync_s``; the controller gets each rank's window wall and batches, as the engine reports them,
-and its plan goes back to every sampler. An out-of-data rank joins zero-mass rounds until every
-rank is out of data, which ends the epoch for all. The model answers where a fast rank's time goes.
+virtual seconds (times a seeded factor within ``1 +- jitter``; plus ``first_batch_s[r]`` once per
+fit, a warm-up), and joins a blocking round when its window is due or it is out of data. A round
+releases every rank at the latest arrival plus ``sync_s``; as in the engine and the strategy, the
+controller gets each rank's window wall and batches and the batches left in the epoch, and every
+sampler gets the measured speed shares and the batches each rank started in the epoch. An
+out-of-data rank joins zero-mass rounds until every rank is out of data, which ends the epoch for
+all. The model answers where a fast rank's time goes: waits in rounds, and the part of them spent
+out of data at the epoch's end (the drain).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -112,8 +116,11 @@ def simulate_cadence_fit(
     first_batch_s: Sequence[float] | None = None,
     mode: str = "nccl_cadence",
     anchor: int | None = None,
+    jitter: float = 0.0,
+    seed: int = 0,
 ) -> FitResult:
     world = len(batch_s)
+    rng = random.Random(seed)  # batch times vary by up to ``jitter`` of the mean, reproducibly
     config = ElCheConfig.preset(mode)
     if anchor is not None:
         config = ElCheConfig(mode=config.mode, anchor=anchor)
@@ -160,7 +167,8 @@ def simulate_cadence_fit(
                 state.fetched.popleft()
                 fetch(state)  # refilled before the batch starts, as Lightning's fetcher does
                 state.sampler.batch_started()
-                at += batch_s[r] + warm[r]
+                noise = 1.0 + rng.uniform(-jitter, jitter) if jitter else 1.0
+                at += batch_s[r] * noise + warm[r]
                 warm[r] = 0.0
                 state.steps += 1
                 state.trained += 1

@@ -66,3 +66,16 @@ def test_the_first_windows_are_short_so_the_fast_rank_waits_little_for_a_measure
     assert first.idle_s[0] <= 1.5
     assert fit.efficiency(first_epoch=0) >= 0.95
     assert first.rounds <= fit.epochs[1].rounds + 2
+
+
+@pytest.mark.parametrize("batches", [32, 128])
+@pytest.mark.parametrize("gap", [3.8, 4.11])
+def test_the_gains_hold_when_batch_times_vary(gap: float, batches: int) -> None:
+    # Every batch takes up to 15 % more or less than the rank's mean, over six seeds: the speed
+    # readings, the plan and the tail decisions all see noise (before: 0.86-0.88 at 32 batches,
+    # 0.95-0.96 at 128).
+    fits = [simulate_cadence_fit((FAST_BATCH_S, FAST_BATCH_S * gap), epochs=4, samples=32 * batches, sync_s=0.005,
+                                 first_batch_s=(0.3, 0.3), jitter=0.15, seed=seed) for seed in range(6)]
+    assert sum(fit.efficiency() for fit in fits) / len(fits) >= 0.955
+    share_error = sum(fit.batch_shares()[0] for fit in fits) / len(fits) - gap / (1.0 + gap)
+    assert abs(share_error) <= max(0.005, 1.0 / batches)
