@@ -929,7 +929,8 @@ class PoolDispatch(ElCheSampler):
 
     def set_speed_shares(self, shares: Sequence[float]) -> None:
         """Each rank's share of the cohort's throughput (any positive scale), identical on every
-        rank; the strategy passes the controller's latest plan after every round.
+        rank; the strategy passes the controller's measured speed shares (its plan before every
+        rank has a reading) after every round, through :meth:`on_round`.
 
         Near the end of a pooled epoch a slower rank then stops claiming chunks when the faster
         ranks would finish what is left sooner without it: a slow rank that takes one of the last
