@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lightning_elche.checks import as_real, require_int
-from lightning_elche.config import DEFAULT_MAX_ANCHOR, clamp_overhead_target
+from lightning_elche.config import DEFAULT_MAX_ANCHOR, Dispatch, clamp_overhead_target
 from lightning_elche.guard import NudgeDown, Stable, SuppressGrowth, Verdict
 
 if TYPE_CHECKING:
@@ -53,6 +53,15 @@ WARMUP_GROWTH_MARGIN = 2.0
 
 DEAD_ZONE = 0.05
 """A rank's batch count changes only when the new target differs by more than this fraction."""
+
+CALIBRATION_WINDOWS = 2
+"""The fit's first windows are short: the first, planned from no reading, and the second, planned
+from the warm-up readings. Each costs the fast ranks a wait for the slowest one's window at a
+guessed ratio; at the full anchor that was (speed gap - 1) x anchor fast batches. A window that
+runs to the epoch's end ends the calibration: it was long, whatever the plan."""
+
+CALIBRATION_ANCHOR = 2
+"""Batches the anchor rank runs in a calibration window (when ``anchor`` is larger)."""
 
 STABLE_AFTER_CALIBRATIONS = 5
 MATURE_AFTER_CALIBRATIONS = 20
@@ -102,6 +111,9 @@ class ElCheController:
         window_growth_applicable: False for the sync modes, which have no window to amortize.
         initial_anchor_rank: soft pin of the slow rank before there is timing data (held until
             Stable).
+        pooled_dispatch: the ranks claim the epoch's batches from a shared pool (cadence and
+            async modes without ``partition_ratios``): a window whose plan covers what is left of
+            the epoch then runs every rank to the epoch's end (:meth:`planned_batches`).
 
     Raises:
         ValueError: naming the argument, for ``world_size < 2``, ``anchor < 1`` and other values
@@ -119,6 +131,7 @@ class ElCheController:
         max_batch_diff: int | None = None,
         window_growth_applicable: bool = True,
         initial_anchor_rank: int | None = None,
+        pooled_dispatch: bool = False,
     ) -> None:
         world_size = _require_int("world_size", world_size, 2, "ElChe needs at least 2 ranks")
         anchor = _require_int("anchor", anchor, 1, "expected an integer >= 1")
@@ -133,7 +146,9 @@ class ElCheController:
         self._overhead_target = _clamp_target(overhead_target)
         self._max_batch_diff = max_batch_diff
         self._window_growth_applicable = bool(window_growth_applicable)
+        self._pooled_dispatch = bool(pooled_dispatch)
         self._max_total_batches = 0
+        self._epoch_batches_left: int | None = None
 
         self.batch_counts: list[int] = [self.anchor] * world_size
         self._ms_windows: list[deque[float]] = [
@@ -150,6 +165,7 @@ class ElCheController:
         self.phase: Phase = Phase.PROBE
         self.calibrated: bool = False
         self.calibration_count: int = 0
+        self._calibration_windows_left = CALIBRATION_WINDOWS
         self.proposed_anchor: int | None = None
         self.growth_enabled: bool = True
         self.consecutive_stable: int = 0
@@ -181,6 +197,7 @@ class ElCheController:
             max_batch_diff=config.max_batch_diff,
             window_growth_applicable=config.run_mode.window_growth,
             initial_anchor_rank=initial_anchor_rank,
+            pooled_dispatch=config.run_mode.dispatch is Dispatch.POOL,
         )
 
     # -- knobs (read-only: fixed at construction) -----------------------------------------
@@ -226,17 +243,62 @@ class ElCheController:
         num_batches = _require_int("num_batches", num_batches, 0, "expected an integer >= 0")
         self.max_total_batches = max(num_batches, self.world_size)
 
+    def set_epoch_batches_left(self, batches: int | None) -> None:
+        """Batches of the current epoch that no rank has started yet, at the start of the next
+        window (None: unknown). Every rank must pass the same number (the engine derives it from
+        a round's gathered reports)."""
+        if batches is not None:
+            batches = _require_int("batches", batches, 0, "expected None or an integer >= 0")
+        self._epoch_batches_left = batches
+
+    def window_counts(self) -> list[int]:
+        """Each rank's batches in the current window before the epoch's end and ``max_batch_diff``
+        are applied: ``batch_counts``, scaled to an anchor of :data:`CALIBRATION_ANCHOR` in the
+        fit's first :data:`CALIBRATION_WINDOWS` windows, so that a plan from no or from warm-up
+        readings is soon replaced by a measured one."""
+        counts = list(self.batch_counts)
+        if self._calibration_windows_left <= 0 or self.anchor <= CALIBRATION_ANCHOR:
+            return counts
+        return [max(1, _round_half_away(count * CALIBRATION_ANCHOR / self.anchor)) for count in counts]
+
+    @property
+    def window_reaches_epoch_end(self) -> bool:
+        """The plan (``batch_counts``, at the full anchor) covers every batch left in the epoch,
+        and the pooled dispatch shares them out: every rank runs to the epoch's end (see
+        :meth:`planned_batches`)."""
+        return self._window_reaches_epoch_end()
+
+    def _window_reaches_epoch_end(self) -> bool:
+        left = self._epoch_batches_left
+        if not self._pooled_dispatch or self._max_batch_diff is not None or left is None or left <= 0:
+            return False
+        # Before any reading, the window at the full anchor: when that reaches the epoch's end no
+        # calibration round is needed, the pool shares the epoch out as the ranks claim it. After
+        # warm-up readings, the calibration window: their shares are too rough to hand out the
+        # rest of the epoch by.
+        counts = self.batch_counts if not self.calibrated else self.window_counts()
+        return sum(counts) >= left
+
     def planned_batches(self, rank: int) -> int:
-        """Batches ``rank`` runs in the current window.
+        """Batches ``rank`` runs in the current window (:meth:`window_counts`).
 
         ``max_batch_diff = D`` also bounds the lead of any rank over the slowest plan to D batches
         (0 is strict lockstep), on top of the per-update clamp: the plan may jump to the measured
         ratio at its first calibration, the lead bound never lets a rank run that far ahead.
+
+        When the window reaches the epoch's end (:attr:`window_reaches_epoch_end`), every rank
+        plans all the batches left: the pool shares them by speed, and each rank joins the round
+        when it runs out of data. Closing the window at a rank's count instead would end it a
+        batch or two before the epoch does, with the slow rank's next batch already claimed and
+        fetched, and every other rank, out of data, waiting a whole slow batch for it.
         """
-        counts = self.batch_counts
-        planned = counts[self._checked_rank("rank", rank)]
+        rank = self._checked_rank("rank", rank)
+        if self._window_reaches_epoch_end():
+            assert self._epoch_batches_left is not None
+            return self._epoch_batches_left
+        counts = self.window_counts()
         lead = self._max_batch_diff
-        return planned if lead is None else min(planned, min(counts) + lead)
+        return counts[rank] if lead is None else min(counts[rank], min(counts) + lead)
 
     # -- timing feed ----------------------------------------------------------------------
 
@@ -263,6 +325,7 @@ class ElCheController:
         if fill_ms is not None:
             self._require_per_rank("fill_ms", fill_ms)
         self.last_overhead = 0.0
+        ran_to_epoch_end = self._window_reaches_epoch_end()
         self._ingest_readings(wall_ms, batches)
         if self.anchor_rank is None or self.phase >= Phase.STABLE:
             elected = self._elect_anchor_rank()
@@ -289,6 +352,7 @@ class ElCheController:
         self._recompute_batch_counts(slow_ms)
         self.calibrated = True
         self.calibration_count += 1
+        self._calibration_windows_left = 0 if ran_to_epoch_end else self._calibration_windows_left - 1
         self._advance_phase()
 
     def _ingest_readings(self, wall_ms: Sequence[float], batches: Sequence[int]) -> None:
@@ -519,6 +583,16 @@ class ElCheController:
             return 0.0
         return sum(window) / len(window)
 
+    def speed_shares(self) -> list[float] | None:
+        """Each rank's share of the cohort's measured speed (batches per second, summing to 1),
+        or None until every rank has a reading. Unlike ``batch_counts`` it is not rounded to whole
+        batches of a window: the pooled dispatch shares out the epoch with it."""
+        speeds = [self.smoothed_ms(rank) for rank in range(self.world_size)]
+        if any(ms <= 0.0 for ms in speeds):
+            return None
+        rates = [1.0 / ms for ms in speeds]
+        return [rate / sum(rates) for rate in rates]
+
     def smoothed_ms_or_none(self, rank: int) -> float | None:
         """Like :meth:`smoothed_ms`, but None when ``rank`` has no reading."""
         if not self._ms_windows[self._checked_rank("rank", rank)]:
@@ -544,6 +618,9 @@ class ElCheController:
         self._ms_windows = [self._ms_windows[rank] for rank in kept]
         self._zero_reports = [self._zero_reports[rank] for rank in kept]
         self._warmup_reading = [self._warmup_reading[rank] for rank in kept]
+        # The lost ranks' untrained batches come back to the epoch: what is left is unknown until
+        # the next round.
+        self._epoch_batches_left = None
         self.anchor_rank = kept.index(self.anchor_rank) if self.anchor_rank in kept else None
         initial = self._initial_anchor_rank
         self._initial_anchor_rank = kept.index(initial) if initial in kept else None
@@ -589,6 +666,8 @@ class ElCheController:
         self.proposed_anchor = None
         self._zero_reports = [0] * self.world_size
         self._warmup_reading = [False] * self.world_size  # a saved mean is a steady reading
+        self._epoch_batches_left = None  # the resumed epoch's first round tells
+        self._calibration_windows_left = 0  # recalibrated below when the world size changed
         for window in self._ms_windows:
             window.clear()
         if saved.world_size != self.world_size:
@@ -596,6 +675,7 @@ class ElCheController:
             self.batch_counts = [self.anchor] * self.world_size
             self.window_cap_binding = False
             self.calibrated = False  # the first report sets the counts from the new ranks' speeds
+            self._calibration_windows_left = CALIBRATION_WINDOWS
             return
         self.anchor_rank = saved.anchor_rank
         self.batch_counts = list(saved.batch_counts)

@@ -48,6 +48,9 @@ from lightning_elche.coverage import EpochCoverage, Range, compress, expand, mer
 
 CHUNK_KEY_PREFIX = "lightning_elche/dispatch"
 
+SMALLEST_LAYOUT_SHARE = 0.02
+"""The chunk layout plans for a slowest rank with at least this share of the cohort's speed."""
+
 
 class ChunkCounter(Protocol):
     """The shared store behind chunk claims (``torch.distributed.Store`` satisfies it): an atomic
@@ -85,18 +88,26 @@ def epoch_permutation(num_samples: int, epoch: int, seed: int, shuffle: bool) ->
     return torch.randperm(num_samples, generator=generator).tolist()
 
 
-def chunk_layout(num_batches: int, world_size: int, max_chunk_batches: int) -> list[tuple[int, int]]:
+def chunk_layout(
+    num_batches: int, world_size: int, max_chunk_batches: int, smallest_share: Optional[float] = None
+) -> list[tuple[int, int]]:
     """Cut ``num_batches`` into ``(first_batch, batch_count)`` chunks, shrinking toward the end.
 
-    Chunks are ``max_chunk_batches`` long while plenty remains and fall to single batches near
-    the end (guided scheduling), so that when the pool runs dry no rank holds more than about one
-    batch of work that the others must wait for.
+    Chunks are ``max_chunk_batches`` long while plenty remains and at most half the slowest rank's
+    share of what remains after that (``smallest_share``, default an equal share ``1 /
+    world_size``), down to single batches (guided scheduling). When the pool runs dry no rank then
+    holds more than about one batch of work the others must wait for, and a slow rank deciding to
+    leave the tail (:meth:`PoolDispatch.set_speed_shares`) faces chunks small against its share.
     """
     chunks: list[tuple[int, int]] = []
     start = 0
     while start < num_batches:
         remaining = num_batches - start
-        size = max(1, min(max_chunk_batches, remaining // (2 * world_size)))
+        if smallest_share is None:
+            half_share = remaining // (2 * world_size)
+        else:
+            half_share = math.floor(remaining * smallest_share / 2.0)
+        size = max(1, min(max_chunk_batches, half_share))
         chunks.append((start, size))
         start += size
     return chunks
@@ -255,9 +266,13 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         """The training loop started one more batch of the current epoch on this rank."""
         self.started_batches = (self.started_batches or 0) + 1
 
-    def on_round(self, planned: Sequence[int]) -> None:
-        """After every round, with the controller's plan (identical on every rank). Only the
-        pooled dispatch uses it."""
+    def on_round(
+        self, shares: Sequence[float], epoch: Optional[int] = None, epoch_batches: Optional[Sequence[int]] = None
+    ) -> None:
+        """After every round, with each rank's share of the cohort's speed (any positive scale,
+        identical on every rank: :attr:`~lightning_elche.engine.RoundOutcome.dispatch_shares`)
+        and, when known, the batches every rank had started in ``epoch`` at the round. Only the
+        pooled dispatch uses them."""
 
     def __iter__(self) -> Iterator[Union[int, PickKey]]:
         order = epoch_permutation(self.num_samples, self.epoch, self.seed, self.shuffle)
@@ -706,6 +721,9 @@ class PoolDispatch(ElCheSampler):
             )
         self._speed_shares: Optional[list[float]] = None
         self._drainer: Optional[int] = None  # the rank that claims until the pool is dry, this epoch
+        # The epoch and the batches every rank had started in it at the latest round: where every
+        # rank's remaining work of the epoch was measured from, at one moment for all of them.
+        self._round_batches: Optional[tuple[int, list[int]]] = None
 
     def _prepare_epoch_policy(self) -> None:
         # The current epoch's layout, kept for coverage: global positions of the pooled picks
@@ -725,7 +743,8 @@ class PoolDispatch(ElCheSampler):
         # still runs (stopped, then continued) claims on keys no survivor uses.
         self._epoch_membership = self._membership
         self._layout: list[tuple[int, int]] = chunk_layout(
-            math.ceil(self._limit / self.batch_size), self._epoch_world, self.max_chunk_batches
+            math.ceil(self._limit / self.batch_size), self._epoch_world, self.max_chunk_batches,
+            self._agreed_layout_share(),
         )
         self._reserved_pending = True
         self._last_chunk: Optional[int] = None
@@ -766,9 +785,13 @@ class PoolDispatch(ElCheSampler):
         """The record of what ``rank`` (numbered as after ``regroup`` regroups) claimed in the epoch."""
         return f"{self.counter_key(self.epoch)}/claims/g{regroup}/r{rank}"
 
-    def on_round(self, planned: Sequence[int]) -> None:
-        if sum(planned) > 0:
-            self.set_speed_shares(planned)
+    def on_round(
+        self, shares: Sequence[float], epoch: Optional[int] = None, epoch_batches: Optional[Sequence[int]] = None
+    ) -> None:
+        if sum(shares) > 0:
+            self.set_speed_shares(shares)
+        if epoch is not None and epoch_batches is not None and len(epoch_batches) == self.world_size:
+            self._round_batches = (epoch, [int(b) for b in epoch_batches])
 
     def _iter_epoch(self, order: list[int], resume: Optional[EpochCoverage]) -> Iterator[Union[int, PickKey]]:
         if not self._regrouped_now():
@@ -803,8 +826,7 @@ class PoolDispatch(ElCheSampler):
         regroups = self._regroups
         key = self.pool_key(regroups)
         if not self._regrouped_now():
-            last = self._last_chunk
-            if last is not None and self.rank != self._drainer and self._leaves_tail_to_faster_ranks(key, last):
+            if self._last_chunk is not None and self.rank != self._drainer and self._leaves_tail_to_faster_ranks(key):
                 return None
         elif not self._queue_dry:
             queue = self._queues[regroups]
@@ -907,7 +929,8 @@ class PoolDispatch(ElCheSampler):
 
     def set_speed_shares(self, shares: Sequence[float]) -> None:
         """Each rank's share of the cohort's throughput (any positive scale), identical on every
-        rank; the strategy passes the controller's latest plan after every round.
+        rank; the strategy passes the controller's measured speed shares (its plan before every
+        rank has a reading) after every round, through :meth:`on_round`.
 
         Near the end of a pooled epoch a slower rank then stops claiming chunks when the faster
         ranks would finish what is left sooner without it: a slow rank that takes one of the last
@@ -930,37 +953,73 @@ class PoolDispatch(ElCheSampler):
         if self._drainer is None:
             self._drainer = self._fastest_rank()
 
+    def _agreed_layout_share(self) -> Optional[float]:
+        """The slowest rank's share of the cohort's speed that the epoch's chunk layout plans for
+        (None: an equal share): the first one any rank proposed for the epoch, so that every rank
+        cuts the epoch the same way (claims name chunks by index), whatever shares each held when
+        it started the epoch."""
+        assert self.counter is not None
+        key = f"{self.counter_key(self.epoch)}/layout"
+        proposed = self._layout_share()
+        self.counter.append(key, ("-" if proposed is None else repr(proposed)) + ";")
+        value = self.counter.get(key)
+        first = (value.decode() if isinstance(value, bytes) else str(value)).split(";", 1)[0]
+        return None if first == "-" else float(first)
+
+    def _layout_share(self) -> Optional[float]:
+        """This rank's proposal for :meth:`_agreed_layout_share`, from the shares it holds."""
+        shares = self._speed_shares
+        if shares is None or len(shares) != self.world_size:
+            return None
+        # A rank with no speed (share 0) claims nothing near the tail; a floor keeps the tail's
+        # chunks from all becoming single batches (a store round trip each) for a very slow rank.
+        return max(min(shares), SMALLEST_LAYOUT_SHARE)
+
     def _fastest_rank(self) -> Optional[int]:
         shares = self._speed_shares
         if shares is None:
             return None
         return max(range(self.world_size), key=lambda r: (shares[r], -r))
 
-    def _leaves_tail_to_faster_ranks(self, key: str, last_claim: int) -> bool:
+    def _leaves_tail_to_faster_ranks(self, key: str) -> bool:
         shares = self._speed_shares
         if shares is None:
             return False
         share = shares[self.rank]
         if share <= 0:
             return True
-        # Taking a chunk of c batches pays off unless this rank would end it, after the b batches
-        # it already holds (prefetched, or in progress), later than the others end the whole
-        # remainder R without it. They hold about as many batches as this rank (the same loader
-        # settings): leave iff (b + c) / share > (b + R) / (1 - share).
-        patience = (1.0 - share) / share
-        held = 0
-        if self.started_batches is not None:
-            held = max(0, math.ceil(self.record.samples / self.batch_size) - self.started_batches + 1)
-        upper_bound = self._batches_from(last_claim + 1)
-        if held + upper_bound >= (held + self.max_chunk_batches) * patience:
-            return False  # far from the tail: no need to look at the shared counter
+        others = 1.0 - share
+        if others <= 0:
+            return False
+        # From the latest round of the epoch (or its start) every rank trains at its share of the
+        # cohort's speed, so the epoch ends at the later of two ends: this rank's, after `mine`
+        # batches (time mine / share, in the cohort's batches), and the others', after `rest`
+        # (rest / others): what they claimed, untrained at the round, and the pool. Taking the next
+        # chunk pays off unless the later end is later with it than without it. Only claims and
+        # the round's counts enter: how far every rank is at this moment (a prefetch, a chunk in
+        # progress) is not known across ranks.
+        claimed = math.ceil(self.record.samples / self.batch_size)
+        trained = self._batches_at_round()
+        mine = claimed - trained[self.rank]
+        rest = self._batches_from(0) - claimed - (sum(trained) - trained[self.rank])
+        largest = self.max_chunk_batches
+        if (mine + largest) / share <= (rest - largest) / others:
+            return False  # even after the largest chunk this rank ends first: no need to read the counter
         assert self.counter is not None
         next_claim = self._epoch_world + self.counter.add(key, 0)
         if next_claim >= len(self._layout):
             return False  # the pool is dry: the claim below ends the epoch for this rank
-        remaining = self._batches_from(next_claim)
-        # Strict: on a tie the others are still busy with chunks in flight, so taking it is no worse.
-        return (held + self._layout[next_claim][1]) * patience > held + remaining
+        chunk = self._layout[next_claim][1]
+        with_chunk = max((mine + chunk) / share, (rest - chunk) / others)
+        without = max(mine / share, rest / others)
+        return with_chunk > without  # strict: on a tie taking it is no worse
+
+    def _batches_at_round(self) -> list[int]:
+        """Batches every rank had started in this epoch at the latest round (zeros before one)."""
+        at_round = self._round_batches
+        if at_round is None or at_round[0] != self.epoch or len(at_round[1]) != self.world_size:
+            return [0] * self.world_size
+        return at_round[1]
 
     def _batches_from(self, chunk: int) -> int:
         """Batches in the layout's chunks ``chunk`` to the end, in O(1) (chunks are contiguous):

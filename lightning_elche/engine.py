@@ -54,6 +54,19 @@ class RoundOutcome:
     feedback: Feedback
     reset_inner: bool
     consensus: bool = False  # a blocking round adopted with alpha 1: every replica holds the consensus
+    dispatch_shares: tuple[float, ...] = ()
+    """Each rank's share of the cohort's measured speed (the plan's counts until every rank has a
+    reading), for the pooled dispatch: unlike ``planned`` not rounded to a window's whole batches."""
+
+    @property
+    def epoch(self) -> int:
+        """The epoch every rank was in at the round."""
+        return self.reports[0].epoch if self.reports else 0
+
+    @property
+    def epoch_batches(self) -> tuple[int, ...]:
+        """Batches each rank had started in :attr:`epoch` at the round (all trained by then)."""
+        return tuple(r.epoch_batches for r in self.reports)
 
     @property
     def ends_window_sequence(self) -> bool:
@@ -201,6 +214,10 @@ class ElCheEngine:
     def set_epoch_size(self, num_batches: int) -> None:
         """Batches per epoch over all ranks, once the training data is known (caps the window)."""
         self.controller.set_epoch_size(num_batches)
+        if self.last_outcome is None:
+            # Before this run's first round: the whole epoch is left (a resumed epoch's remainder is
+            # smaller, which only keeps the first window at its planned counts).
+            self.controller.set_epoch_batches_left(self.controller.max_total_batches)
 
     def start_epoch(self) -> None:
         """Exclude the time between epochs (validation, checkpoints) from the next window."""
@@ -373,6 +390,7 @@ class ElCheEngine:
         budget_reached = self.step_budget is not None and state.cohort_step >= self.step_budget
         epoch_over = all(r.out_of_data for r in reports) and not self._epoch_continues
         self._epoch_continues = False
+        self.controller.set_epoch_batches_left(self._epoch_batches_left(reports, epoch_over))
         # In-flight rounds are never consensus rounds (those block), so the flag set at the start
         # of the round being finished is this round's.
         consensus = self._consensus_round or not self.plane.non_blocking
@@ -394,6 +412,7 @@ class ElCheEngine:
             feedback=feedback,
             reset_inner=weights.realized and self.outer.resets_inner,
             consensus=consensus,
+            dispatch_shares=tuple(self.controller.speed_shares() or map(float, self.controller.batch_counts)),
         )
         self.last_outcome = outcome
         return outcome
@@ -416,6 +435,18 @@ class ElCheEngine:
         self._carried_stop = requested
         self._consensus_next = True
         return StopRequest.NONE
+
+    def _epoch_batches_left(self, reports: tuple[RankReport, ...], epoch_over: bool) -> Optional[int]:
+        """Batches of the epoch no rank has started when the next window begins, from the round's
+        reports (the same on every rank); None when unknown. The epoch size is the full epoch's, so
+        in a resumed epoch (which trains only its remainder) this over-counts: the window then
+        keeps its planned counts, the behaviour before the plan could reach the epoch's end."""
+        epoch_size = self.controller.max_total_batches
+        if epoch_size <= 0:
+            return None
+        if epoch_over:
+            return epoch_size  # the next window starts the next epoch
+        return max(0, epoch_size - sum(r.epoch_batches for r in reports))  # the ranks agree on the epoch
 
     @staticmethod
     def _divergence_report(reports: tuple[RankReport, ...]) -> Optional[DivergenceReport]:

@@ -693,7 +693,7 @@ class ElCheStrategy(DDPStrategy):
         self._publish_round(trainer, outcome)
         self._session.callback_role.observe(self._engine.controller)
         if self._sampler is not None:
-            self._sampler.on_round(outcome.planned)
+            self._sampler.on_round(outcome.dispatch_shares, outcome.epoch, outcome.epoch_batches)
         if outcome.reset_inner:
             for optimizer in self.optimizers:
                 optimizer.state.clear()

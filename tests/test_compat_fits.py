@@ -53,7 +53,9 @@ def test_should_stop_set_in_on_train_batch_end_on_one_rank_stops_every_rank_at_t
     trainer = trainer_for(tmp_path, elche(), callbacks=[StopAfterBatch(rank=1, step=3)], max_epochs=5)
     trainer.fit(RecordingModel(str(tmp_path), val=False))
     r0, r1 = load_records(tmp_path)
-    assert r0["rounds"] == r1["rounds"] == 1  # the first round carried the request; nobody trained on
+    # The first (calibration) round came at step 2, before the request; the second, at step 4,
+    # carried it, and nobody trained on.
+    assert r0["rounds"] == r1["rounds"] == 2
     assert r0["current_epoch"] == r1["current_epoch"] == 1  # epoch 0 ended (stopped) on both ranks
     assert r0["params"] == r1["params"], "a rank stopped with its own, un-averaged weights"
     assert len(r0["seen"]["0"]) + len(r1["seen"]["0"]) < 512 and "1" not in r0["seen"] and "1" not in r1["seen"]

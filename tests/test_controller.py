@@ -120,7 +120,7 @@ def test_integer_like_arguments_are_accepted() -> None:
     c = ElCheController(_Index(2), _Index(10), max_batch_diff=_Index(3))  # type: ignore[arg-type]
     assert (c.world_size, c.anchor, c.max_batch_diff) == (2, 10, 3)
     assert c.smoothed_ms(_Index(0)) == 0.0  # type: ignore[arg-type]
-    assert c.planned_batches(_Index(1)) == 10  # type: ignore[arg-type]
+    assert c.planned_batches(_Index(1)) == ctl.CALIBRATION_ANCHOR  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rank=True"):
         c.smoothed_ms(True)  # type: ignore[arg-type]
 
@@ -976,7 +976,108 @@ def test_epoch_size_caps_the_window_with_at_least_one_batch_per_rank():
 def test_planned_batches_bound_the_lead_over_the_slowest_plan():
     c = ctl.ElCheController(world_size=2, anchor=3, max_batch_diff=2)
     c.batch_counts = [9, 3]
+    c._calibration_windows_left = 0  # past the short calibration windows
     assert [c.planned_batches(0), c.planned_batches(1)] == [5, 3]
     free = ctl.ElCheController(world_size=2, anchor=3)
     free.batch_counts = [9, 3]
+    free._calibration_windows_left = 0
     assert [free.planned_batches(0), free.planned_batches(1)] == [9, 3]
+
+
+def test_the_first_two_windows_are_short_calibration_windows() -> None:
+    c = ctl.ElCheController(world_size=2, anchor=10)
+    assert c.batch_counts == [10, 10]  # the plan keeps the anchor's counts ...
+    assert [c.planned_batches(0), c.planned_batches(1)] == [2, 2]  # ... the window runs 2 batches
+    feed(c, [2 * 50.0, 2 * 200.0], 1.0, batches=[2, 2])  # the warm-up reading
+    assert c.batch_counts == [40, 10]
+    assert [c.planned_batches(0), c.planned_batches(1)] == [8, 2]  # the same ratio, at anchor 2
+    feed(c, [8 * 50.0, 2 * 200.0], 1.0, batches=[8, 2])
+    assert [c.planned_batches(0), c.planned_batches(1)] == [40, 10]
+    small = ctl.ElCheController(world_size=2, anchor=1)  # the sync modes' anchor: nothing to shorten
+    assert small.planned_batches(0) == 1
+
+
+def calibrated(world_size: int = 2, **knobs: object) -> ElCheController:
+    """A controller past its calibration windows, rank 0 4x faster: plan [40, 10]."""
+    c = ctl.ElCheController(world_size=world_size, anchor=10, **knobs)  # type: ignore[arg-type]
+    for _ in range(ctl.CALIBRATION_WINDOWS):
+        feed(c, [50.0 * 40, 200.0 * 10] + [200.0 * 10] * (world_size - 2), 1.0,
+             batches=[40] + [10] * (world_size - 1))
+    return c
+
+
+def test_a_window_that_covers_the_rest_of_the_epoch_runs_every_rank_to_its_end() -> None:
+    c = calibrated(pooled_dispatch=True)
+    c.set_epoch_size(64)
+    assert c.batch_counts == [40, 10]
+    c.set_epoch_batches_left(64)  # more than one window's 50
+    assert not c.window_reaches_epoch_end
+    assert [c.planned_batches(0), c.planned_batches(1)] == [40, 10]
+    c.set_epoch_batches_left(50)
+    assert c.window_reaches_epoch_end
+    # Every rank plans what is left: it joins the round when it runs out of data.
+    assert [c.planned_batches(0), c.planned_batches(1)] == [50, 50]
+    assert c.batch_counts == [40, 10]  # the plan itself (shares, reports) is unchanged
+    c.set_epoch_batches_left(None)
+    assert [c.planned_batches(0), c.planned_batches(1)] == [40, 10]
+    with pytest.raises(ValueError, match="batches=-1"):
+        c.set_epoch_batches_left(-1)
+
+
+def test_a_window_to_the_epoch_end_needs_the_pool_and_no_lead_bound() -> None:
+    for c in (calibrated(), calibrated(pooled_dispatch=True, max_batch_diff=50)):
+        c.set_epoch_batches_left(20)
+        assert not c.window_reaches_epoch_end
+        assert c.planned_batches(1) == 10
+    assert ElCheController.from_config(ElCheConfig.preset("nccl_cadence"), 2)._pooled_dispatch
+    assert ElCheController.from_config(ElCheConfig.preset("cpu_async"), 2)._pooled_dispatch
+    assert not ElCheController.from_config(ElCheConfig.preset("nccl_sync"), 2)._pooled_dispatch
+    fixed = ElCheConfig(mode="nccl_cadence", partition_ratios=[0.8, 0.2])
+    assert not ElCheController.from_config(fixed, 2)._pooled_dispatch
+
+
+def test_losing_ranks_or_loading_a_state_forgets_what_is_left_of_the_epoch() -> None:
+    c = calibrated(world_size=3, pooled_dispatch=True)
+    c.set_epoch_batches_left(30)
+    assert c.window_reaches_epoch_end
+    c.retain([0, 2])  # the lost rank's untrained batches come back: unknown until the next round
+    assert not c.window_reaches_epoch_end
+    resumed = calibrated(pooled_dispatch=True)
+    resumed.set_epoch_batches_left(30)
+    resumed.load_state_dict(c.state_dict())
+    assert not resumed.window_reaches_epoch_end
+
+
+def test_speed_shares_follow_the_measured_speeds_once_every_rank_has_a_reading() -> None:
+    c = ctl.ElCheController(world_size=2, anchor=10)
+    assert c.speed_shares() is None
+    feed(c, [100.0, 0.0], 1.0, batches=[2, 0])  # rank 1 trained nothing: no reading
+    assert c.speed_shares() is None
+    feed(c, [100.0, 450.0], 1.0, batches=[2, 2])
+    # 50 ms vs 225 ms per batch: shares 0.818 / 0.182, not the plan's rounded 45 / 10.
+    assert c.speed_shares() == pytest.approx([225 / 275, 50 / 275])
+
+
+def test_a_first_window_to_the_epoch_end_needs_no_calibration_round() -> None:
+    # 30 batches per epoch: the anchor's first window (10 + 10) does not reach the end, its short
+    # calibration window does not either. At 16 batches the first window reaches the end: the
+    # pool shares the epoch as the ranks claim it, and that long window ends the calibration.
+    short = ctl.ElCheController(world_size=2, anchor=10, pooled_dispatch=True)
+    short.set_epoch_batches_left(30)
+    assert [short.planned_batches(0), short.planned_batches(1)] == [2, 2]
+    tiny = ctl.ElCheController(world_size=2, anchor=10, pooled_dispatch=True)
+    tiny.set_epoch_batches_left(16)
+    assert [tiny.planned_batches(0), tiny.planned_batches(1)] == [16, 16]
+    feed(tiny, [12 * 50.0, 4 * 200.0], 1.0, batches=[12, 4])
+    tiny.set_epoch_batches_left(100)
+    assert [tiny.planned_batches(0), tiny.planned_batches(1)] == [40, 10]
+
+
+def test_a_resume_on_another_world_size_calibrates_again() -> None:
+    saved = calibrated().state_dict()
+    same = ctl.ElCheController(world_size=2, anchor=10)
+    same.load_state_dict(saved)
+    assert same.planned_batches(0) == 40
+    resized = ctl.ElCheController(world_size=3, anchor=10)
+    resized.load_state_dict(saved)
+    assert [resized.planned_batches(r) for r in range(3)] == [2, 2, 2]

@@ -128,6 +128,62 @@ def test_chunk_layout_shrinks_toward_the_end_and_sums():
     assert all(n <= 4 for _, n in layout)
 
 
+def test_chunk_layout_plans_the_tail_for_the_slowest_rank_share():
+    # Default: half an equal share of what remains (the guided layout, unchanged).
+    assert chunk_layout(100, 2, 4, 0.5) == chunk_layout(100, 2, 4)
+    layout = chunk_layout(128, 2, 4, 0.2)
+    assert sum(n for _, n in layout) == 128
+    assert all(a + n == b for (a, n), (b, _) in zip(layout, layout[1:], strict=False))
+    for first, count in layout:
+        remaining = 128 - first
+        assert count == max(1, min(4, int(remaining * 0.2 / 2)))
+    # A slow rank holding a fifth of the speed meets 1-3 batch chunks from 40 batches left on,
+    # where an equal share's layout still cuts 4.
+    assert [n for s, n in layout if s >= 88][:3] == [4, 3, 3]
+    assert [n for s, n in chunk_layout(128, 2, 4) if s >= 88][:3] == [4, 4, 4]
+
+
+def test_every_rank_cuts_the_epoch_with_the_first_layout_share_proposed():
+    # Ranks that hold different shares when they start the epoch (the first epoch's first round
+    # adopted by one rank before the other starts) must still name the same chunks by index.
+    counter = SharedCounter()
+    samplers = [make("pool", r, counter, n=2000) for r in range(2)]
+    samplers[0].set_epoch(1)
+    samplers[0].set_speed_shares([0.8, 0.2])
+    first = iter(samplers[0])
+    taken = [list(itertools.islice(first, 10))]
+    samplers[1].set_epoch(1)
+    samplers[1].set_speed_shares([0.5, 0.5])
+    assert samplers[1]._layout_share() == 0.5 and samplers[0]._layout_share() == 0.2
+    second = iter(samplers[1])
+    taken.append(list(second))
+    taken[0] += list(first)
+    assert samplers[0]._layout == samplers[1]._layout == chunk_layout(200, 2, 4, 0.2)
+    assert sorted(taken[0] + taken[1]) == list(range(2000))
+
+
+def test_the_tail_rule_counts_from_the_latest_round():
+    # A slow rank (a fifth of the speed) that trained 10 batches in a lockstep window, like the
+    # fast one, and holds 2 more: from the epoch's start it looks far ahead of its share and would
+    # leave the rest to the fast rank; from the round on, both have the same work left per speed.
+    counter = SharedCounter()
+    slow = make("pool", 1, counter, n=400, batch=10, max_chunk_batches=2)
+    slow.set_epoch(0)
+    slow.set_speed_shares([0.8, 0.2])
+    it = iter(slow)
+    next(it)  # claims its reserved chunk
+    # The pool handed out 30 batches of 2: 20 to the fast rank, 10 to the slow one (12 with its
+    # reserved chunk); 6 of 40 are left.
+    key = slow.pool_key(0)
+    counter.add(key, 15)
+    slow.record.samples = 12 * 10
+    assert slow._leaves_tail_to_faster_ranks(key)
+    slow.on_round([0.8, 0.2], 0, [10, 10])
+    assert not slow._leaves_tail_to_faster_ranks(key)
+    slow.on_round([0.8, 0.2], 1, [10, 10])  # another epoch's counts do not apply
+    assert slow._leaves_tail_to_faster_ranks(key)
+
+
 def test_fixed_shares():
     assert fixed_share_batches(100, [0.75, 0.25]) == [75, 25]
     assert fixed_share_batches(10, [0.5, 0.3, 0.2]) == [5, 3, 2]

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from lightning_elche import ElCheConfig
 from lightning_elche.averaging import round_weights
+from lightning_elche.controller import CALIBRATION_ANCHOR, CALIBRATION_WINDOWS
 from lightning_elche.engine import ElCheEngine
 from lightning_elche.planes.base import AveragingPlane, RoundResult
 from lightning_elche.rounds import META_SIZE, Meta, RanksOutOfStep, StopRequest, validate_table
@@ -64,8 +65,20 @@ def run_window(engine, steps, loss=1.0):
         engine.record_step(8, torch.tensor(loss), lr=0.1)
 
 
-def test_window_plan_starts_at_anchor_and_is_due_after_planned_steps():
-    engine, _, _ = make_engine()
+def test_window_plan_starts_with_short_calibration_windows_and_is_due_after_planned_steps():
+    # The fit's first two windows are short (the plan from no reading, then from the warm-up
+    # readings); then every rank plans the anchor's window.
+    engine, plane, _ = make_engine()
+    assert (CALIBRATION_WINDOWS, CALIBRATION_ANCHOR) == (2, 2)
+    for _ in range(CALIBRATION_WINDOWS):
+        assert engine.planned_steps == CALIBRATION_ANCHOR
+        run_window(engine, CALIBRATION_ANCHOR - 1)
+        assert not engine.window_due()
+        run_window(engine, 1)
+        assert engine.window_due()
+        plane.peer_rows.append({"STEPS": CALIBRATION_ANCHOR, "COMPUTE_S": 0.01 * CALIBRATION_ANCHOR})
+        with mock.patch.object(engine.clock, "close_window", return_value=0.01 * CALIBRATION_ANCHOR):
+            engine.run_round(epoch=0, out_of_data=False)
     assert engine.planned_steps == 10
     run_window(engine, 9)
     assert not engine.window_due()
@@ -77,14 +90,18 @@ def test_round_weights_by_work_and_plans_the_fast_rank_more():
     engine, plane, _ = make_engine()
     for _ in range(3):
         run_window(engine, engine.planned_steps)
-        with mock.patch.object(engine.clock, "close_window", return_value=0.1 * engine.planned_steps / 10):
-            plane.peer_rows.append({"STEPS": 10, "SAMPLES": 80, "COMPUTE_S": 0.3, "LAST_SYNC_S": 0.001})
+        peer_steps = engine.controller.planned_batches(1)
+        with mock.patch.object(engine.clock, "close_window", return_value=0.01 * engine.planned_steps):
+            plane.peer_rows.append({"STEPS": peer_steps, "SAMPLES": 8 * peer_steps, "COMPUTE_S": 0.03 * peer_steps,
+                                    "LAST_SYNC_S": 0.001})
             (outcome,) = engine.run_round(epoch=0, out_of_data=False)
-    # Rank 0 is 3x faster per step (10 ms vs 30 ms): it gets ~3x the batches per window.
+    # Rank 0 is 3x faster per step (10 ms vs 30 ms): it gets ~3x the batches per window, in the
+    # calibration windows (anchor 2) and after them (anchor 10).
     assert outcome.planned == (30, 10)
     assert plane.averaged[0].param_factors == (0.5, 0.5)
+    assert plane.averaged[1].param_factors == pytest.approx((0.75, 0.25))
     assert plane.averaged[-1].param_factors == pytest.approx((0.75, 0.25))
-    assert outcome.cohort_step == (10 + 10) + (30 + 10) + (30 + 10)
+    assert outcome.cohort_step == (2 + 2) + (6 + 2) + (30 + 10)
     assert not outcome.epoch_over and outcome.stop_level == 0
 
 
@@ -321,9 +338,48 @@ def test_async_round_that_ends_the_epoch_overwrites_instead_of_blending():
 
 def test_max_batch_diff_bounds_the_lead_over_the_slowest_plan():
     engine, plane, _ = make_engine(max_batch_diff=0)
-    sync(engine, plane, steps=10, peer={"COMPUTE_S": 0.5})  # rank 0 measured 5x faster
+    for _ in range(CALIBRATION_WINDOWS):  # rank 0 measured 5x faster
+        sync(engine, plane, steps=10, peer={"COMPUTE_S": 0.5})
     assert engine.controller.batch_counts[0] > engine.controller.batch_counts[1]  # the controller's plan
     assert engine.planned_steps == engine.controller.batch_counts[1]  # strict lockstep wins
     loose, plane2, _ = make_engine(max_batch_diff=3)
-    sync(loose, plane2, steps=10, peer={"COMPUTE_S": 0.5})
+    for _ in range(CALIBRATION_WINDOWS):
+        sync(loose, plane2, steps=10, peer={"COMPUTE_S": 0.5})
     assert loose.planned_steps == loose.controller.batch_counts[1] + 3
+
+
+def test_a_round_tells_the_plan_what_is_left_of_the_epoch():
+    engine, plane, _ = make_engine()
+    engine.set_epoch_size(60)
+    started = 0
+    for _ in range(CALIBRATION_WINDOWS):  # equal speeds: plan [10, 10] after them
+        started += 2
+        sync(engine, plane, steps=2, peer={"EPOCH_BATCHES": started, "COMPUTE_S": 0.02})
+    # Each round carries the batches every rank started in the epoch (this rank reported none yet).
+    assert engine.controller.batch_counts == [10, 10] and not engine.controller.window_reaches_epoch_end
+    run_window(engine, 10)
+    plane.peer_rows.append({"STEPS": 10, "EPOCH_BATCHES": 39, "COMPUTE_S": 0.1})
+    with mock.patch.object(engine.clock, "close_window", return_value=0.1):
+        (outcome,) = engine.run_round(0, out_of_data=False, epoch_batches=14)
+    assert outcome.epoch_batches == (14, 39) and outcome.epoch == 0
+    assert outcome.dispatch_shares == pytest.approx((0.5, 0.5))
+    # 60 - 53 = 7 batches left, fewer than the window's 20: every rank runs to the epoch's end.
+    assert engine.controller.window_reaches_epoch_end
+    assert engine.planned_steps == 7
+    run_window(engine, 3)
+    plane.peer_rows.append({"STEPS": 4, "EPOCH_BATCHES": 43, "OUT_OF_DATA": 1.0, "COMPUTE_S": 0.04})
+    with mock.patch.object(engine.clock, "close_window", return_value=0.03):
+        (outcome,) = engine.run_round(0, out_of_data=True, epoch_batches=17)
+    assert outcome.epoch_over
+    # The next window starts the next epoch, all of it left: the anchor's window again.
+    assert not engine.controller.window_reaches_epoch_end and engine.planned_steps == 10
+
+
+def test_the_sync_modes_keep_their_window_at_the_epoch_end():
+    # Lockstep windows of one batch over an equal split: 2 batches left would be the window to
+    # the epoch's end under the pooled dispatch.
+    engine, plane, _ = make_engine(mode="nccl_sync")
+    engine.set_epoch_size(5)
+    sync(engine, plane, steps=1, peer={"EPOCH_BATCHES": 3})
+    assert engine.controller.batch_counts == [1, 1]
+    assert not engine.controller.window_reaches_epoch_end and engine.planned_steps == 1

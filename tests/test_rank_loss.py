@@ -204,5 +204,7 @@ def test_max_failure_reached_saves_and_stops_every_survivor(tmp_path: Path) -> N
 
 
 def test_two_losses_under_the_limit_leave_one_rank_training_alone(tmp_path: Path) -> None:
-    job = run_job(tmp_path, "nccl_cadence", ["kill:1:8", "kill:2:14"])
+    # Two losses in different windows: after the two 2-step calibration windows the third window
+    # ends near step 14, where the first loss is found; the second rank dies in the next window.
+    job = run_job(tmp_path, "nccl_cadence", ["kill:1:8", "kill:2:22"])
     check_survived(job, {1, 2})

@@ -179,7 +179,7 @@ class SimulatedRank:
             time.sleep(self.rng.uniform(0.0, 2.0 * self.mean_step_s))
 
     def _after_round(self, outcome: RoundOutcome) -> None:
-        self.sampler.on_round(outcome.planned)
+        self.sampler.on_round(outcome.dispatch_shares, outcome.epoch, outcome.epoch_batches)
         if outcome.epoch_over:
             self._leaving = True
 

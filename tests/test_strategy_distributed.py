@@ -123,7 +123,9 @@ def test_rank_local_stop_request_stops_every_rank_at_the_same_round(tmp_path):
     records = fit(tmp_path, elche(), callbacks=[StopAtStep(rank=1, step=3)], max_epochs=5,
                   model_kwargs={"val": False})
     r0, r1 = records
-    assert r0["rounds"] == r1["rounds"] == 1  # the first round carried the request; nobody trained on
+    # The first (calibration) window ends at step 2, before the request; the second round, at
+    # step 4, carried it, and nobody trained on.
+    assert r0["rounds"] == r1["rounds"] == 2
     assert r0["current_epoch"] == r1["current_epoch"]
     assert len(r0["seen"]["0"]) + len(r1["seen"]["0"]) < 512 and "1" not in r0["seen"]
     assert r0["params"] == r1["params"]
@@ -136,8 +138,9 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_next_sync(tmp_path):
     _, output = run_command([sys.executable, str(script), str(tmp_path)], tmp_path, 120)
     reports = [json.loads((tmp_path / f"exception{r}.json").read_text()) for r in range(2)]
     assert [r["type"] for r in reports] == ["SIGTERMException", "SIGTERMException"], output[-2000:]
-    # Rank 1 is signalled in its second window: both ranks stop right after the second round.
-    assert reports[0]["rounds"] == reports[1]["rounds"] == 2
+    # Rank 1 is signalled in its 10th step, in its first window after the two 2-step calibration
+    # windows (steps 5 to 14 at equal speeds): both ranks stop right after the third round.
+    assert reports[0]["rounds"] == reports[1]["rounds"] == 3
     assert not list(tmp_path.glob("finished*"))
 
 
