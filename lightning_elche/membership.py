@@ -324,6 +324,7 @@ class Membership:
                 something else).
         """
         deadline = time.monotonic() + self.liveness_timeout_s + 2 * _CHECK_INTERVAL_S
+        applied: list[Loss] = []
         while True:
             proposal = self._read_proposal(self.generation + 1)
             if proposal is None:
@@ -337,10 +338,10 @@ class Membership:
                     time.sleep(0.05)
                     continue
                 proposal = self._propose(self.generation + 1, lost)
-            loss = self._apply(proposal)
-            missing = self._join(loss.generation)
+            applied.append(self._apply(proposal))
+            missing = self._join(applied[-1].generation)
             if missing is None:
-                return loss
+                return _combined(applied)
             if missing:  # a survivor vanished before it joined: the next generation drops it too
                 self._propose(self.generation + 1, missing)
 
@@ -396,3 +397,23 @@ class Membership:
                 return {r: f"did not join the regroup within {self.join_timeout_s:.0f} s" for r in absent}
             time.sleep(0.02)
 
+
+def _combined(losses: list[Loss]) -> Loss:
+    """Generations applied one after the other within one agreement (a survivor vanished before
+    it joined), as one loss in the numbering the caller had before the first of them."""
+    first, last = losses[0], losses[-1]
+    if len(losses) == 1:
+        return first
+    survivors = first.survivors  # positions in the caller's numbering, narrowed generation by generation
+    for loss in losses[1:]:
+        survivors = [survivors[k] for k in loss.survivors]
+    lost = sorted(k for k in range(len(first.survivors) + len(first.lost)) if k not in survivors)
+    reasons = {r: why for loss in losses for r, why in loss.reasons.items()}
+    return Loss(
+        generation=last.generation,
+        lost=lost,
+        lost_original=sorted(r for loss in losses for r in loss.lost_original),
+        survivors=survivors,
+        reasons=reasons,
+        detected_at=first.detected_at,
+    )

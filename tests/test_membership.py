@@ -119,6 +119,39 @@ def test_survivors_agree_on_one_proposal_and_renumber() -> None:
             m.close()
 
 
+def test_a_survivor_lost_during_the_agreement_is_one_loss_in_the_callers_numbering() -> None:
+    import os
+    import socket
+
+    store = dist.HashStore()
+    store.set(proc_key(1), f"{socket.gethostname()}:999999999")  # rank 1 is gone at once
+    store.set(proc_key(3), f"{socket.gethostname()}:{os.getpid()}")  # rank 3 looks alive, never joins
+    ms = members(store, [0, 2], world=4)
+    losses: dict[int, Any] = {}
+
+    def agree(m: Membership) -> None:
+        losses[m.original_rank] = m.agree(RuntimeError("connection closed"))
+
+    threads = [threading.Thread(target=agree, args=(m,)) for m in ms]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert sorted(losses) == [0, 2]
+        for m in ms:
+            loss = losses[m.original_rank]
+            # Two generations (rank 1, then rank 3, silent past the liveness timeout while the
+            # others waited for it to join), one loss for the caller, in the numbering of 4 ranks.
+            assert loss.generation == 2 and loss.lost == [1, 3] and loss.survivors == [0, 2]
+            assert loss.lost_original == [1, 3] and set(loss.reasons) == {1, 3}
+            assert m.members == [0, 2] and m.world_size == 2
+        assert [m.rank for m in ms] == [0, 1]
+    finally:
+        for m in ms:
+            m.close()
+
+
 def test_a_rank_the_others_declared_lost_leaves() -> None:
     store = dist.HashStore()
     ms = members(store, [0, 1], world=2)
