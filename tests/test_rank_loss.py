@@ -208,3 +208,12 @@ def test_two_losses_under_the_limit_leave_one_rank_training_alone(tmp_path: Path
     # ends near step 14, where the first loss is found; the second rank dies in the next window.
     job = run_job(tmp_path, "nccl_cadence", ["kill:1:8", "kill:2:22"])
     check_survived(job, {1, 2})
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
+def test_two_losses_in_one_window_are_one_regroup(tmp_path: Path, mode: str) -> None:
+    # The second rank dies while the survivors agree on the first loss (both in one window): the
+    # agreement's two generations must reach the regroup as one loss.
+    job = run_job(tmp_path, mode, ["kill:1:8", "kill:2:14"])
+    check_survived(job, {1, 2})
