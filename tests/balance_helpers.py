@@ -22,31 +22,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from test_data import SharedCounter
+
 from lightning_elche.config import ElCheConfig
 from lightning_elche.controller import ElCheController
 from lightning_elche.data import ElCheSampler
 from lightning_elche.guard import Stable
-
-
-class _Counter:
-    """The store's atomic add, append, check and get, in memory."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, int] = {}
-        self.texts: dict[str, bytes] = {}
-
-    def add(self, key: str, amount: int) -> int:
-        self.values[key] = self.values.get(key, 0) + amount
-        return self.values[key]
-
-    def append(self, key: str, value: str) -> None:
-        self.texts[key] = self.texts.get(key, b"") + value.encode()
-
-    def check(self, keys: list[str]) -> bool:
-        return all(key in self.texts or key in self.values for key in keys)
-
-    def get(self, key: str) -> bytes:
-        return self.texts[key] if key in self.texts else str(self.values[key]).encode()
 
 
 @dataclass
@@ -125,7 +106,7 @@ def simulate_cadence_fit(
     if anchor is not None:
         config = ElCheConfig(mode=config.mode, anchor=anchor)
     controller = ElCheController.from_config(config, world)
-    counter = _Counter()
+    counter = SharedCounter()
     ranks = [
         _Rank(r, ElCheSampler(samples, batch, r, world, shuffle=True, seed=0, dispatch="pool", counter=counter,
                               key_prefix="balance", max_chunk_batches=chunk))

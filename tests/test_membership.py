@@ -29,6 +29,21 @@ def members(store: Any, ranks: list[int], world: int, liveness: timedelta = LIVE
             for r in ranks]
 
 
+def agree_together(ms: list[Membership], timeout_s: float) -> dict[int, Any]:
+    """Every member runs ``agree`` at once (one thread each); the losses by original rank."""
+    losses: dict[int, Any] = {}
+
+    def agree(m: Membership) -> None:
+        losses[m.original_rank] = m.agree(RuntimeError("connection closed"))
+
+    threads = [threading.Thread(target=agree, args=(m,)) for m in ms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    return losses
+
+
 @pytest.mark.parametrize(("value", "world", "limit"), [(None, 4, None), (1, 4, 1), (2, 3, 2), (0.5, 3, 2),
                                                         (1.0, 4, 4), (0.01, 8, 1)])
 def test_max_failure_reads_like_flodl(value: Any, world: int, limit: Any) -> None:
@@ -97,17 +112,8 @@ def test_survivors_agree_on_one_proposal_and_renumber() -> None:
 
     store.set(proc_key(1), f"{socket.gethostname()}:999999999")  # rank 1 is gone
     ms = members(store, [0, 2, 3], world=4)
-    losses: dict[int, Any] = {}
-
-    def agree(m: Membership) -> None:
-        losses[m.original_rank] = m.agree(RuntimeError("connection closed"))
-
-    threads = [threading.Thread(target=agree, args=(m,)) for m in ms]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=10)
+        losses = agree_together(ms, timeout_s=10)
         assert sorted(losses) == [0, 2, 3]
         for m in ms:
             loss = losses[m.original_rank]
@@ -127,17 +133,8 @@ def test_a_survivor_lost_during_the_agreement_is_one_loss_in_the_callers_numberi
     store.set(proc_key(1), f"{socket.gethostname()}:999999999")  # rank 1 is gone at once
     store.set(proc_key(3), f"{socket.gethostname()}:{os.getpid()}")  # rank 3 looks alive, never joins
     ms = members(store, [0, 2], world=4)
-    losses: dict[int, Any] = {}
-
-    def agree(m: Membership) -> None:
-        losses[m.original_rank] = m.agree(RuntimeError("connection closed"))
-
-    threads = [threading.Thread(target=agree, args=(m,)) for m in ms]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=20)
+        losses = agree_together(ms, timeout_s=20)
         assert sorted(losses) == [0, 2]
         for m in ms:
             loss = losses[m.original_rank]
