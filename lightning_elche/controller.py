@@ -266,9 +266,6 @@ class ElCheController:
         """The plan (``batch_counts``, at the full anchor) covers every batch left in the epoch,
         and the pooled dispatch shares them out: every rank runs to the epoch's end (see
         :meth:`planned_batches`)."""
-        return self._window_reaches_epoch_end()
-
-    def _window_reaches_epoch_end(self) -> bool:
         left = self._epoch_batches_left
         if not self._pooled_dispatch or self._max_batch_diff is not None or left is None or left <= 0:
             return False
@@ -293,7 +290,7 @@ class ElCheController:
         fetched, and every other rank, out of data, waiting a whole slow batch for it.
         """
         rank = self._checked_rank("rank", rank)
-        if self._window_reaches_epoch_end():
+        if self.window_reaches_epoch_end:
             assert self._epoch_batches_left is not None
             return self._epoch_batches_left
         counts = self.window_counts()
@@ -325,7 +322,7 @@ class ElCheController:
         if fill_ms is not None:
             self._require_per_rank("fill_ms", fill_ms)
         self.last_overhead = 0.0
-        ran_to_epoch_end = self._window_reaches_epoch_end()
+        ran_to_epoch_end = self.window_reaches_epoch_end
         self._ingest_readings(wall_ms, batches)
         if self.anchor_rank is None or self.phase >= Phase.STABLE:
             elected = self._elect_anchor_rank()

@@ -127,7 +127,7 @@ class CollectivePlane(AveragingPlane):
             # Buffers are averaged equally over the movers, parameters by work: one collective
             # per dtype reduces both, so the buffers carry the ratio of the two weights.
             torch._foreach_mul_(buffers.flats, buffer_factor / param_factor)
-        works = self.sum_scaled(self.layout.joint, param_factor, wait=False)
+        works = self.sum_scaled(joint, param_factor, wait=False)
         pre_norms = torch._foreach_norm(self._pre)  # runs beside the reduce (another stream, thread)
         for work in works:
             self._await(work, self._host_blocking)

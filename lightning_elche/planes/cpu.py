@@ -57,7 +57,7 @@ class HostMirror:
         self.source = source
         pin = torch.cuda.is_available() and any(f.is_cuda for f in source.flats)
         self.buffers = [torch.empty(f.numel(), dtype=torch.float32, pin_memory=pin) for f in source.flats]
-        self.staged = [torch.empty_like(f) for f in source.flats] if staged or not pin else []
+        self.staged = [torch.empty_like(f) for f in source.flats] if staged else []
         self.cuda = pin
         self._stream = torch.cuda.Stream() if pin else None
         self._ready: Optional[torch.cuda.Event] = None
