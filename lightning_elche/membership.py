@@ -341,7 +341,9 @@ class Membership:
             applied.append(self._apply(proposal))
             missing = self._join(applied[-1].generation)
             if missing is None:
-                return _combined(applied)
+                loss = _combined(applied)
+                self.losses[-len(applied):] = [loss]  # the record holds what the caller acts on
+                return loss
             if missing:  # a survivor vanished before it joined: the next generation drops it too
                 self._propose(self.generation + 1, missing)
 

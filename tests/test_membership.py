@@ -142,6 +142,7 @@ def test_a_survivor_lost_during_the_agreement_is_one_loss_in_the_callers_numberi
             # others waited for it to join), one loss for the caller, in the numbering of 4 ranks.
             assert loss.generation == 2 and loss.lost == [1, 3] and loss.survivors == [0, 2]
             assert loss.lost_original == [1, 3] and set(loss.reasons) == {1, 3}
+            assert m.losses == [loss] and m.lost_count == 2  # recorded as the caller sees it
             assert m.members == [0, 2] and m.world_size == 2
         assert [m.rank for m in ms] == [0, 1]
     finally:
