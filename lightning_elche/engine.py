@@ -26,7 +26,7 @@ from lightning_elche.config import ElCheConfig
 from lightning_elche.controller import ElCheController
 from lightning_elche.convergence import ConvergenceControl, Feedback
 from lightning_elche.guard import DivergenceReport, NudgeDown, Stable
-from lightning_elche.membership import PeerFailure
+from lightning_elche.membership.change import PeerFailure
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane, RoundResult
 from lightning_elche.rounds import META_SIZE, Meta, RankReport, StopRequest

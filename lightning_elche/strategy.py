@@ -70,16 +70,8 @@ from lightning_elche.loop_glue import (
     train_dataloader_count,
     with_training_sampler,
 )
-from lightning_elche.membership import (
-    Loss,
-    MaxFailure,
-    Membership,
-    PeerFailure,
-    RanksLost,
-    check_max_failure,
-    failure_limit,
-    resolve_liveness_timeout,
-)
+from lightning_elche.membership.agreement import Loss, Membership, resolve_liveness_timeout
+from lightning_elche.membership.change import MaxFailure, PeerFailure, RanksLost, check_max_failure, failure_limit
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import AveragingPlane, CollectivePlane, CpuPlane
 from lightning_elche.rounds import StopRequest

@@ -11,7 +11,7 @@ from lightning_elche import ElCheConfig
 from lightning_elche.averaging import round_weights
 from lightning_elche.controller import ElCheController
 from lightning_elche.engine import ElCheEngine, Regroup
-from lightning_elche.membership import PeerFailure
+from lightning_elche.membership.change import PeerFailure
 from lightning_elche.planes.base import AveragingPlane, RoundResult
 from lightning_elche.rounds import META_SIZE, Meta, StopRequest
 

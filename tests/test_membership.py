@@ -12,14 +12,8 @@ import torch.distributed as dist
 
 from lightning_elche import ElCheStrategy
 from lightning_elche.job_store import heartbeat_key, proc_key
-from lightning_elche.membership import (
-    Membership,
-    PeerFailure,
-    RanksLost,
-    check_liveness_timeout,
-    check_max_failure,
-    failure_limit,
-)
+from lightning_elche.membership.agreement import Membership, check_liveness_timeout
+from lightning_elche.membership.change import PeerFailure, RanksLost, check_max_failure, failure_limit
 
 LIVENESS = timedelta(seconds=1)
 

@@ -18,7 +18,7 @@ from test_monitor import run_chromium
 from test_rank_loss import run_job
 
 from lightning_elche import ElCheConfig
-from lightning_elche.membership import Loss
+from lightning_elche.membership.agreement import Loss
 from lightning_elche.monitor import ElCheMonitor, Timeline, dashboard_data, read_records, render_dashboard
 from lightning_elche.monitor.callback import rank_lost_record
 from lightning_elche.monitor.reports import ReportAccumulator

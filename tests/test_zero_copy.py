@@ -15,7 +15,7 @@ from zero_copy_helpers import ConvClassifier, ZeroCopyProbe, load_probe_records
 
 from lightning_elche import ElCheStrategy
 from lightning_elche.averaging import AveragedLayout, round_weights
-from lightning_elche.membership import PeerFailure
+from lightning_elche.membership.change import PeerFailure
 from lightning_elche.planes import collective as collective_plane
 from lightning_elche.planes.collective import CollectivePlane
 

@@ -31,7 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_elche.checks import require_int
 from lightning_elche.engine import RoundOutcome
 from lightning_elche.loop_glue import logged_callback_metrics
-from lightning_elche.membership import Loss
+from lightning_elche.membership.agreement import Loss
 from lightning_elche.monitor.dashboard import dashboard_data, validate_theme, write_dashboard
 from lightning_elche.monitor.record import (
     CORE_REDUCTIONS,

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_elche.averaging import AveragedLayout, RoundWeights
-from lightning_elche.membership import Membership
+from lightning_elche.membership.agreement import Membership
 from lightning_elche.rounds import Meta, RanksOutOfStep
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_elche.averaging import AveragedLayout, FlatTensors, divergence_norms, round_weights, weighted_sum_into
-from lightning_elche.membership import PeerFailure
+from lightning_elche.membership.change import PeerFailure
 from lightning_elche.outer import OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane, RoundResult, all_gather_flat, check_layout, stamp_layout
 from lightning_elche.rounds import Meta, validate_table

@@ -21,59 +21,19 @@ only shrinks). Ranks are numbered densely after each loss, in the order of their
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-from lightning_elche.checks import require_int
 from lightning_elche.job_store import heartbeat_key, parse_process, proc_key, process_alive
+from lightning_elche.membership.change import PeerFailure, RanksLost
 
 DEFAULT_LIVENESS_TIMEOUT = timedelta(seconds=30)
 _CHECK_INTERVAL_S = 0.5
 _SPIN_S = 0.005  # how long a wait on a device collective polls without sleeping
 _TIMED_OUT = "timed out"
-
-MaxFailure = Optional[Union[int, float]]
-
-
-class PeerFailure(RuntimeError):
-    """A collective of a round could not complete: a peer may be lost."""
-
-
-class RanksLost(RuntimeError):
-    """The fit ended because ranks were lost (``max_failure`` reached, or this rank was excluded)."""
-
-
-def check_max_failure(value: Any) -> MaxFailure:
-    """``max_failure`` as flodl reads it: None, an int >= 1, or a float fraction in (0, 1]."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"ElCheStrategy(max_failure={value!r}) is invalid: {_MAX_FAILURE_ALLOWED}.")
-    if isinstance(value, float):
-        if not (math.isfinite(value) and 0.0 < value <= 1.0):
-            raise ValueError(f"ElCheStrategy(max_failure={value!r}) is invalid: {_MAX_FAILURE_ALLOWED}.")
-        return value
-    return require_int(f"ElCheStrategy(max_failure={value!r})", value, 1, _MAX_FAILURE_ALLOWED)
-
-
-_MAX_FAILURE_ALLOWED = (
-    "expected None (tolerate any loss that leaves a rank), an int >= 1 (that many lost ranks end the fit) "
-    "or a float in (0, 1] (that fraction of the ranks, rounded up)"
-)
-
-
-def failure_limit(max_failure: MaxFailure, world_size: int) -> Optional[int]:
-    """How many lost ranks end the fit (None: only losing every rank does)."""
-    if max_failure is None:
-        return None
-    if isinstance(max_failure, float):
-        return max(1, math.ceil(max_failure * world_size))
-    return int(max_failure)
-
 
 def resolve_liveness_timeout(value: Any, transport_timeout: Optional[timedelta]) -> timedelta:
     """The liveness timeout to use: ``value`` (checked), or by default 30 s, or half the transport's
