@@ -33,7 +33,7 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _set_num_threads_if_needed,
 )
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, Timer, TQDMProgressBar
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook, _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
@@ -332,7 +332,7 @@ class LightningPatches:
         self._undo.append(lambda: vars(epoch_loop).pop("_broadcast_sigterm_tensor", None))
 
     def route_stop_signals(self, trainer: Trainer, on_stop: Callable[[StopRequest, int], None]) -> bool:
-        """Turn the signals that stop a job into ElChe stop requests: ``on_stop(request, signum)``.
+        """Turn the signals that stop a job into ElChe stop requests now: ``on_stop(request, signum)``.
 
         * SIGTERM (a launcher, a scheduler or a user stopping the job): ``StopRequest.SIGTERM``.
           Lightning's own handler broadcasts on the default group and makes this rank alone raise
@@ -345,22 +345,47 @@ class LightningPatches:
           configured): ``StopRequest.REQUEUE``. Lightning's handler would save in the middle of a
           window at once; the save and the requeue come at the next round instead.
 
-        Returns False outside the main thread, where Python cannot install handlers (Lightning's
-        stay, and a stop signal is then not graceful).
+        The handlers only record the request (no lock, no collective). :meth:`undo` restores the
+        handlers found here. Returns False outside the main thread, where Python cannot install
+        handlers (Lightning's stay, and a stop signal is then not graceful).
         """
-        routes: list[tuple[int, StopRequest]] = [(signal.SIGTERM, StopRequest.SIGTERM)]
-        if _under_job_launcher():
-            routes.append((signal.SIGINT, StopRequest.SIGTERM))
-        requeue = slurm_requeue_signal(trainer)
-        if requeue is not None:
-            routes.append((requeue, StopRequest.REQUEUE))
-        for signum, request in routes:
-            if not self._route(trainer, signum, request, on_stop):
+        return self._install_routes(trainer, on_stop, restore=True)
+
+    def route_stop_signals_for_the_fit(self, trainer: Trainer, on_stop: Callable[[StopRequest, int], None],
+                                       on_restored: Callable[[], None], on_unroutable: Callable[[], None]) -> None:
+        """:meth:`route_stop_signals` from the moment Lightning installs its handlers (after the
+        strategy's ``setup``, before the sanity check) to the moment it puts back those from before
+        the fit (the end of ``Trainer._teardown``, which covers ElChe's too: undoing them in the
+        strategy's ``teardown`` would bring back Lightning's broadcasting handler); then
+        ``on_restored()``. ``on_unroutable()`` outside the main thread."""
+        connector = trainer._signal_connector
+        register, restore = connector.register_signal_handlers, connector.teardown
+
+        def register_then_route() -> None:
+            register()
+            if not self._install_routes(trainer, on_stop, restore=False):
+                on_unroutable()
+
+        def restore_then_notify() -> None:
+            vars(connector).pop("register_signal_handlers", None)
+            vars(connector).pop("teardown", None)
+            try:
+                restore()
+            finally:
+                on_restored()
+
+        connector.register_signal_handlers = register_then_route  # type: ignore[method-assign]
+        connector.teardown = restore_then_notify  # type: ignore[method-assign]
+
+    def _install_routes(self, trainer: Trainer, on_stop: Callable[[StopRequest, int], None], restore: bool) -> bool:
+        for signum, request in stop_signal_requests(trainer).items():
+            if not self._route(trainer, signum, request, on_stop, restore):
                 return False
         return True
 
     def _route(
-        self, trainer: Trainer, signum: int, request: StopRequest, on_stop: Callable[[StopRequest, int], None]
+        self, trainer: Trainer, signum: int, request: StopRequest, on_stop: Callable[[StopRequest, int], None],
+        restore: bool = True,
     ) -> bool:
         previous = signal.getsignal(signum)
         chained = _chained_handler(trainer, signum, previous) if request is StopRequest.SIGTERM else None
@@ -375,14 +400,52 @@ class LightningPatches:
         except ValueError:  # not the main thread
             return False
 
-        def restore() -> None:
+        def put_back() -> None:
             try:
                 signal.signal(signum, previous)
             except ValueError:  # torn down outside the main thread: Lightning restores its own later
                 pass
 
-        self._undo.append(restore)
+        if restore:
+            self._undo.append(put_back)
         return True
+
+    def check_gathered_collections(self, module: LightningModule, check: Callable[[Any], Any]) -> None:
+        """Run ``LightningModule.all_gather(data)`` inside ``check(data)`` (a context manager), with
+        ``data`` as Lightning converts it: Lightning gathers a collection leaf by leaf, so ranks whose
+        collections differ issue different numbers of collectives; ``check`` compares them first."""
+        from lightning.fabric.utilities.apply_func import convert_to_tensors
+
+        gather = module.all_gather
+
+        def all_gather_checked(data: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+            data = convert_to_tensors(data, device=module.device)  # type: ignore[arg-type]
+            with check(data):
+                return gather(data, group=group, sync_grads=sync_grads)
+
+        module.all_gather = all_gather_checked  # type: ignore[method-assign, assignment]
+        self._undo.append(lambda: vars(module).pop("all_gather", None))
+
+
+def stop_signal_requests(trainer: Trainer) -> dict[int, StopRequest]:
+    """The signals ElChe routes into stop requests (see :meth:`LightningPatches.route_stop_signals`)."""
+    routes = {int(signal.SIGTERM): StopRequest.SIGTERM}
+    if _under_job_launcher():
+        routes[int(signal.SIGINT)] = StopRequest.SIGTERM
+    requeue = slurm_requeue_signal(trainer)
+    if requeue is not None:
+        routes[requeue] = StopRequest.REQUEUE
+    return routes
+
+
+def lightning_phase(trainer: Trainer) -> str:
+    """Where a fit is, in Lightning's words: the hook being run and the stage
+    (``on_train_end (stage train)``, ``validation_step (the sanity check)``)."""
+    module = trainer.lightning_module
+    hook = module._current_fx_name if module is not None else None
+    stage = trainer.state.stage
+    where = "the sanity check" if trainer.sanity_checking else f"stage {stage.value}" if stage else "outside a stage"
+    return f"{hook} ({where})" if hook else where
 
 
 def init_process_group_on_job_store(strategy: Any) -> Optional[JobStoreLink]:

@@ -33,6 +33,17 @@ def stop_checkpoint_path(trainer: Trainer, name: Optional[str] = None) -> str:
     return os.path.join(str(directory), name or STOP_CHECKPOINT_NAME)
 
 
+def unsaved_note(trainer: Trainer) -> str:
+    """What a stop that ended the process without a sync leaves to resume from (for its message):
+    nothing was saved; the newest checkpoint in the stop checkpoint's directory, if any."""
+    directory = Path(os.path.dirname(stop_checkpoint_path(trainer)))
+    saved = sorted(directory.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
+    where = (f"the newest checkpoint there is {saved[-1]}: resume with Trainer.fit(ckpt_path=...)" if saved
+             else f"no checkpoint in {directory} to resume from")
+    return ("Nothing was saved: without a sync, this rank holds its own replica, not the consensus; "
+            f"{where}.")
+
+
 def is_local_path(path: Any) -> bool:
     return "://" not in str(path) or str(path).startswith("file://")
 

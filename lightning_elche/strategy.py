@@ -45,12 +45,13 @@ from torch.utils.data import DataLoader
 
 from lightning_elche.averaging import AveragedLayout
 from lightning_elche.buffer_sync import average_replaced_buffers
+from lightning_elche.checked_collectives import CheckedCollectives
 from lightning_elche.checks import require_int
 from lightning_elche.config import ElCheConfig, ElCheMode, Transport
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.data import ElCheSampler, LostWork
 from lightning_elche.engine import ElCheEngine, FitProgress, Regroup, RoundOutcome
-from lightning_elche.job_store import JobStoreLink, current_link, generation_prefix, process_alive
+from lightning_elche.job_store import JobStoreLink, current_link, generation_prefix, mark_exited, process_alive
 from lightning_elche.loop_glue import (
     LightningPatches,
     can_stop_early,
@@ -60,12 +61,14 @@ from lightning_elche.loop_glue import (
     default_group_store,
     distributed_is_initialized,
     init_process_group_on_job_store,
+    lightning_phase,
     process_group_timeout,
     renumber_lightning_ranks,
     reopen_training_epoch,
     sampler_for,
     save_and_requeue_slurm_job,
     slurm_requeue_signal,
+    stop_signal_requests,
     sync_module_states,
     train_dataloader_count,
     with_training_sampler,
@@ -76,7 +79,13 @@ from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import AveragingPlane, CollectivePlane, CpuPlane
 from lightning_elche.rounds import StopRequest
 from lightning_elche.session import EpochCallbackPolicy, RoundAction, Session, check_policy
-from lightning_elche.stop_checkpoint import RANKS_LOST_CHECKPOINT_NAME, stop_checkpoint_path, written_whole
+from lightning_elche.stop_checkpoint import (
+    RANKS_LOST_CHECKPOINT_NAME,
+    stop_checkpoint_path,
+    unsaved_note,
+    written_whole,
+)
+from lightning_elche.stop_signals import StopWatchdog, grace_for, resolve_stop_grace
 from lightning_elche.summary import format_summary
 from lightning_elche.trainer_checks import check_trainer
 
@@ -145,6 +154,10 @@ class ElCheStrategy(DDPStrategy):
         liveness_timeout: how long a rank may stay silent (no heartbeat) before its peers declare
             it lost (default 30 s, or half of ``timeout`` when that is shorter; it must be shorter
             than ``timeout``). A killed or crashed rank on the same host is noticed at once.
+        stop_grace: how long a stop signal may wait for the sync that honours it before the process
+            ends anyway (with ``128 + signum``, saving nothing): ``None`` (default) derives it from the
+            measured window (3 windows and 2 syncs, at least 30 s); a timedelta is used as it is.
+            A second stop signal ends the process at once.
         epoch_callback_policy: which rank runs user epoch callbacks wrapped in
             :class:`~lightning_elche.EpochCallbacks` (or that check :attr:`runs_epoch_callbacks`):
             ``"fastest"`` (default, as flodl), ``"rank0"`` or ``"all"``. Callbacks that Lightning
@@ -167,6 +180,7 @@ class ElCheStrategy(DDPStrategy):
         epoch_callback_policy: EpochCallbackPolicy = "fastest",
         max_failure: MaxFailure = None,
         liveness_timeout: Optional[timedelta] = None,
+        stop_grace: Optional[timedelta] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -206,6 +220,7 @@ class ElCheStrategy(DDPStrategy):
         self.epoch_callback_policy = check_policy("ElCheStrategy", epoch_callback_policy)
         self.max_failure = check_max_failure(max_failure)
         self.liveness_timeout = resolve_liveness_timeout(liveness_timeout, timeout)
+        self.stop_grace = resolve_stop_grace(stop_grace)
         if timeout is not None and self.liveness_timeout >= timeout:
             raise ValueError(
                 f"ElCheStrategy(liveness_timeout={self.liveness_timeout}) must be shorter than timeout={timeout}: a "
@@ -226,6 +241,8 @@ class ElCheStrategy(DDPStrategy):
         self._round_listeners: list[RoundListener] = []
         self._rank_loss_listeners: list[RankLossListener] = []
         self._averaged_buffers: list[Tensor] = []  # the buffer tensors the rounds reduce
+        self._stop_watchdog: Optional[StopWatchdog] = None
+        self._collectives: Optional[CheckedCollectives] = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -386,6 +403,7 @@ class ElCheStrategy(DDPStrategy):
             prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
             self._session = Session(self.world_size, None if budget in (None, -1) else int(budget), prefix)
             self._membership = self._join_membership(prefix)
+            self._guard_fit(trainer)
             self._patches.report_cohort_batches(trainer, lambda: self._sampler)
         super().setup(trainer)  # configure_ddp, then configure_optimizers (with the user's max_steps)
         if not fitting:
@@ -493,16 +511,48 @@ class ElCheStrategy(DDPStrategy):
         if train_dataloader_count(trainer) != 1:
             raise TypeError("ElCheStrategy supports exactly one training DataLoader.")
         self._patches.silence_per_step_sigterm_broadcast(trainer)
-        if not self._patches.route_stop_signals(trainer, self._on_stop_signal):
-            rank_zero_warn("ElCheStrategy could not install its stop-signal handlers outside the main thread.")
         self._patches.watch_batches(trainer, lambda: self._after_batch_hooks(trainer), self._refuse_skipped_epoch)
 
+    # -- stop signals: honoured at the next round, within a bounded grace in any case --------------
+
+    def _guard_fit(self, trainer: Trainer) -> None:
+        """For the rest of the fit: stop signals become stop requests and always end the process
+        (:mod:`lightning_elche.stop_signals`), and gathers of collections are checked."""
+        watchdog = StopWatchdog(lambda: grace_for(self.stop_grace, self._engine), lambda: self._stop_report(trainer),
+                                forward=self._forward_stop, on_exit=self._mark_stopped)
+        if not watchdog.listen({*stop_signal_requests(trainer), int(signal.SIGINT)}):
+            rank_zero_warn("ElCheStrategy: outside the main thread a stop signal is not bounded by stop_grace.")
+        self._stop_watchdog = watchdog
+        self._collectives = CheckedCollectives(lambda: self._membership, lambda: lightning_phase(trainer))
+        self._patches.route_stop_signals_for_the_fit(
+            trainer, self._on_stop_signal, on_restored=watchdog.stop_listening,
+            on_unroutable=lambda: rank_zero_warn(
+                "ElCheStrategy could not install its stop-signal handlers outside the main thread."))
+        assert self.lightning_module is not None
+        self._patches.check_gathered_collections(self.lightning_module, self._checked_gather)
+
     def _on_stop_signal(self, request: StopRequest, signum: int) -> None:
-        # Only recorded: every rank saves and stops after the next round. Lightning's launcher
-        # passes a SIGTERM on to the ranks it started, once.
-        raised = self._session.request_stop(request)
-        if raised and request is StopRequest.SIGTERM and self.launcher is not None:
+        # Only recorded: every rank saves and stops after the next round. The watchdog, woken by
+        # the same signal, passes it on to the ranks the launcher started and bounds the wait.
+        self._session.request_stop(request)
+
+    def _forward_stop(self, signum: int) -> None:
+        # As Lightning's handler does: its popen launcher passes a SIGTERM on to the ranks it started.
+        if signum == signal.SIGTERM and self.launcher is not None:
             self.launcher.kill(signum)
+
+    def _mark_stopped(self, message: str) -> None:
+        link = self.job_store_link  # on a connection of its own: the main thread may hold the link's
+        if link is not None:
+            store = link.store.clone() if hasattr(link.store, "clone") else link.store
+            mark_exited(store, link.rank, message[:2000])
+
+    def _stop_report(self, trainer: Trainer) -> str:
+        return f"Rank {self.global_rank} was in {lightning_phase(trainer)}. {unsaved_note(trainer)}"
+
+    def _stop_saving(self) -> contextlib.AbstractContextManager[None]:
+        watchdog = self._stop_watchdog
+        return watchdog.saving() if watchdog is not None else contextlib.nullcontext()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         assert self._engine is not None
@@ -510,6 +560,8 @@ class ElCheStrategy(DDPStrategy):
             self._save_and_exit(self.lightning_module.trainer)
         if self._session.start_batch(self.lightning_module.trainer.current_epoch, self._batch_samples(batch)):
             self._engine.start_epoch()
+            if self._collectives:
+                self._collectives.training_started(self.lightning_module.trainer.current_epoch)
         if self._sampler is not None:
             self._sampler.batch_started()
 
@@ -763,7 +815,7 @@ class ElCheStrategy(DDPStrategy):
         signum = slurm_requeue_signal(trainer) if request is StopRequest.REQUEUE else int(signal.SIGTERM)
         assert signum is not None
         started = time.perf_counter()
-        with self._session.at_sync_point():
+        with self._session.at_sync_point(), self._stop_saving():
             if request is StopRequest.REQUEUE:
                 path = save_and_requeue_slurm_job(trainer, signum)
             else:
@@ -817,6 +869,9 @@ class ElCheStrategy(DDPStrategy):
 
     # -- collectives outside ElChe's rounds --------------------------------------------------------
 
+    # Between the fit's set-up and teardown, entry-checked and waited on with liveness checks
+    # (checked_collectives.py); Lightning's own outside a fit, and on other groups.
+
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         self._refuse_on_one_rank("reduce()")
         if self._session.in_window:
@@ -828,19 +883,30 @@ class ElCheStrategy(DDPStrategy):
                     "Epoch-level values (on_epoch=True) are still reduced across ranks at the epoch end."
                 )
             return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        reduced = self._collectives.reduce(tensor, group, reduce_op) if self._collectives else None
+        return reduced if reduced is not None else super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._refuse_mid_window("barrier()")
-        super().barrier(*args, **kwargs)
+        name = args[0] if args else kwargs.get("name")
+        if not (self._collectives and self._collectives.barrier(name, self.determine_ddp_device_ids())):
+            super().barrier(*args, **kwargs)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._refuse_mid_window("broadcast()")
+        if self._collectives:  # an object broadcast has no asynchronous form: Lightning's, once checked
+            self._collectives.enter("broadcast()", f"src={src}")
         return super().broadcast(obj, src)
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         self._refuse_mid_window("all_gather()")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        gathered = self._collectives.all_gather(tensor, group, sync_grads) if self._collectives else None
+        return gathered if gathered is not None else super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def _checked_gather(self, data: Any) -> contextlib.AbstractContextManager[None]:
+        # LightningModule.all_gather(data), through the loop_glue patch installed by _guard_fit.
+        self._refuse_mid_window("all_gather()")
+        return self._collectives.gathering(data) if self._collectives else contextlib.nullcontext()
 
     def _refuse_on_one_rank(self, what: str) -> None:
         policy = self._session.single_rank_policy
@@ -868,6 +934,8 @@ class ElCheStrategy(DDPStrategy):
         if self._engine is not None and self.lightning_module is not None:
             # After the callbacks' on_train_end (SWA's BatchNorm pass has ended): buffers a callback
             # replaced left the rounds; every rank gets the cohort's value (one collective per fit).
+            if self._collectives:
+                self._collectives.enter("ElChe's end-of-training buffer average")
             average_replaced_buffers(self.lightning_module, self._averaged_buffers, self.world_size,
                                      self._metadata_device())
         if self.summary and self.is_global_zero and self._engine is not None and self._engine.state.rounds:
@@ -886,6 +954,8 @@ class ElCheStrategy(DDPStrategy):
         # The engine stays readable after fit (its totals and controller state are the run's
         # record); only its transport is released.
         if self._membership is not None:
+            if self._collectives:  # a peer waiting in a collective this rank never enters fails
+                self._collectives.close()
             self._membership.close()
         if self._engine is not None:
             self._engine.plane.close()

@@ -1,0 +1,387 @@
+"""The collectives outside ElChe's rounds, checked at entry and waited on like the rounds.
+
+Lightning's epoch-level collectives (``barrier``, ``broadcast``, ``all_gather``, ``reduce`` for
+``self.log(sync_dist=True)``, ``LightningModule.all_gather`` of a collection) and ElChe's own
+end-of-training buffer average are plain blocking calls under DDP: ranks that call different
+numbers of them pair up wrongly (silently, when the shapes agree) or wait for the process group's
+timeout (30 minutes) when one never comes. Here every rank first records in the job's store which
+collective it enters: its sequence number in the fit and a small signature (the kind; dtypes and
+shapes; the structure of a gathered collection). A rank then waits for every peer's record of the
+same number, in short polls, and fails on every rank, naming both sides, as soon as
+
+* a peer's record differs (``rank 0 gathers a list of 5 tensors, rank 1 a list of 3``);
+* a peer ended its fit (teardown) or went on to train the next epoch without entering it;
+* a peer left the fit with an exception, its process is gone, or it went silent
+  (:meth:`Membership.check`: the liveness signals the rounds use).
+
+Only then is the collective started, asynchronously where torch allows it, and waited on through
+:meth:`Membership.wait` (half-second slices with liveness checks). A store round trip per call is
+cheap here: these calls come at epoch level, never per training step (a per-step ``reduce`` is
+rank-local under ElChe).
+
+Records are kept under ``<fit prefix>/collectives/gen<g>/<registry rank>/``: ``<n>`` for the
+collective number ``n`` (counted from 1 in each generation of the fit's membership: a regroup
+happens in a round, where every survivor has entered the same number), ``training`` (the epoch the
+rank last started to train, and its count then) and ``closed`` (its count at teardown).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_elche.membership.agreement import Membership
+from lightning_elche.membership.change import PeerFailure
+
+_POLL_FIRST_S = 0.001
+_POLL_MAX_S = 0.02
+_MARKERS_EVERY_S = 0.1
+
+
+class CollectiveMismatch(RuntimeError):
+    """A collective outside ElChe's rounds that can never complete (raised on every rank involved)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a rank enters: compared between ranks (``kind``, ``signature``), or shown (the rest)."""
+
+    kind: str
+    signature: str = ""
+    summary: str = ""
+    """The signature in words, for the message (``a list of 5 tensors``)."""
+    phase: str = ""
+    """Where in the fit (Lightning's hook and stage), for the message."""
+
+    def matches(self, other: Entry) -> bool:
+        return (self.kind, self.signature) == (other.kind, other.signature)
+
+    def describe(self) -> str:
+        what = f"{self.kind} of {self.summary}" if self.summary else self.kind
+        return f"{what} in {self.phase}" if self.phase else what
+
+    def dumps(self) -> str:
+        return json.dumps({"kind": self.kind, "signature": self.signature, "summary": self.summary,
+                           "phase": self.phase})
+
+    @classmethod
+    def loads(cls, text: Union[str, bytes]) -> Entry:
+        fields = json.loads(text)
+        return cls(str(fields["kind"]), str(fields["signature"]), str(fields["summary"]), str(fields["phase"]))
+
+
+# -- signatures ------------------------------------------------------------------------------------
+
+
+def tensor_signature(tensor: Tensor) -> str:
+    """``float32[4, 3]``: what ranks must agree on for a gather or a reduce."""
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+
+
+def collection_signature(data: Any) -> str:
+    """The structure of a collection as Lightning's ``apply_to_collection`` walks it: containers,
+    their lengths and keys, and each tensor's dtype and shape."""
+    if isinstance(data, Tensor):
+        return tensor_signature(data)
+    if isinstance(data, Mapping):
+        return "{" + ", ".join(f"{key!r}: {collection_signature(value)}" for key, value in data.items()) + "}"
+    if isinstance(data, (list, tuple)):
+        return f"{type(data).__name__}[" + ", ".join(collection_signature(item) for item in data) + "]"
+    return type(data).__name__
+
+
+def collection_summary(data: Any) -> str:
+    """The collection in a few words: ``a list of 5 tensors``, ``a dict of 2 entries ('a', 'b')``."""
+    if isinstance(data, Tensor):
+        return f"a tensor of shape {list(data.shape)} ({str(data.dtype).removeprefix('torch.')})"
+    if isinstance(data, Mapping):
+        keys = ", ".join(repr(key) for key in list(data)[:6]) + (", ..." if len(data) > 6 else "")
+        return f"a dict of {len(data)} entries ({keys})"
+    if isinstance(data, (list, tuple)):
+        items = "tensors" if data and all(isinstance(item, Tensor) for item in data) else "items"
+        return f"a {type(data).__name__} of {len(data)} {items}"
+    return f"a {type(data).__name__}"
+
+
+def _first_difference(mine: str, theirs: str) -> str:
+    at = next((k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs)))
+    start = max(0, at - 30)
+    return f"{mine[start:at + 40]!r} vs {theirs[start:at + 40]!r}"
+
+
+# -- reduce ops as Lightning maps them ---------------------------------------------------------------
+
+
+def reduce_op_for(reduce_op: Optional[Union[dist.ReduceOp, str]], backend: str) -> tuple[Any, bool]:
+    """Lightning's mapping (``_sync_ddp``): ``"mean"``/``"avg"`` average (a sum divided by the world
+    size on gloo, which has no ``AVG``), other strings name a ``ReduceOp``, None sums. Returns the
+    op and whether to divide by the world size afterwards."""
+    if reduce_op is None:
+        return dist.ReduceOp.SUM, False
+    if isinstance(reduce_op, str):
+        name = "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
+        if name == "avg" and "gloo" in backend:
+            return dist.ReduceOp.SUM, True
+        return getattr(dist.ReduceOp, name.upper()), False
+    return reduce_op, False
+
+
+def _op_name(op: Any) -> str:
+    return str(getattr(op, "name", op)).removeprefix("ReduceOp.")
+
+
+# -- the checks ----------------------------------------------------------------------------------
+
+
+class CheckedCollectives:
+    """Entry checks and watched waits for the collectives outside the rounds, for one rank's fit.
+
+    Args:
+        membership: the fit's :class:`Membership` (the store, the members, the liveness checks);
+            collectives are checked while it is active (between the fit's set-up and teardown) and
+            the default group has more than one rank.
+        phase: where the fit is (Lightning's hook and stage), for the messages.
+
+    The collective methods return None where they do not apply (another group, no active
+    membership): the caller then runs Lightning's own. The counters restart with each new fit (a
+    new ``fit_prefix``) and each regroup (a new generation).
+    """
+
+    def __init__(self, membership: Callable[[], Optional[Membership]], phase: Callable[[], str]) -> None:
+        self._membership = membership
+        self._phase = phase
+        self._scope: tuple[str, int] = ("", -1)
+        self.count = 0
+        """Collectives this rank entered in the current generation of the fit."""
+        self._trained_epoch = -1
+        self._covered = False
+
+    def active(self, group: Optional[Any] = None) -> Optional[Membership]:
+        """The membership to check a collective on ``group`` with, or None (not checked)."""
+        membership = self._membership()
+        if membership is None or not membership.active or not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        return membership if group is None or group is dist.group.WORLD else None
+
+    # -- what peers read -----------------------------------------------------------------------
+
+    def _base(self, membership: Membership) -> str:
+        scope = (membership.fit_prefix, membership.generation)
+        if scope != self._scope:
+            if scope[0] != self._scope[0]:  # a new fit
+                self._trained_epoch = -1
+            self._scope, self.count = scope, 0
+        return f"{membership.fit_prefix}/collectives/gen{membership.generation}"
+
+    def training_started(self, epoch: int) -> None:
+        """This rank started to train ``epoch``: a peer still waiting in a collective this rank did
+        not enter will never see it (one store write per epoch)."""
+        membership = self.active()
+        if membership is None:
+            return
+        base = self._base(membership)
+        self._trained_epoch = epoch
+        membership.store.set(f"{base}/{membership.original_rank}/training",
+                             json.dumps({"epoch": epoch, "count": self.count}))
+
+    def close(self) -> None:
+        """This rank's fit ends (teardown): a peer waiting in a collective it did not enter fails."""
+        membership = self.active()
+        if membership is None:
+            return
+        base = self._base(membership)
+        try:
+            membership.store.set(f"{base}/{membership.original_rank}/closed", json.dumps({"count": self.count}))
+        except Exception:  # noqa: BLE001 (the store may be gone at the end of a failed job)
+            pass
+
+    # -- entering ------------------------------------------------------------------------------
+
+    def enter(self, kind: str, signature: str = "", summary: str = "") -> Optional[Membership]:
+        """Enter the next collective (``kind`` with ``signature``) if checked: record it and wait
+        until every peer entered the same one. Returns the membership (None: not checked).
+
+        Raises:
+            CollectiveMismatch: a peer entered another collective, or can never enter this one.
+        """
+        membership = self.active()
+        if membership is None or self._covered:
+            return membership
+        entry = Entry(kind, signature, summary, self._phase())
+        base = self._base(membership)
+        self.count += 1
+        number = self.count
+        store, me = membership.store, membership.original_rank
+        store.set(f"{base}/{me}/{number}", entry.dumps())
+        pending = [peer for peer in membership.members if peer != me]
+        poll, next_markers = _POLL_FIRST_S, time.monotonic() + _MARKERS_EVERY_S
+        while pending:
+            for peer in list(pending):
+                key = f"{base}/{peer}/{number}"
+                if store.check([key]):
+                    theirs = Entry.loads(store.get(key))
+                    if not entry.matches(theirs):
+                        raise self._mismatch(membership, number, entry, peer, theirs)
+                    pending.remove(peer)
+            if not pending:
+                break
+            if time.monotonic() >= next_markers:
+                next_markers = time.monotonic() + _MARKERS_EVERY_S
+                for peer in pending:
+                    self._check_peer_can_come(membership, base, number, entry, peer)
+                try:
+                    membership.check()
+                except PeerFailure as failure:
+                    cause = _lost_peers(membership, failure)
+                    raise self._cannot_complete(membership, number, entry, cause) from failure
+            time.sleep(poll)
+            poll = min(_POLL_MAX_S, poll * 2)
+        return membership
+
+    @contextmanager
+    def gathering(self, data: Any) -> Iterator[None]:
+        """``LightningModule.all_gather(data)``: one check of the collection's structure on every
+        rank; the gathers of its tensors follow from it and skip their own entry checks."""
+        self.enter("self.all_gather()", collection_signature(data), collection_summary(data))
+        self._covered = True
+        try:
+            yield
+        finally:
+            self._covered = False
+
+    def _check_peer_can_come(self, membership: Membership, base: str, number: int, entry: Entry, peer: int) -> None:
+        store = membership.store
+        closed = f"{base}/{peer}/closed"
+        if store.check([closed]):
+            count = int(json.loads(store.get(closed))["count"])
+            raise self._cannot_complete(
+                membership, number, entry,
+                f"rank {self._rank_of(membership, peer)} ended its fit after {count} collective(s) outside the "
+                f"rounds{self._last_of(membership, base, peer, count)}")
+        training = f"{base}/{peer}/training"
+        if store.check([training]):
+            record = json.loads(store.get(training))
+            epoch, count = int(record["epoch"]), int(record["count"])
+            if epoch > self._trained_epoch and count < number:
+                raise self._cannot_complete(
+                    membership, number, entry,
+                    f"rank {self._rank_of(membership, peer)} went on to train epoch {epoch} after {count} "
+                    f"collective(s) outside the rounds{self._last_of(membership, base, peer, count)}, "
+                    "without entering this one")
+
+    # -- messages -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _rank_of(membership: Membership, peer: int) -> int:
+        return membership.members.index(peer)
+
+    @staticmethod
+    def _last_of(membership: Membership, base: str, peer: int, count: int) -> str:
+        key = f"{base}/{peer}/{count}"
+        if count < 1 or not membership.store.check([key]):
+            return ""
+        return f" (the last: {Entry.loads(membership.store.get(key)).describe()})"
+
+    def _mismatch(self, membership: Membership, number: int, mine: Entry, peer: int, theirs: Entry
+                  ) -> CollectiveMismatch:
+        # In rank order, so that every rank words it the same.
+        (low, first), (high, second) = sorted([(membership.rank, mine), (self._rank_of(membership, peer), theirs)],
+                                              key=lambda side: side[0])
+        if first.kind == second.kind:
+            verb = "gathers" if "gather" in first.kind else f"enters {first.kind} with"
+            if first.summary and first.summary != second.summary:
+                differs = f"rank {low} {verb} {first.summary}, rank {high} {second.summary}"
+            else:
+                differs = (f"rank {low} and rank {high} enter {first.kind} with different arguments: "
+                           f"{_first_difference(first.signature, second.signature)}")
+            differs += f" (in {first.phase})" if first.phase else ""
+        else:
+            differs = f"rank {low} is in {first.describe()}, rank {high} in {second.describe()}"
+        return CollectiveMismatch(
+            f"ElCheStrategy: the collectives outside ElChe's rounds differ between ranks at collective #{number} "
+            f"of the fit: {differs}. They would pair up wrongly or wait forever. Every rank must call the same "
+            "collectives (barrier, broadcast, all_gather, reduce, self.log(sync_dist=True)) in the same order, "
+            "with tensors of the same shapes and collections of the same structure; gather per-rank data of "
+            "different lengths by padding it to one length first (or with all_gather_object)."
+        )
+
+    @staticmethod
+    def _cannot_complete(membership: Membership, number: int, entry: Entry, cause: str) -> CollectiveMismatch:
+        return CollectiveMismatch(
+            f"ElCheStrategy: {entry.describe()} on rank {membership.rank} (collective #{number} outside ElChe's "
+            f"rounds) can never complete: {cause}. Every rank must call the same collectives in the same order."
+        )
+
+    # -- the collectives themselves ----------------------------------------------------------------
+
+    def _wait(self, membership: Membership, work: Any, kind: str) -> None:
+        """Wait for ``work`` through the rounds' watched wait; a lost peer becomes an error naming it."""
+        try:
+            membership.wait(work, not _uses_nccl())
+        except PeerFailure as failure:
+            raise CollectiveMismatch(
+                f"ElCheStrategy: {kind} in {self._phase()} on rank {membership.rank} failed while waiting for its "
+                f"peers: {failure}."
+            ) from failure
+
+    def barrier(self, name: Optional[str], device_ids: Optional[Sequence[int]]) -> bool:
+        """Lightning's ``barrier``; False when not checked here."""
+        membership = self.enter(f"barrier({name!r})" if name is not None else "barrier()")
+        if membership is None:
+            return False
+        kwargs: dict[str, Any] = {"device_ids": list(device_ids)} if device_ids and _uses_nccl() else {}
+        self._wait(membership, dist.barrier(async_op=True, **kwargs), "barrier()")
+        return True
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any], sync_grads: bool) -> Optional[Tensor]:
+        """Lightning's ``all_gather`` without gradients: ``(world_size, *tensor.shape)``. None when
+        not checked here, or (``sync_grads``, autograd's gather: Lightning's) once checked."""
+        if self.active(group) is None:
+            return None
+        kind = "all_gather(sync_grads=True)" if sync_grads else "all_gather()"
+        membership = self.enter(kind, tensor_signature(tensor), collection_summary(tensor))
+        if membership is None or sync_grads:
+            return None
+        with torch.no_grad():
+            tensor = tensor.contiguous()
+            gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+            self._wait(membership, dist.all_gather(gathered, tensor, async_op=True), kind)
+            return torch.stack(gathered)
+
+    def reduce(self, tensor: Any, group: Optional[Any], reduce_op: Optional[Union[dist.ReduceOp, str]]
+               ) -> Optional[Tensor]:
+        """Lightning's ``_sync_ddp`` (in place), with the entry check in place of its leading
+        barrier; None when not checked here (a non-tensor is returned as it is, as Lightning does)."""
+        if not isinstance(tensor, Tensor) or self.active(group) is None:
+            return None
+        op, divide = reduce_op_for(reduce_op, str(dist.get_backend()))
+        membership = self.enter("reduce()", f"{tensor_signature(tensor)} {_op_name(op)}")
+        assert membership is not None
+        self._wait(membership, dist.all_reduce(tensor, op=op, async_op=True), "reduce()")
+        if not divide:
+            return tensor
+        world_size = dist.get_world_size()
+        return tensor.copy_(tensor / world_size) if not torch.is_floating_point(tensor) else tensor.div_(world_size)
+
+
+def _lost_peers(membership: Membership, failure: PeerFailure) -> str:
+    """The liveness check's finding, with each lost peer's reason where the membership tells it."""
+    try:
+        lost = membership.detect_lost()
+    except Exception:  # noqa: BLE001 (the reasons only improve the message)
+        lost = {}
+    if not lost:
+        return str(failure)
+    return "; ".join(f"rank {membership.members.index(peer)} left the fit: {why}" for peer, why in sorted(lost.items()))
+
+
+def _uses_nccl() -> bool:
+    return "nccl" in str(dist.get_backend())
