@@ -149,15 +149,18 @@ class CheckedCollectives:
             collectives are checked while it is active (between the fit's set-up and teardown) and
             the default group has more than one rank.
         phase: where the fit is (Lightning's hook and stage), for the messages.
+        world_size: the default group's size (1 while there is none).
 
     The collective methods return None where they do not apply (another group, no active
     membership): the caller then runs Lightning's own. The counters restart with each new fit (a
     new ``fit_prefix``) and each regroup (a new generation).
     """
 
-    def __init__(self, membership: Callable[[], Optional[Membership]], phase: Callable[[], str]) -> None:
+    def __init__(self, membership: Callable[[], Optional[Membership]], phase: Callable[[], str],
+                 world_size: Callable[[], int] = lambda: dist.get_world_size() if dist.is_initialized() else 1) -> None:
         self._membership = membership
         self._phase = phase
+        self._world_size = world_size
         self._scope: tuple[str, int] = ("", -1)
         self.count = 0
         """Collectives this rank entered in the current generation of the fit."""
@@ -167,7 +170,7 @@ class CheckedCollectives:
     def active(self, group: Optional[Any] = None) -> Optional[Membership]:
         """The membership to check a collective on ``group`` with, or None (not checked)."""
         membership = self._membership()
-        if membership is None or not membership.active or not dist.is_initialized() or dist.get_world_size() < 2:
+        if membership is None or not membership.active or self._world_size() < 2:
             return None
         return membership if group is None or group is dist.group.WORLD else None
 

@@ -241,7 +241,7 @@ class StopWatchdog:
         signal ends the process only once the file is complete (it is written whole)."""
         if self.deadline is not None and not self._rearmed:
             self._rearmed = True
-            self.deadline = max(self.deadline, time.monotonic() + self._grace_s())
+            self.deadline = max(self.deadline, time.monotonic() + self._grace_or_floor())
         self._saving = True
         try:
             yield
@@ -295,32 +295,43 @@ class StopWatchdog:
         name = signal_name(signum)
         if self.signum is None:
             self.signum, self._first_at = signum, now
-            grace = self._grace_s()
+            grace = self._grace_or_floor()
             self.deadline = now + grace
             self._say(f"received {name}: every rank saves the consensus and stops at the next sync; if that does "
                       f"not end the process within {grace:.1f} s (stop_grace), it ends anyway with status "
                       f"{exit_status(signum)}. A second stop signal ends it at once.")
-            self._forward(signum)
+            self._pass_to_launched(signum)
             return
         if now - self._first_at < REPEAT_WINDOW_S:
             return  # the same stop through a second path
-        self._forward(signum)
+        self._pass_to_launched(signum)
         if self._saving:
             self._exit_after_save = True
             self._say(f"received {name} again: the process ends as soon as the stop's checkpoint is written.")
             return
         self._end(f"a second stop signal ({name}) arrived")
 
+    def _grace_or_floor(self) -> float:
+        try:  # read while the main thread trains on: a reading caught mid-update must not cost the stop
+            return float(self._grace_s())
+        except Exception:  # noqa: BLE001
+            return STOP_GRACE_FLOOR.total_seconds()
+
+    def _pass_to_launched(self, signum: int) -> None:
+        try:
+            self._forward(signum)
+        except Exception as error:  # noqa: BLE001 (the watchdog must go on)
+            self._say(f"could not pass {signal_name(signum)} on to the ranks this process launched: {error}")
+
     def _end(self, why: str) -> None:
         assert self.signum is not None
         status = exit_status(self.signum)
-        try:
-            where = self._describe()
-        except Exception as error:  # noqa: BLE001 (the exit must not depend on it)
-            where = f"(could not tell where: {error})"
+        where: list[str] = []
+        _run_bounded(lambda: where.append(self._describe()), _BOUNDED_STEP_S)  # reads files and the trainer
+        where = where or ["(where the rank was could not be told in time)"]
         elapsed = time.monotonic() - self._first_at
         message = (f"ending the process with status {status}, {elapsed:.1f} s after {signal_name(self.signum)}: "
-                   f"{why}. {where}")
+                   f"{why}. {where[0]}")
         self._say(message)
         self.ended_with = status
         _run_bounded(lambda: self._on_exit(message), _BOUNDED_STEP_S)

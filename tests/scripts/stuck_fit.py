@@ -18,10 +18,12 @@ and lets Lightning's launcher start rank 1. Cases:
   ``test_distributed_sampler_without_global_seed`` does), ``issue_barriers`` (rank 0 calls
   ``barrier()`` twice in on_train_end, rank 1 once), ``lone_barrier`` (rank 0 alone calls
   ``barrier()`` in on_train_epoch_end), ``peer_left`` (rank 1 fails in on_train_end while rank 0
-  waits in a barrier there; rank 1's script catches the error and lives on).
+  waits in a barrier there; rank 1's script catches the error and lives on); ``matching`` (every
+  checked collective, called alike on both ranks, writes ``matching-rank<r>.json``).
 
 The stuck rank writes ``stuck-rank<r>.json`` (time, pid) when it gets stuck; every rank whose fit
-ends with an exception writes ``result-rank<r>.json`` (the error and when).
+ends with an exception writes ``result-rank<r>.json`` (the error and when); a rank about to enter
+the collective of its case writes ``entered-rank<r>.json`` (when).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from lightning_elche import ElCheStrategy  # noqa: E402
 
 STUCK_CASES = ("training", "validation", "sanity", "on_train_end", "checkpoint", "strategy_teardown",
                "teardown_hook", "raw_barrier")
-COLLECTIVE_CASES = ("uneven_gather", "issue_barriers", "lone_barrier", "peer_left")
+COLLECTIVE_CASES = ("uneven_gather", "issue_barriers", "lone_barrier", "peer_left", "matching")
 
 
 def get_stuck(out: str, rank: int, phase: str) -> None:
@@ -56,6 +58,16 @@ def get_stuck(out: str, rank: int, phase: str) -> None:
                                                                 "phase": phase}))
     while True:  # an endless loop in user code (sleeping: the machine's cores are shared)
         time.sleep(0.02)
+
+
+def launch_rank() -> int:
+    """The rank this process was launched as (ranks are renumbered after a lost rank)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def entered(out: str) -> None:
+    """This rank is about to enter the collective of its case (the test times the error from here)."""
+    Path(out, f"entered-rank{launch_rank()}.json").write_text(json.dumps({"time": time.time()}))
 
 
 def data(n: int) -> TensorDataset:
@@ -89,6 +101,7 @@ class StuckModel(pl.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         if self.case == "lone_barrier" and self.global_rank == 0 and self.current_epoch == 0:
+            entered(self.out)
             self.trainer.strategy.barrier()
 
     def on_train_end(self) -> None:
@@ -99,15 +112,34 @@ class StuckModel(pl.LightningModule):
             Path(self.out, f"stuck-rank{rank}.json").write_text(json.dumps(
                 {"time": time.time(), "pid": os.getpid(), "phase": "raw barrier"}))
             dist.barrier()  # bypasses the strategy: its peer never joins; blocked inside gloo
+        if self.case in COLLECTIVE_CASES and self.case != "lone_barrier":
+            entered(self.out)
         if self.case == "uneven_gather":
             self.all_gather(list(range(5 if rank == 0 else 3)))
         if self.case == "issue_barriers":
             for _ in range(2 if rank == 0 else 1):
                 self.trainer.strategy.barrier()
+        if self.case == "matching":
+            self.matching_collectives()
         if self.case == "peer_left":
             if rank == 1:
                 raise RuntimeError("rank 1 gave up in on_train_end")
             self.trainer.strategy.barrier()
+
+    def matching_collectives(self) -> None:
+        """The checked collectives, called alike on every rank, give what Lightning's give."""
+        rank, strategy = self.global_rank, self.trainer.strategy
+        before = strategy._collectives.count
+        gathered = self.all_gather({"rank": rank, "xs": [10 * rank, 10 * rank + 1]})
+        entries_of_the_gather = strategy._collectives.count - before
+        strategy.barrier("matching")
+        mean = strategy.reduce(torch.tensor(float(rank)), reduce_op="mean")
+        total = strategy.reduce(torch.tensor([rank, 1]), reduce_op="sum")
+        chosen = strategy.broadcast(f"from rank {rank}", src=1)
+        Path(self.out, f"matching-rank{rank}.json").write_text(json.dumps({
+            "rank": gathered["rank"].tolist(), "xs": [x.tolist() for x in gathered["xs"]],
+            "mean": mean.item(), "total": total.tolist(), "broadcast": chosen,
+            "entries_of_the_gather": entries_of_the_gather}))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.stuck_here("checkpoint"):
@@ -172,9 +204,9 @@ def main(args: argparse.Namespace) -> None:
     try:
         trainer.fit(StuckModel(args.out_dir, case, args.stuck_rank))
     except Exception as error:  # noqa: BLE001 (the test reads what each rank ended with)
-        Path(args.out_dir, f"result-rank{trainer.global_rank}.json").write_text(json.dumps({
+        Path(args.out_dir, f"result-rank{launch_rank()}.json").write_text(json.dumps({
             "error": type(error).__name__, "message": str(error), "time": time.time(), "started": started}))
-        if case == "peer_left" and trainer.global_rank == 1:
+        if case == "peer_left" and launch_rank() == 1:
             time.sleep(20)  # the process lives on after its fit failed
         raise
 
