@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_elche.checks import as_real, require_int
 from lightning_elche.config import DEFAULT_MAX_ANCHOR, Dispatch, clamp_overhead_target
 from lightning_elche.guard import NudgeDown, Stable, SuppressGrowth, Verdict
+from lightning_elche.membership.change import Change
 
 if TYPE_CHECKING:
     from lightning_elche.config import ElCheConfig
@@ -600,6 +601,12 @@ class ElCheController:
         return 0.0 if self.anchor_rank is None else self.smoothed_ms(self.anchor_rank)
 
     # -- lost ranks -----------------------------------------------------------------------
+
+    def apply_change(self, change: Change) -> None:
+        """The members changed: keep the survivors' readings, in their new order."""
+        if change.is_join:
+            raise NotImplementedError("ElCheController cannot take a join yet.")
+        self.retain(change.survivors)
 
     def retain(self, ranks: Sequence[int]) -> None:
         """Go on with ``ranks`` only (the others were lost mid-fit), renumbered in that order.

@@ -18,7 +18,7 @@ from test_monitor import run_chromium
 from test_rank_loss import run_job
 
 from lightning_elche import ElCheConfig
-from lightning_elche.membership.agreement import Loss
+from lightning_elche.membership.change import Change
 from lightning_elche.monitor import ElCheMonitor, Timeline, dashboard_data, read_records, render_dashboard
 from lightning_elche.monitor.callback import rank_lost_record
 from lightning_elche.monitor.reports import ReportAccumulator
@@ -26,13 +26,13 @@ from lightning_elche.monitor.reports import ReportAccumulator
 # -- the event record ---------------------------------------------------------------------------
 
 
-def a_loss(lost: list[int], world: int, ranks_before: Optional[list[int]] = None, generation: int = 1) -> Loss:
-    """The Loss the strategy hands its listeners; ``lost`` in the numbering before the loss."""
+def a_loss(lost: list[int], world: int, ranks_before: Optional[list[int]] = None, generation: int = 1) -> Change:
+    """The change the strategy hands its listeners; ``lost`` in the numbering before the loss."""
     ranks_before = ranks_before if ranks_before is not None else list(range(world))
-    return Loss(generation=generation, lost=list(lost), lost_original=sorted(ranks_before[k] for k in lost),
-                survivors=[k for k in range(world) if k not in lost],
-                reasons={ranks_before[k]: f"its process (pid {100 + k}) is gone" for k in lost},
-                trained_batches={ranks_before[k]: 7 for k in lost}, detected_at=1234.5)
+    return Change(generation=generation, before=tuple(ranks_before),
+                  after=tuple(r for k, r in enumerate(ranks_before) if k not in lost),
+                  reasons={ranks_before[k]: f"its process (pid {100 + k}) is gone" for k in lost},
+                  trained_batches={ranks_before[k]: 7 for k in lost}, detected_at=1234.5)
 
 
 def test_rank_lost_record_names_the_lost_ranks_by_launch_number_and_the_survivors():

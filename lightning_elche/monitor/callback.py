@@ -31,7 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_elche.checks import require_int
 from lightning_elche.engine import RoundOutcome
 from lightning_elche.loop_glue import logged_callback_metrics
-from lightning_elche.membership.agreement import Loss
+from lightning_elche.membership.change import Change
 from lightning_elche.monitor.dashboard import dashboard_data, validate_theme, write_dashboard
 from lightning_elche.monitor.record import (
     CORE_REDUCTIONS,
@@ -54,7 +54,7 @@ MAX_PENDING = 8192
 """Syncs per epoch whose user scalars are kept for the epoch-end roll-up (thinned evenly beyond)."""
 
 
-def rank_lost_record(loss: Loss, ranks_before: list[int], t: float, ts: float, sync: Optional[int],
+def rank_lost_record(loss: Change, ranks_before: list[int], t: float, ts: float, sync: Optional[int],
                      epoch: int) -> dict[str, Any]:
     """The ``event`` record of one agreed loss (without ``node``): who left, why, and who goes on.
 
@@ -279,7 +279,8 @@ class ElCheMonitor(Callback):
             "world_size": self._world,
             "ranks": list(self._ranks),
             "config": strategy.elche.describe(),
-            "strategy": {"chunk_batches": strategy.chunk_batches, "log_every_n_syncs": strategy.log_every_n_syncs},
+            "strategy": {"chunk_batches": strategy.elche.chunk_batches,
+                         "log_every_n_syncs": strategy.elche.log_every_n_syncs},
             "scalar_reductions": dict(self.scalar_reductions),
             "default_reduction": DEFAULT_SCALAR_REDUCTION,
             "core_reductions": dict(CORE_REDUCTIONS),
@@ -598,7 +599,7 @@ class ElCheMonitor(Callback):
 
     # -- lost ranks ----------------------------------------------------------------------------
 
-    def _on_rank_loss(self, loss: Loss) -> None:
+    def _on_rank_loss(self, loss: Change) -> None:
         """Runs on every survivor after the regroup, before the failed round runs again (no collectives)."""
         if not self._active:
             return
@@ -607,7 +608,7 @@ class ElCheMonitor(Callback):
         except Exception as err:  # the monitor must never fail training
             self._warn_once("recording a lost rank", err)
 
-    def _record_rank_loss(self, loss: Loss) -> None:
+    def _record_rank_loss(self, loss: Change) -> None:
         t, ts = self._now(), time.time()
         trainer = self._trainer
         epoch = int(trainer.current_epoch) if trainer is not None else 0
