@@ -69,6 +69,7 @@ class Membership:
         self.fit_prefix = fit_prefix
         self.original_rank = member
         self.members = list(members)  # member ids, in the current rank order
+        self.max_failure = max_failure
         self.limit = failure_limit(max_failure, len(self.members))
         self._inherited_renumbering = renumbered
         self.abandoned: list[Any] = []

@@ -106,7 +106,8 @@ class Survival:
     def _warn(self, change: Change) -> None:
         membership = self.membership
         if change.ends_fit:
-            then = (f"max_failure reached ({membership.lost_count} lost of limit {membership.limit}): every "
+            then = (f"max_failure={membership.max_failure!r} reached ({membership.lost_count} lost of limit "
+                    f"{membership.limit}): every "
                     "survivor saves a consensus checkpoint and stops.")
         else:
             then = f"{membership.world_size} rank(s) go on; its untrained data of this epoch is re-dispatched."
