@@ -98,6 +98,11 @@ def train_dataloader_count(trainer: Trainer) -> int:
     return len(trainer.fit_loop._combined_loader.flattened)
 
 
+def next_epoch(trainer: Trainer) -> int:
+    """The epoch the fit loop runs next (the counter ``set_epoch`` uses)."""
+    return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]  (a _StartedTracker)
+
+
 def can_stop_early(trainer: Trainer) -> bool:
     """Whether Lightning would honour ``should_stop`` now (``min_epochs`` reached)."""
     return bool(trainer.fit_loop._can_stop_early)

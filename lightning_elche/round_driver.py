@@ -145,9 +145,10 @@ class RoundDriver:
         if others <= 0:
             return
         for config in trainer.lr_scheduler_configs:
-            if config.interval == "step":
+            # ReduceLROnPlateau follows its monitored metric, which Lightning feeds it; not steps.
+            if config.interval == "step" and not config.reduce_on_plateau:
                 for _ in range(others):
-                    config.scheduler.step()
+                    config.scheduler.step()  # type: ignore[call-arg]  (not a ReduceLROnPlateau here)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

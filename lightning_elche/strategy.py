@@ -50,6 +50,7 @@ from lightning_elche.loop_glue import (
     configure_launcher,
     default_group_store,
     init_process_group_on_job_store,
+    next_epoch,
     process_group_timeout,
     sampler_for,
     sync_module_states,
@@ -280,6 +281,11 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
             keep_epoch_open=lambda: self._engine.keep_epoch_open() if self._engine is not None else None,
         )
 
+    def _fitting_trainer(self) -> Trainer:
+        module = self.lightning_module
+        assert module is not None, "ElCheStrategy: a training hook ran without a LightningModule"
+        return module.trainer
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -295,7 +301,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
         # Lightning's prefetching fetcher draws the first batch in setup_data, before it calls
         # set_epoch: a resumed fit would dispatch its first epoch with epoch 0's order and counter.
         # ``processed`` is the epoch the loop runs next (set_epoch uses the same counter).
-        self._sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
+        self._sampler.set_epoch(next_epoch(trainer))
         if self._restored_coverage is not None:
             self._sampler.resume(self._restored_coverage)
             self._restored_coverage = None
@@ -305,7 +311,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        trainer = self.lightning_module.trainer
+        trainer = self._fitting_trainer()
         if self._sampler is None:
             raise RuntimeError(
                 "ElCheStrategy found no training DataLoader to dispatch: return a torch DataLoader "
@@ -329,7 +335,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         assert self._engine is not None and self._rounds is not None
-        trainer = self.lightning_module.trainer
+        trainer = self._fitting_trainer()
         if self._session.pending_save.saves:
             self._rounds.save_and_exit(trainer, self._membership, self.elche.max_failure)
         if self._session.start_batch(trainer.current_epoch, self._batch_samples(batch)):
@@ -340,7 +346,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
     def _after_batch_hooks(self) -> None:
         # A should_stop set in on_train_batch_end comes after this batch's optimizer step: this rank
         # would leave the epoch alone. It travels to the next round instead.
-        trainer = self.lightning_module.trainer
+        trainer = self._fitting_trainer()
         if self._session.hold_back_local_stop(trainer.should_stop):
             trainer.should_stop = False
 
@@ -357,7 +363,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         output = Strategy.optimizer_step(self, optimizer, closure, model, **kwargs)
         raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        self._rounds.after_optimizer_step(self.lightning_module.trainer, output, float(raw.param_groups[0]["lr"]))
+        self._rounds.after_optimizer_step(self._fitting_trainer(), output, float(raw.param_groups[0]["lr"]))
         return output
 
     @override
