@@ -100,7 +100,7 @@ def train_dataloader_count(trainer: Trainer) -> int:
 
 def next_epoch(trainer: Trainer) -> int:
     """The epoch the fit loop runs next (the counter ``set_epoch`` uses)."""
-    return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]  (a _StartedTracker)
+    return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]  # a _StartedTracker
 
 
 def can_stop_early(trainer: Trainer) -> bool:

@@ -148,7 +148,7 @@ class RoundDriver:
             # ReduceLROnPlateau follows its monitored metric, which Lightning feeds it; not steps.
             if config.interval == "step" and not config.reduce_on_plateau:
                 for _ in range(others):
-                    config.scheduler.step()  # type: ignore[call-arg]  (not a ReduceLROnPlateau here)
+                    config.scheduler.step()  # type: ignore[call-arg]  # not a ReduceLROnPlateau here
 
     # -- checkpoints ----------------------------------------------------------------------------
 
