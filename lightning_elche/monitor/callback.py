@@ -47,6 +47,7 @@ from lightning_elche.monitor.record import (
 from lightning_elche.monitor.reports import ReportAccumulator, ReportScheduler
 from lightning_elche.monitor.timeline import Timeline
 from lightning_elche.strategy import ElCheStrategy
+from lightning_elche.version import __version__
 
 ReductionName = Literal["mean", "sum", "max", "min", "last"]
 
@@ -269,10 +270,6 @@ class ElCheMonitor(Callback):
     def _build_meta(self, trainer: Trainer, strategy: ElCheStrategy) -> dict[str, Any]:
         import lightning
 
-        try:
-            from lightning_elche import __version__ as elche_version
-        except ImportError:  # pragma: no cover
-            elche_version = "unknown"
         return {
             "ts": time.time(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -285,7 +282,7 @@ class ElCheMonitor(Callback):
             "core_reductions": dict(CORE_REDUCTIONS),
             "max_log_size": self.max_log_size,
             "versions": {
-                "lightning_elche": elche_version,
+                "lightning_elche": __version__,
                 "lightning": lightning.__version__,
                 "torch": torch.__version__,
                 "python": platform.python_version(),
