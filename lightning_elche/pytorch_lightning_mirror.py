@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.readers
 import re
 import sys
 from collections.abc import Sequence
@@ -85,6 +86,11 @@ class _MirrorLoader(importlib.abc.Loader):
 
     def __init__(self, origin: str) -> None:
         self.origin = origin
+        self.path = origin  # what importlib.readers.FileReader reads the package's directory from
+
+    def get_resource_reader(self, fullname: str) -> importlib.readers.FileReader:
+        # A mirrored package's data files are the original package's (importlib.resources.files).
+        return importlib.readers.FileReader(self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
         return None  # the default module object
