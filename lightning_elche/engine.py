@@ -26,7 +26,7 @@ from lightning_elche.config import ElCheConfig
 from lightning_elche.controller import ElCheController
 from lightning_elche.convergence import ConvergenceControl, Feedback
 from lightning_elche.guard import DivergenceReport, NudgeDown, Stable
-from lightning_elche.membership.change import PeerFailure
+from lightning_elche.membership.change import Change, PeerFailure
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane, RoundResult
 from lightning_elche.rounds import META_SIZE, Meta, RankReport, StopRequest
@@ -475,7 +475,7 @@ class ElCheEngine:
         lost = [k for k in range(self.world_size) if k not in survivors]
         self.state.lost_totals.extend(self.state.totals[k] for k in lost)
         self.state.totals = [self.state.totals[k] for k in survivors]
-        self.controller.retain(survivors)
+        self.controller.apply_change(Change(generation=0, before=tuple(range(self.world_size)), after=tuple(survivors)))
         self.rank, self.world_size = regroup.rank, len(survivors)
         self.plane.regroup(regroup.group, regroup.rank, len(survivors))
         # Every survivor learns the same limit at the same round: that round acts on it.
