@@ -10,10 +10,11 @@ When the charts are drawn the page sets ``data-ready="1"`` on ``<body>``, and ev
 ``<svg>`` carries ``data-points`` (points drawn) and ``data-events`` (event markers drawn) so
 that a headless browser can check it.
 
-Lost ranks (``event`` records labelled ``rank_lost``) are a marker on the time axis of every
-chart (a vertical line, its label names the lost ranks; hover shows the reasons), a card and a
-table. Per-rank series follow each rank's number at launch (the sync records' ``ranks``), so a
-rank keeps its colour when the survivors are renumbered and a lost rank's line ends at its marker.
+Lost and joined ranks (``event`` records labelled ``rank_lost`` and ``rank_joined``) are a marker
+on the time axis of every chart (a vertical line, its label names the ranks; hover shows the
+reasons), a card and a table. Per-rank series follow each rank's number at launch (the sync
+records' ``ranks``; a joiner's member id), so a rank keeps its colour when the ranks are
+renumbered, a lost rank's line ends at its marker and a joiner's starts at its marker.
 """
 
 from __future__ import annotations
@@ -89,11 +90,23 @@ def event_marker(record: Mapping[str, Any]) -> dict[str, Any]:
             "lost": lost,
             "reasons": {str(k): str(v) for k, v in reasons.items()},
             "survivors": record.get("survivors"),
-            "text": ("ranks " if len(lost) > 1 else "rank ") + ", ".join(str(r) for r in lost) + " lost",
+            "text": _ranks_text(lost) + " lost",
+        })
+    elif label == "rank_joined":
+        joined = [int(r) for r in record.get("joined") or []]
+        marker.update({
+            "generation": record.get("generation"),
+            "joined": joined,
+            "world_size": record.get("world_size"),
+            "text": _ranks_text(joined) + " joined",
         })
     else:
         marker["text"] = label
     return marker
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(str(r) for r in ranks)
 
 
 def dashboard_data(records: Iterable[Mapping[str, Any]], dropped: int = 0) -> dict[str, Any]:
@@ -130,8 +143,10 @@ def dashboard_data(records: Iterable[Mapping[str, Any]], dropped: int = 0) -> di
     world = meta.get("world_size", 1)
     mode = (meta.get("config") or {}).get("mode", "?")
     lost = sum(len(e.get("lost") or []) for e in events if e["label"] == "rank_lost")
+    joined = sum(len(e.get("joined") or []) for e in events if e["label"] == "rank_joined")
     return {
-        "title": f"ElChe run · {mode} · {world} rank{'s' if world != 1 else ''}" + (f" · {lost} lost" if lost else ""),
+        "title": f"ElChe run · {mode} · {world} rank{'s' if world != 1 else ''}" + (f" · {lost} lost" if lost else "")
+        + (f" · {joined} joined" if joined else ""),
         "meta": meta,
         "syncs": syncs,
         "evals": evals,

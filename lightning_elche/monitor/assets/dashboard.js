@@ -280,6 +280,7 @@
     var line = parts.join(", ");
     if (why.length) line += " (" + why.join("; ") + ")";
     if (finite(e.survivors)) line += "; " + e.survivors + " rank" + (e.survivors === 1 ? "" : "s") + " go on";
+    if (finite(e.world_size)) line += "; " + e.world_size + " rank" + (e.world_size === 1 ? "" : "s") + " from then on";
     return line;
   }
   var ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"};
@@ -297,13 +298,17 @@
     return syncs.filter(function (r) { return r.per_rank && r.per_rank[key] && finite(r.per_rank[key][row(r, k)]); })
       .map(function (r) { return [r.t, r.per_rank[key][row(r, k)]]; });
   }
-  var lostRanks = [];
-  events.forEach(function (e) { (e.lost || []).forEach(function (k) { lostRanks.push(k); }); });
+  var lostRanks = [], joinedRanks = [];
+  events.forEach(function (e) {
+    (e.lost || []).forEach(function (k) { lostRanks.push(k); });
+    (e.joined || []).forEach(function (k) { joinedRanks.push(k); });
+  });
   function rankSeries(key, opts) {
     var out = [];
     launchRanks.forEach(function (k) {
-      var lost = lostRanks.indexOf(k) >= 0;
-      var s = {name: "rank " + k + (lost ? " (lost)" : ""), color: rankColor(k), pts: rankCol(key, k)};
+      var lost = lostRanks.indexOf(k) >= 0, joined = joinedRanks.indexOf(k) >= 0;
+      var s = {name: "rank " + k + (joined ? " (joined)" : "") + (lost ? " (lost)" : ""), color: rankColor(k),
+               pts: rankCol(key, k)};
       for (var o in opts || {}) s[o] = opts[o];
       out.push(s);
     });
@@ -322,7 +327,8 @@
   var cfg = meta.config || {};
   document.getElementById("subtitle").textContent = [
     "mode " + (cfg.mode || "?"), world + (world === 1 ? " rank" : " ranks") +
-      (lostRanks.length ? " (" + lostRanks.length + " lost)" : ""),
+      (lostRanks.length ? " (" + lostRanks.length + " lost)" : "") +
+      (joinedRanks.length ? " (" + joinedRanks.length + " joined)" : ""),
     meta.started ? "started " + meta.started : null,
     meta.versions ? "lightning-elche " + meta.versions.lightning_elche : null
   ].filter(Boolean).join(" · ");
@@ -342,6 +348,10 @@
   card("anchor", last ? String(last.anchor) : "–");
   if (lostRanks.length) {
     card("ranks lost", lostRanks.length + " (rank" + (lostRanks.length > 1 ? "s " : " ") + lostRanks.join(", ") + ")");
+  }
+  if (joinedRanks.length) {
+    card("ranks joined", joinedRanks.length + " (rank" + (joinedRanks.length > 1 ? "s " : " ") + joinedRanks.join(", ") +
+         ")");
   }
   var rate = col("samples_per_s");
   card("samples/s", rate.length ? fmtNum(rate[rate.length - 1][1]) : "–");
@@ -414,6 +424,20 @@
        finite(e.survivors) ? String(e.survivors) : "–"].forEach(function (v) { node("td", null, v, tr); });
     });
   }
+  var joinEvents = events.filter(function (e) { return e.label === "rank_joined"; });
+  if (joinEvents.length) {
+    var jb = node("div", "tablebox", null, tables);
+    node("h2", null, "Joined ranks", jb);
+    var jt = node("table", null, null, jb), jh = node("tr", null, null, node("thead", null, null, jt));
+    ["time", "sync", "epoch", "joined (member id)", "ranks after"].forEach(function (c) { node("th", null, c, jh); });
+    var jbody = node("tbody", null, null, jt);
+    joinEvents.forEach(function (e) {
+      var tr = node("tr", null, null, jbody);
+      [fmtTime(e.t), finite(e.sync) ? String(e.sync) : "–", finite(e.epoch) ? String(e.epoch) : "–",
+       (e.joined || []).join(", "), finite(e.world_size) ? String(e.world_size) : "–"]
+        .forEach(function (v) { node("td", null, v, tr); });
+    });
+  }
   if ((DATA.ranks || []).length) {
     var tb = node("div", "tablebox", null, tables);
     node("h2", null, "Per rank", tb);
@@ -430,7 +454,9 @@
       i.style.cssText = "display:inline-block;width:9px;height:9px;border-radius:50%;margin-right:6px;background:" +
         rankColor(launch);
       // A renumbered survivor shows its launch number too; a lost rank is marked lost.
-      var name = r.lost ? launch + " (lost)" : (launch !== r.rank ? r.rank + " (was " + launch + ")" : String(r.rank));
+      var name = r.lost ? launch + " (lost)" :
+        r.joined ? r.rank + " (joined" + (launch !== r.rank ? " as " + launch : "") + ")" :
+        (launch !== r.rank ? r.rank + " (was " + launch + ")" : String(r.rank));
       sw.appendChild(document.createTextNode(name));
       var busy = (r.compute_s || 0) + (r.sync_s || 0);
       [fmtInt(r.steps), tot ? (100 * r.steps / tot).toFixed(1) + "%" : "–", fmtInt(r.samples),
