@@ -137,7 +137,7 @@ class ElCheController:
             initial_anchor_rank = min(range(len(ratios)), key=lambda rank: ratios[rank])
         return cls(
             world_size,
-            config.anchor,
+            config.resolved_anchor,
             min_anchor=config.resolved_min_anchor,
             max_anchor=config.resolved_max_anchor,
             overhead_target=config.resolved_overhead_target,
