@@ -67,12 +67,12 @@ class ElCheMonitor(Callback):
         record_log_dir: write the record log here: ``rank<r>.jsonl`` per rank (every sync's
             metrics, user scalars and per-rank work; a first ``meta`` record; ``r`` is the rank's
             number at launch) and, on rank 0, ``root.jsonl`` (the cross-rank roll-up). A lost rank
-            is an ``event`` record (``label: "rank_lost"``) in every survivor's file and the root's.
-            ``None``: no files.
+            is an ``event`` record (``label: "rank_lost"``) in every survivor's file and the root's,
+            a joined rank one labelled ``"rank_joined"``. ``None``: no files.
         max_log_size: byte cap of each record-log file (drop-oldest ring; the meta record
             stays). ``None`` or ``0``: 32 MiB. Also caps the in-memory history each rank keeps.
         dashboard_html: at the end of fit, rank 0 (after a lost rank 0: the new rank 0) writes a
-            self-contained HTML dashboard here; lost ranks are markers on its time axes.
+            self-contained HTML dashboard here; lost and joined ranks are markers on its time axes.
         dashboard_theme: ``"light"`` or ``"dark"`` pins the dashboard's theme; ``"auto"`` or
             ``None`` follows the reader's ``prefers-color-scheme``.
         reports_per_epoch: log at most this many ``elche/report/*`` points per epoch, at sync
