@@ -575,6 +575,19 @@ def reopen_training_epoch(trainer: Trainer, before: Callable[[], None]) -> bool:
     return True
 
 
+class LightningRankView:
+    """Lightning's rank-dependent state as a holder of a membership change: rank-zero-only logging,
+    the progress bar and the evaluation loaders follow the rank's new number (``rank()``; the
+    strategy's ``global_rank`` and ``world_size`` already answer it)."""
+
+    def __init__(self, trainer: Trainer, rank: Callable[[], int]) -> None:
+        self.trainer = trainer
+        self.rank = rank
+
+    def apply_change(self, change: Any) -> None:
+        renumber_lightning_ranks(self.trainer, self.rank())
+
+
 def renumber_lightning_ranks(trainer: Trainer, global_rank: int) -> None:
     """After a regroup: rank-zero-only logging, the progress bar and the evaluation loaders follow
     the rank's new number (``strategy.global_rank``/``world_size`` already answer it)."""

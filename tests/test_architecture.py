@@ -270,3 +270,40 @@ def test_lightning_outside_the_supported_range_is_refused(version):
     expected = rf"supports lightning>=2\.6,<2\.7; this environment has lightning {version}"
     with pytest.raises(RuntimeError, match=expected):
         loop_glue.check_lightning_version(version)
+
+
+# -- survival has one home -----------------------------------------------------------------------
+
+SURVIVAL_CALLS = ("shrink_group", "destroy_process_group", "init_process_group")  # and os.kill
+SURVIVAL_HOME = PACKAGE / "membership"
+# The benchmark starts its own worker processes and groups for its comparison arms; no fit runs it.
+NOT_A_FIT = PACKAGE / "bench"
+
+
+def survival_calls_in(path: Path) -> list[str]:
+    """``line: call`` for every call of a process-killing or process-group-rebuilding function."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+            if name in SURVIVAL_CALLS or ast.unparse(node.func) == "os.kill":
+                found.append(f"{node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_fencing_and_process_group_surgery_live_in_the_membership_package_only():
+    calls = [
+        f"{path.relative_to(PACKAGE.parent)}:{call}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not (path.is_relative_to(SURVIVAL_HOME) or path == DOOR or path.is_relative_to(NOT_A_FIT))
+        for call in survival_calls_in(path)
+    ]
+    assert calls == [], "fencing or process-group surgery outside lightning_elche/membership/:\n" + "\n".join(calls)
+
+
+def test_the_survival_scan_finds_each_kind_of_call(tmp_path):
+    module = tmp_path / "module.py"
+    module.write_text("import os, torch.distributed as dist\nos.kill(1, 9)\ndist.destroy_process_group()\n"
+                      "dist.init_process_group('gloo')\ndist.distributed_c10d.shrink_group([1])\n")
+    assert [c.split(": ", 1)[1] for c in survival_calls_in(module)] == [
+        "os.kill", "dist.destroy_process_group", "dist.init_process_group", "dist.distributed_c10d.shrink_group"]

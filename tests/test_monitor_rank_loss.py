@@ -18,7 +18,7 @@ from test_monitor import run_chromium
 from test_rank_loss import run_job
 
 from lightning_elche import ElCheConfig
-from lightning_elche.membership import Change
+from lightning_elche.membership.change import Change
 from lightning_elche.monitor import ElCheMonitor, Timeline, dashboard_data, read_records, render_dashboard
 from lightning_elche.monitor.changes import rank_lost_record
 from lightning_elche.monitor.reports import ReportAccumulator
@@ -27,10 +27,10 @@ from lightning_elche.monitor.reports import ReportAccumulator
 
 
 def a_loss(lost: list[int], world: int, ranks_before: Optional[list[int]] = None, generation: int = 1) -> Change:
-    """The Change of a loss; ``lost`` in the numbering before the loss, members by launch rank."""
+    """The change the strategy hands its listeners; ``lost`` in the numbering before the loss."""
     ranks_before = ranks_before if ranks_before is not None else list(range(world))
     return Change(generation=generation, before=tuple(ranks_before),
-                  after=tuple(ranks_before[k] for k in range(world) if k not in lost),
+                  after=tuple(r for k, r in enumerate(ranks_before) if k not in lost),
                   reasons={ranks_before[k]: f"its process (pid {100 + k}) is gone" for k in lost},
                   trained_batches={ranks_before[k]: 7 for k in lost}, detected_at=1234.5)
 
@@ -184,7 +184,7 @@ def drive(tmp_path: Path, me: int, lost: int) -> tuple[ElCheMonitor, FakeStrateg
                 strategy.peer_payloads.pop(lost, None)
                 strategy.global_rank, strategy.world_size = strategy.members.index(me), 2
                 trainer.global_rank, trainer.world_size = strategy.global_rank, 2
-                monitor._on_rank_loss(a_loss([before], 3))
+                monitor.apply_change(a_loss([before], 3))
         monitor.on_validation_start(trainer, None)
         clock[0] += 0.3
         trainer._logger_connector.metrics["callback"] = {"val_loss": torch.tensor(1.0 / (epoch + 1))}
@@ -291,7 +291,7 @@ def test_a_loss_before_the_first_round_names_round_1(tmp_path):
     monitor._strategy, monitor._trainer = strategy, trainer
     monitor.on_train_start(trainer, None)
     strategy.global_rank, strategy.world_size = 1, 2
-    monitor._on_rank_loss(a_loss([0], 3))
+    monitor.apply_change(a_loss([0], 3))
     (event,) = events_of(read_records(tmp_path / "log" / "rank2.jsonl"))
     assert event["sync"] == 1 and event["rank"] == 1 and event["survivor_ranks"] == [1, 2]
     assert monitor._rank == 1 and monitor._world == 2 and monitor._ranks == [1, 2]
@@ -305,11 +305,11 @@ def test_a_loss_the_monitor_cannot_follow_warns_and_never_fails_training(tmp_pat
     monitor._strategy, monitor._trainer = strategy, trainer
     monitor.on_train_start(trainer, None)
     with pytest.warns(RuntimeWarning, match="recording a lost rank failed"):
-        monitor._on_rank_loss(a_loss([1], 3))  # names three ranks; the monitor knows two
+        monitor.apply_change(a_loss([1], 3))  # names three ranks; the monitor knows two
     monitor._active = False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        monitor._on_rank_loss(a_loss([1], 2))  # after the fit: ignored
+        monitor.apply_change(a_loss([1], 2))  # after the fit: ignored
 
 
 # -- the dashboard's markers ----------------------------------------------------------------------

@@ -6,8 +6,8 @@ compute time and loss) and its ``elche/*`` metrics. Nothing here runs a collecti
 training steps: user scalars, which only the rank that logged them knows, are gathered once per
 epoch in ``on_train_epoch_end``, where every rank has left the epoch after the same round.
 
-Membership changes: :meth:`ElCheMonitor.apply_change` (fed by the strategy's rank-loss
-listener) records each change as ``event`` records (``label: "rank_lost"`` and ``"rank_joined"``,
+Membership changes: :meth:`ElCheMonitor.apply_change` (the strategy's membership listener)
+records each change as ``event`` records (``label: "rank_lost"`` and ``"rank_joined"``,
 :mod:`~lightning_elche.monitor.changes`) and follows the new numbering. Because the round
 outcomes carry every rank's numbers, every rank keeps the root's view (the dashboard history,
 the timeline, the report accumulator) and only the current rank 0 writes it out; when rank 0 is
@@ -23,7 +23,7 @@ import os
 import platform
 import time
 import warnings
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -31,9 +31,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_elche.checks import require_int
 from lightning_elche.engine import RoundOutcome
 from lightning_elche.loop_glue import logged_callback_metrics
-from lightning_elche.membership.agreement import Loss
 from lightning_elche.membership.change import Change
-from lightning_elche.monitor.changes import change_from_loss, change_records
+from lightning_elche.monitor.changes import change_records
 from lightning_elche.monitor.dashboard import dashboard_data, validate_theme, write_dashboard
 from lightning_elche.monitor.gather import gather_entries
 from lightning_elche.monitor.record import (
@@ -198,8 +197,8 @@ class ElCheMonitor(Callback):
         self._trainer = trainer
         strategy.remove_round_listener(self._on_round)
         strategy.add_round_listener(self._on_round)
-        strategy.remove_rank_loss_listener(self._on_rank_loss)
-        strategy.add_rank_loss_listener(self._on_rank_loss)
+        strategy.remove_rank_loss_listener(self.apply_change)  # also the membership listeners
+        strategy.add_membership_listener(self.apply_change)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = self._strategy
@@ -250,7 +249,8 @@ class ElCheMonitor(Callback):
             "world_size": self._world,
             "ranks": list(self._ranks),
             "config": strategy.elche.describe(),
-            "strategy": {"chunk_batches": strategy.chunk_batches, "log_every_n_syncs": strategy.log_every_n_syncs},
+            "strategy": {"chunk_batches": strategy.elche.chunk_batches,
+                         "log_every_n_syncs": strategy.elche.log_every_n_syncs},
             "scalar_reductions": dict(self.scalar_reductions),
             "default_reduction": DEFAULT_SCALAR_REDUCTION,
             "core_reductions": dict(CORE_REDUCTIONS),
@@ -478,7 +478,7 @@ class ElCheMonitor(Callback):
             self._finish(trainer, "teardown")
             if self._strategy is not None:
                 self._strategy.remove_round_listener(self._on_round)
-                self._strategy.remove_rank_loss_listener(self._on_rank_loss)
+                self._strategy.remove_rank_loss_listener(self.apply_change)
 
     def _finish(self, trainer: Trainer, how: str) -> None:
         if not self._active or self._written:
@@ -532,15 +532,11 @@ class ElCheMonitor(Callback):
 
     # -- membership changes -----------------------------------------------------------------
 
-    def _on_rank_loss(self, change: Union[Change, Loss]) -> None:
-        """The strategy's rank-loss listener (until it hands over the Change itself, it hands a Loss)."""
-        if self._active:
-            self.apply_change(change if isinstance(change, Change) else change_from_loss(change, self._ranks))
-
     def apply_change(self, change: Change) -> None:
-        """Follow a change of the fit's members (a ``ChangeHolder``): its ``rank_lost`` and
-        ``rank_joined`` events, the new numbering of the root's view. Runs on every member after
-        the regroup, before the next round (no collectives); never fails training."""
+        """Follow a change of the fit's members (a ``ChangeHolder``, and the strategy's membership
+        listener): its ``rank_lost`` and ``rank_joined`` events, the new numbering of the root's
+        view. Runs on every member after the regroup, before the next round (no collectives);
+        never fails training."""
         if not self._active:
             return
         try:

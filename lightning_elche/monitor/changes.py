@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_elche.membership.agreement import Loss
 from lightning_elche.membership.change import Change
 
 
@@ -48,18 +47,3 @@ def change_records(change: Change, t: float, ts: float, sync: Optional[int], epo
         records.append(rank_joined_record(change, t, ts, sync, epoch))
     return records
 
-
-def change_from_loss(loss: Loss, members: list[int]) -> Change:
-    """The :class:`Change` of an agreed :class:`Loss`, from the member ids of the ranks before it.
-
-    The strategy's rank-loss listeners are still handed a ``Loss``; this goes when they are
-    handed the Change itself.
-    """
-    if len(members) != len(loss.survivors) + len(loss.lost):
-        raise RuntimeError(f"the loss names {len(loss.survivors) + len(loss.lost)} ranks, the monitor knew "
-                           f"{len(members)}")
-    return Change(
-        generation=loss.generation, before=tuple(members), after=tuple(members[k] for k in loss.survivors),
-        reasons=dict(loss.reasons), trained_batches=dict(loss.trained_batches), detected_at=loss.detected_at,
-        regrouped_with=loss.regrouped_with,
-    )
