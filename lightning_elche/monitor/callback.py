@@ -548,7 +548,8 @@ class ElCheMonitor(Callback):
         t, ts = self._now(), time.time()
         trainer = self._trainer
         epoch = int(trainer.current_epoch) if trainer is not None else 0
-        # The failed round runs again under the next index (the loss may come before this fit's first round).
+        # The next round has the next index: after a loss, the failed round runs again (a change may come
+        # before this fit's first round).
         progress = self._strategy.progress if self._strategy is not None else None
         done = getattr(progress, "rounds", None)
         done = int(done) if isinstance(done, int) else self._last_sync
