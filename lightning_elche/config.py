@@ -128,6 +128,14 @@ def _check_real(knob: str, value: Any) -> float:
     return require_real(f"ElCheConfig.{knob}={value!r}", value)
 
 
+def _check_mode(value: Any) -> ElCheMode:
+    try:
+        return ElCheMode(value)
+    except ValueError:
+        allowed = ", ".join(m.value for m in ElCheMode)
+        raise _fail("mode", value, f"expected one of {allowed}") from None
+
+
 def clamp_overhead_target(value: Optional[float]) -> float:
     """``overhead_target`` (None: the default) inside the controller's working range."""
     target = DEFAULT_OVERHEAD_TARGET if value is None else value
@@ -210,13 +218,8 @@ class ElCheConfig:
     summary: bool = True
 
     def __post_init__(self) -> None:
-        try:
-            self.mode = ElCheMode(self.mode)
-        except ValueError:
-            allowed = ", ".join(m.value for m in ElCheMode)
-            raise _fail("mode", self.mode, f"expected one of {allowed}") from None
-        if self.anchor is None:
-            self.anchor = 1 if self.mode.is_sync else DEFAULT_ANCHOR
+        self.mode = _check_mode(self.mode)
+        self.anchor = self.resolved_anchor
         if self.easgd_alpha is None and self.mode.is_async:
             self.easgd_alpha = DEFAULT_ASYNC_EASGD_ALPHA
         self.validate()
@@ -269,12 +272,19 @@ class ElCheConfig:
     # -- resolved values -------------------------------------------------------------------
 
     @property
+    def resolved_anchor(self) -> int:
+        """``anchor``, or the mode's default (1 for the sync modes) when it is unset."""
+        if self.anchor is not None:
+            return self.anchor
+        return 1 if ElCheMode(self.mode).is_sync else DEFAULT_ANCHOR
+
+    @property
     def resolved_max_anchor(self) -> int:
         return DEFAULT_MAX_ANCHOR if self.max_anchor is None else self.max_anchor
 
     @property
     def resolved_min_anchor(self) -> int:
-        return self.anchor if self.min_anchor is None else self.min_anchor
+        return self.resolved_anchor if self.min_anchor is None else self.min_anchor
 
     @property
     def resolved_overhead_target(self) -> float:
@@ -303,6 +313,7 @@ class ElCheConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid knob, its value and what is allowed."""
+        mode = self.mode = _check_mode(self.mode)
         # Integer knobs are stored as Python ints (numpy integers are accepted and converted).
         self.anchor = _check_int("anchor", self.anchor, 1)
         for knob in ("max_anchor", "min_anchor"):
@@ -330,10 +341,10 @@ class ElCheConfig:
             self.max_batch_diff = _check_int("max_batch_diff", self.max_batch_diff, 0)
         for knob in ("relax_up", "meta_controller", "no_divergence_guard", "bf16_wire"):
             require_bool(f"ElCheConfig.{knob}={getattr(self, knob)!r}", getattr(self, knob))
-        if self.bf16_wire and self.mode.transport is not Transport.HOST:
+        if self.bf16_wire and mode.transport is not Transport.HOST:
             raise _fail(
                 "bf16_wire", True,
-                f"it applies to the cpu_* modes only (mode is {self.mode.value}, whose reduce never "
+                f"it applies to the cpu_* modes only (mode is {mode.value}, whose reduce never "
                 "leaves the devices); leave it unset",
             )
         if self.partition_ratios is not None:
@@ -350,11 +361,11 @@ class ElCheConfig:
             value = _check_real("easgd_alpha", self.easgd_alpha)
             if not 0.0 < value <= 1.0:
                 raise _fail("easgd_alpha", value, "expected a blend weight in (0, 1]")
-            if not self.mode.is_async:
+            if not mode.is_async:
                 raise _fail(
                     "easgd_alpha",
                     value,
-                    f"elastic blending applies to mode cpu_async only (mode is {self.mode.value}); "
+                    f"elastic blending applies to mode cpu_async only (mode is {mode.value}); "
                     "leave it unset",
                 )
         if self.divergence_threshold is not None:
@@ -363,16 +374,16 @@ class ElCheConfig:
                 raise _fail("divergence_threshold", value, "expected a number > 0")
         if self.max_overshoot is not None:
             self.max_overshoot = _check_int("max_overshoot", self.max_overshoot, 0)
-            if not self.mode.is_async:
+            if not mode.is_async:
                 raise _fail(
                     "max_overshoot",
                     self.max_overshoot,
-                    f"lookahead applies to mode cpu_async only (mode is {self.mode.value}); "
+                    f"lookahead applies to mode cpu_async only (mode is {mode.value}); "
                     "leave it unset",
                 )
-        if self.relax_up and not self.mode.is_async:
+        if self.relax_up and not mode.is_async:
             raise _fail(
-                "relax_up", True, f"applies to mode cpu_async only (mode is {self.mode.value})"
+                "relax_up", True, f"applies to mode cpu_async only (mode is {mode.value})"
             )
         _check_real("gamma", self.gamma)
         for knob in FIT_KNOBS:
@@ -456,9 +467,10 @@ def resolve_config(
         except ValueError:
             allowed = ", ".join(m.value for m in ElCheMode)
             raise ValueError(f"ElCheStrategy(mode={mode!r}) is invalid: expected one of {allowed}.") from None
-        if requested is not elche.mode:
+        configured = ElCheMode(elche.mode)  # checked when elche was built
+        if requested is not configured:
             raise ValueError(
-                f"ElCheStrategy(mode={requested.value!r}) conflicts with elche.mode={elche.mode.value!r}: "
+                f"ElCheStrategy(mode={requested.value!r}) conflicts with elche.mode={configured.value!r}: "
                 "give the mode once (either argument), or the same value in both."
             )
     config = elche if elche is not None else ElCheConfig.preset(ElCheMode.nccl_cadence if mode is None else mode)

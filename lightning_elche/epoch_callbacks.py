@@ -71,6 +71,7 @@ class EpochCallbacks(Callback):
 
     def _forward(self, trainer: Trainer, pl_module: LightningModule, hook: str) -> None:
         strategy = trainer.strategy
+        assert isinstance(strategy, ElCheStrategy)  # setup refused any other strategy
         policy = self.policy or strategy.elche.epoch_callback_policy
         rank = strategy.epoch_callback_rank(policy)
         if rank is None:

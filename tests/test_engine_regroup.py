@@ -120,20 +120,20 @@ def test_the_controller_keeps_the_survivors_speeds() -> None:
     controller = ElCheController(world_size=3, anchor=4)
     controller.report_timing([10.0, 40.0, 20.0], [4, 1, 2], 1.0)
     speeds = [controller.smoothed_ms(r) for r in range(3)]
-    controller.retain([0, 2])
+    controller.apply_change(Change(generation=1, before=(0, 1, 2), after=(0, 2)))
     assert controller.world_size == 2
     assert [controller.smoothed_ms(r) for r in range(2)] == [speeds[0], speeds[2]]
     controller.report_timing([10.0, 20.0], [4, 2], 1.0)
     assert controller.batch_counts[0] > controller.batch_counts[1], "the faster survivor plans more batches"
     with pytest.raises(ValueError, match="retained"):
-        controller.retain([0, 0])
+        controller.apply_change(Change(generation=2, before=(0, 1, 2), after=(0,)))  # names 3 ranks of 2
 
 
 def test_a_lone_survivors_controller_state_resumes_on_more_ranks() -> None:
     # torchrun restarts every worker after a loss; the newest checkpoint may come from the last survivor.
     survivor = ElCheController(world_size=2, anchor=4)
     survivor.report_timing([10.0, 30.0], [4, 2], 1.0)
-    survivor.retain([0])
+    survivor.apply_change(Change(generation=1, before=(0, 1), after=(0,)))
     saved = survivor.state_dict()
     assert saved["world_size"] == 1
     resumed = ElCheController(world_size=2, anchor=4)
