@@ -502,7 +502,7 @@ class ElCheEngine:
 
     def progress(self) -> FitProgress:
         return FitProgress(
-            mode=self.config.mode.value,
+            mode=self.run_mode.mode.value,
             rounds=self.state.rounds,
             cohort_step=self.state.cohort_step,
             anchor=self.controller.anchor,

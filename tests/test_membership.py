@@ -13,8 +13,8 @@ import torch.distributed as dist
 from lightning_elche import ElCheStrategy
 from lightning_elche.job_store import heartbeat_key, proc_key
 from lightning_elche.membership.agreement import Membership
-from lightning_elche.membership.liveness import check_liveness_timeout
 from lightning_elche.membership.change import PeerFailure, RanksLost, check_max_failure, failure_limit
+from lightning_elche.membership.liveness import check_liveness_timeout
 
 LIVENESS = timedelta(seconds=1)
 

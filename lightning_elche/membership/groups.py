@@ -51,7 +51,9 @@ def _default_group_shrinks() -> bool:
     if not hasattr(dist.distributed_c10d, "shrink_group") or "nccl" not in str(dist.get_backend()):
         return False
     try:
-        return bool(dist.group.WORLD._get_backend(torch.device("cuda")).supports_shrinking)
+        world = dist.group.WORLD
+        backend = world._get_backend(torch.device("cuda")) if world is not None else None
+        return bool(getattr(backend, "supports_shrinking", False))
     except Exception:
         return False
 

@@ -168,6 +168,7 @@ class CollectivePlane(AveragingPlane):
         """The wire part of a round: SUM all-reduce each flat buffer in place, every rank's values
         scaled by its ``factor`` (one collective per buffer, all in flight at once); the works
         when not ``wait``."""
+        op: Any
         if self._premul:
             op = dist._make_nccl_premul_sum(factor)
         else:
