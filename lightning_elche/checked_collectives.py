@@ -265,6 +265,8 @@ class CheckedCollectives:
         closed = f"{base}/{peer}/closed"
         if store.check([closed]):
             count = int(json.loads(store.get(closed))["count"])
+            if count >= number:  # it entered this one (and went on) between the two looks: not evidence
+                return
             raise self._cannot_complete(
                 membership, number, entry,
                 f"rank {self._rank_of(membership, peer)} ended its fit after {count} collective(s) outside the "

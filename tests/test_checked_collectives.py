@@ -184,6 +184,18 @@ def test_a_peer_that_ended_its_fit_fails_the_waiting_rank_at_once():
     assert time.monotonic() - started < 1.0
 
 
+def test_a_peer_that_entered_this_collective_before_it_ended_its_fit_is_no_evidence():
+    # Between a rank's look for the peer's entry and its look at the peer's markers, the peer may
+    # pass the collective and end its fit: its closed count then covers this collective.
+    store = dist.HashStore()
+    (m0, zero), (_, one) = ranks_of(store)
+    on_both([lambda: zero.enter("barrier()"), lambda: one.enter("barrier()")])
+    one.close()
+    zero._check_peer_can_come(m0, "fit/collectives/gen0", 1, Entry("barrier()"), 1)  # no error
+    with pytest.raises(CollectiveMismatch, match="ended its fit after 1 collective"):
+        zero._check_peer_can_come(m0, "fit/collectives/gen0", 2, Entry("barrier()"), 1)
+
+
 def test_a_peer_that_went_on_to_train_the_next_epoch_fails_the_waiting_rank():
     (_, zero), (_, one) = ranks_of(dist.HashStore())
     zero.training_started(0)

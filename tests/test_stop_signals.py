@@ -9,6 +9,7 @@ mode per phase; every mode x every phase is marked ``faults``.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import threading
@@ -197,6 +198,25 @@ def test_the_wakeup_fd_in_place_before_is_given_back_and_still_hears_the_signals
         signal.set_wakeup_fd(original)
         os.close(read_fd)
         os.close(write_fd)
+
+
+def test_a_rank_the_watchdog_ends_is_marked_exited_in_the_jobs_registry():
+    from datetime import timedelta as td
+
+    import torch.distributed as dist
+
+    from lightning_elche import job_store
+    from lightning_elche.strategy import ElCheStrategy as Strategy
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=td(seconds=10))
+    before = job_store.current_link()
+    link = job_store.join(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=td(seconds=10)), 3)
+    try:
+        Strategy()._mark_stopped("ending the process with status 143")  # what the watchdog's on_exit runs
+        assert server.get(job_store.exited_key(3)) == b"ending the process with status 143"
+    finally:
+        atexit.unregister(link.mark_exited)  # this process's exit is not the test rank's
+        job_store._current = before
 
 
 # -- the routes, from Lightning's handlers to Lightning's restore ------------------------------------
