@@ -179,6 +179,7 @@ class StopWatchdog:
         self._pipe: Optional[tuple[int, int]] = None
         self._previous_fd = -1
         self._closing = False
+        self._given_back = False
         self._closed = False
         self._close_lock = threading.Lock()  # never taken in the signal path
         self._thread: Optional[threading.Thread] = None
@@ -218,6 +219,7 @@ class StopWatchdog:
             replaced = signal.set_wakeup_fd(self._previous_fd)
             if replaced != write_fd:  # someone set their own after ours: leave theirs
                 signal.set_wakeup_fd(replaced)
+            self._given_back = True
         self._closing = True
         self._wake()
         if self._thread is not None and self.deadline is None:
@@ -229,7 +231,7 @@ class StopWatchdog:
         # Only once the wakeup fd is given back: a closed number may be reused, and the C handler
         # would write into whatever file got it.
         with self._close_lock:
-            if self._pipe is None or self._closed or not self._closing:
+            if self._pipe is None or self._closed or not self._given_back:
                 return
             self._closed = True
             for fd in self._pipe:
