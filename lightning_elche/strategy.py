@@ -262,12 +262,12 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
         # Frozen parameters too: one may be unfrozen later (the planes stamp the current signature).
         self._engine = ElCheEngine(self.elche, plane, self.global_rank, self.world_size, self.root_device,
                                    params=list(module.parameters()), signature=layout.signature,
-                                   step_budget=self._session.step_budget, outer=outer,
-                                   failures=self._survival(module.trainer))
+                                   step_budget=self._session.step_budget, outer=outer)
         self._rounds = RoundDriver(self._engine, self._session, lambda: self._sampler, self._round_listeners,
-                                   self.elche.log_every_n_syncs, lambda: self.global_rank)
+                                   self.elche.log_every_n_syncs, lambda: self.global_rank, self._fitting_trainer)
+        self._engine.failures = self._survival(module.trainer, self._rounds)
 
-    def _survival(self, trainer: Trainer) -> Optional[Survival]:
+    def _survival(self, trainer: Trainer, rounds: RoundDriver) -> Optional[Survival]:
         membership = self._membership
         if membership is None:
             return None
@@ -277,7 +277,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
             membership, ProcessGroups(membership, process_group_timeout(self), device),
             holders=lambda: [h for h in (view, self._session, self._sampler, self._engine, self._change_listeners)
                              if h is not None],
-            handover=lambda: self._sampler, epoch=lambda: self._session.epoch,
+            handover=lambda: self._sampler, recovery=rounds, epoch=lambda: self._session.epoch,
             keep_epoch_open=lambda: self._engine.keep_epoch_open() if self._engine is not None else None,
         )
 
@@ -410,6 +410,9 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        if self._rounds is not None and self._session.pending_save.saves:
+            # A saving stop acted on at the fit's last round has no next batch start to save at.
+            self._rounds.save_and_exit(self._fitting_trainer(), self._membership, self.elche.max_failure)
         self._session.end_training()
         if self._engine is not None and self.lightning_module is not None:
             # After the callbacks' on_train_end (SWA's BatchNorm pass has ended): buffers a callback
