@@ -72,7 +72,7 @@ class Transport(str, Enum):
 
 
 class Dispatch(str, Enum):
-    """How an epoch's samples are shared out (see :mod:`lightning_elche.data`)."""
+    """How an epoch's samples are shared out (see :mod:`lightning_elche.dispatch`)."""
 
     EQUAL = "equal"  # interleaved equal split (sync modes)
     POOL = "pool"  # chunks claimed from a shared pool: faster ranks claim more

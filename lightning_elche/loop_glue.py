@@ -49,8 +49,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from lightning_elche import job_store
 from lightning_elche.augment import AugmentedDataset
-from lightning_elche.config import ElCheConfig
-from lightning_elche.data import ElCheSampler
+from lightning_elche.config import Dispatch, ElCheConfig
+from lightning_elche.dispatch import ElCheSampler, build_sampler
 from lightning_elche.job_store import JobStoreLink
 from lightning_elche.rounds import StopRequest
 
@@ -184,18 +184,19 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
             "samples to ranks by speed. Use shuffle=True/False in the DataLoader."
         )
     assert dataloader.batch_size is not None
-    dispatch = config.run_mode.dispatch.value
-    store = default_group_store() if dispatch == "pool" else None
+    dispatch = config.run_mode.dispatch
+    # The pool claims through the store; the own-stream splits use it only when ranks join mid-epoch.
+    store = default_group_store() if dispatch is Dispatch.POOL or distributed_is_initialized() else None
     dataset = dataloader.dataset
     augmented = isinstance(dataset, AugmentedDataset)
-    return ElCheSampler(
+    return build_sampler(
+        dispatch,
         dataset.base_len if augmented else len(dataset),  # type: ignore[arg-type, union-attr]
         dataloader.batch_size,
         rank,
         world_size,
         shuffle=shuffle,
         seed=seed,
-        dispatch=dispatch,
         counter=store,
         key_prefix=key_prefix,
         partition_ratios=config.partition_ratios,

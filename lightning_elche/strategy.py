@@ -5,7 +5,7 @@ proportionally more steps per window and claim proportionally more data; at the 
 replicas' parameters are averaged, weighted by the work each did. The strategy is thin glue: the
 round protocol lives in :mod:`lightning_elche.engine`, the controller in
 :mod:`lightning_elche.controller`, the transport in :mod:`lightning_elche.planes`, the dispatch in
-:mod:`lightning_elche.data`.
+:mod:`lightning_elche.dispatch`.
 
 It subclasses ``DDPStrategy`` to keep Lightning's launchers, cluster environments, process-group
 set-up and epoch-level ``sync_dist``, but never wraps the model in ``DistributedDataParallel``.
@@ -48,7 +48,7 @@ from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checks import require_int
 from lightning_elche.config import ElCheConfig, ElCheMode, Transport
 from lightning_elche.coverage import EpochCoverage
-from lightning_elche.data import ElCheSampler, LostWork
+from lightning_elche.dispatch import ElCheSampler
 from lightning_elche.engine import ElCheEngine, FitProgress, Regroup, RoundOutcome
 from lightning_elche.job_store import JobStoreLink, current_link, generation_prefix, process_alive
 from lightning_elche.loop_glue import (
@@ -71,7 +71,14 @@ from lightning_elche.loop_glue import (
     with_training_sampler,
 )
 from lightning_elche.membership.agreement import Loss, Membership, resolve_liveness_timeout
-from lightning_elche.membership.change import MaxFailure, PeerFailure, RanksLost, check_max_failure, failure_limit
+from lightning_elche.membership.change import (
+    Change,
+    MaxFailure,
+    PeerFailure,
+    RanksLost,
+    check_max_failure,
+    failure_limit,
+)
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import AveragingPlane, CollectivePlane, CpuPlane
 from lightning_elche.rounds import StopRequest
@@ -607,7 +614,11 @@ class ElCheStrategy(DDPStrategy):
                 last.reports[k].epoch_batches if last is not None and last.reports[k].epoch == epoch else 0
                 for k in loss.lost
             ]
-            self._sampler.regroup(loss.survivors, [LostWork(k, n) for k, n in zip(loss.lost, trained, strict=True)])
+            # Members named by their old ranks: the sampler reads only the renumbering and the
+            # lost ranks' batches from the change.
+            change = Change(generation=loss.generation, before=tuple(range(len(loss.survivors) + len(loss.lost))),
+                            after=tuple(loss.survivors), trained_batches=dict(zip(loss.lost, trained, strict=True)))
+            self._sampler.apply_change(change)
             loss.trained_batches = dict(zip(loss.lost_original, trained, strict=True))
         limit = failure_limit(self.max_failure, membership.world_size + membership.lost_count)
         ended = limit is not None and membership.lost_count >= limit
