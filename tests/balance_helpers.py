@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 
 from test_data import SharedCounter
 
-from lightning_elche.config import ElCheConfig
+from lightning_elche.config import Dispatch, ElCheConfig
 from lightning_elche.controller import ElCheController
-from lightning_elche.config import Dispatch
 from lightning_elche.dispatch import ElCheSampler, build_sampler
 from lightning_elche.guard import Stable
 

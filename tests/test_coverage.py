@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 from test_data import SharedCounter
 
-from lightning_elche.coverage import EpochCoverage, compress, expand, merge, runs, subtract
 from lightning_elche.config import Dispatch
+from lightning_elche.coverage import EpochCoverage, compress, expand, merge, runs, subtract
 from lightning_elche.dispatch import build_sampler, epoch_permutation
 
 

@@ -402,7 +402,8 @@ def test_each_dispatch_policy_is_its_own_class():
     assert type(build_sampler(POOL, 40, 4, 0, 2, counter=SharedCounter(), **common)) is PoolDispatch
     assert type(PoolDispatch(40, 4, 0, 2, counter=SharedCounter(), **common)) is PoolDispatch
     # The builder takes the run mode's enum, not its name: no string round trip.
-    with pytest.raises(ValueError, match=r"dispatch='round_robin'\) is invalid: expected a lightning_elche.config.Dispatch"):
+    expected = r"dispatch='round_robin'\) is invalid: expected a lightning_elche.config.Dispatch"
+    with pytest.raises(ValueError, match=expected):
         build_sampler("round_robin", 40, 4, 0, 2, **common)
     with pytest.raises(ValueError, match=r"dispatch='pool'\) is invalid: .*Dispatch\(name\)"):
         build_sampler("pool", 40, 4, 0, 2, counter=SharedCounter(), **common)

@@ -14,6 +14,8 @@ piece per change, each batched from its start, so that every rank's batches are 
   new numbering, so a joiner gets an equal part. How far each survivor had handed its work out is
   known only to itself: it writes it to the store when it applies the change, and every member
   reads the others' before it hands out its next batch (the change's generation names the keys).
+  A member lost before it wrote its count (a second loss in the same recovery) is settled by the
+  next change: its batches in the consensus stand in for it.
 """
 
 from __future__ import annotations
@@ -218,6 +220,21 @@ class OwnStreamDispatch(ElCheSampler):
             self._log.append(change)
         return self._plan
 
+    def _settle_cuts_of_lost(self, change: Change) -> None:
+        """A member lost before it said how far it had handed its work out at a pending join: its
+        trained batches in the consensus stand in for that count (what it handed beyond them goes
+        back to the epoch either way). The first entry of a key counts, so every member settles on
+        the same value even if the lost one still writes its own."""
+        pending = self._pending
+        if pending is None:
+            return
+        assert self.counter is not None
+        keys = dict(pending.keys)
+        for rank, trained in change.trained_by_old_rank().items():
+            before = pending.change.sources[rank]  # its rank when the pending join came
+            if before is not None and not self.counter.check([keys[before]]):
+                self.counter.append(keys[before], f"{trained};")
+
     def _first_plan(self, world_size: int, ratios: Optional[Sequence[float]]) -> StreamPlan:
         universe = self._epoch_universe()
         segments: list[list[Sequence[int]]] = []
@@ -227,6 +244,7 @@ class OwnStreamDispatch(ElCheSampler):
         return StreamPlan(segments, self.batch_size, self.drop_last)
 
     def _follow_change(self, change: Change, span: int) -> int:
+        self._settle_cuts_of_lost(change)
         plan = self._current_plan()
         if plan is None:
             plan = self._first_plan(self.world_size, self.partition_ratios)
