@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from types import FrameType
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import lightning
 import torch.distributed as dist
@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from lightning_elche import job_store
 from lightning_elche.augment import AugmentedDataset
 from lightning_elche.config import Dispatch, ElCheConfig
-from lightning_elche.dispatch import ElCheSampler, build_sampler
+from lightning_elche.dispatch import ChunkCounter, ElCheSampler, build_sampler
 from lightning_elche.job_store import JobStoreLink
 from lightning_elche.rounds import StopRequest
 
@@ -95,7 +95,13 @@ def with_training_sampler(dataloader: DataLoader, sampler: ElCheSampler) -> Data
 
 def train_dataloader_count(trainer: Trainer) -> int:
     """How many training DataLoaders the fit loop combined."""
-    return len(trainer.fit_loop._combined_loader.flattened)
+    loader = trainer.fit_loop._combined_loader
+    return len(loader.flattened) if loader is not None else 0
+
+
+def next_epoch(trainer: Trainer) -> int:
+    """The epoch the fit loop runs next (the counter ``set_epoch`` uses)."""
+    return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]  # a _StartedTracker
 
 
 def can_stop_early(trainer: Trainer) -> bool:
@@ -186,12 +192,17 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
     assert dataloader.batch_size is not None
     dispatch = config.run_mode.dispatch
     # The pool claims through the store; the own-stream splits use it only when ranks join mid-epoch.
-    store = default_group_store() if dispatch is Dispatch.POOL or distributed_is_initialized() else None
+    # (A Store has append at run time; torch's stub lacks it.)
+    store = (cast(ChunkCounter, default_group_store()) if dispatch is Dispatch.POOL or distributed_is_initialized()
+             else None)
     dataset = dataloader.dataset
-    augmented = isinstance(dataset, AugmentedDataset)
+    if isinstance(dataset, AugmentedDataset):
+        samples, augment = dataset.base_len, dataset.augment
+    else:
+        samples, augment = len(dataset), 1  # type: ignore[arg-type]  # a map-style Dataset has __len__
     return build_sampler(
         dispatch,
-        dataset.base_len if augmented else len(dataset),  # type: ignore[arg-type, union-attr]
+        samples,
         dataloader.batch_size,
         rank,
         world_size,
@@ -202,8 +213,8 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
         partition_ratios=config.partition_ratios,
         max_chunk_batches=chunk_batches,
         drop_last=dataloader.drop_last,
-        augment=dataset.augment if augmented else 1,  # type: ignore[union-attr]
-        pick_keys=augmented,
+        augment=augment,
+        pick_keys=isinstance(dataset, AugmentedDataset),
     )
 
 
@@ -294,13 +305,13 @@ class LightningPatches:
 
         def advance_watching_for_skip(data_fetcher: Any) -> None:
             current = epoch_loop.batch_progress.current
-            unstarted = current.ready - current.started
+            unstarted = current.ready - current.started  # type: ignore[attr-defined]  # a _ProcessedTracker
             try:
                 advance(data_fetcher)
             except StopIteration:
                 # Lightning's -1 path marks this batch ready but never starts it; a plain end of
                 # data raises before the batch is ready.
-                if current.ready - current.started > unstarted:
+                if current.ready - current.started > unstarted:  # type: ignore[attr-defined]
                     on_epoch_skipped()
                 raise
 
@@ -329,7 +340,7 @@ class LightningPatches:
                 "This Lightning version has no TrainingEpochLoop._broadcast_sigterm_tensor; "
                 f"lightning-elche supports lightning{SUPPORTED_LIGHTNING}."
             )
-        epoch_loop._broadcast_sigterm_tensor = lambda: None
+        epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
         self._undo.append(lambda: vars(epoch_loop).pop("_broadcast_sigterm_tensor", None))
 
     def route_stop_signals(self, trainer: Trainer, on_stop: Callable[[StopRequest, int], None]) -> bool:
@@ -543,7 +554,7 @@ def _chained_handler(
         original = getattr(connector, "_original_handlers", {}).get(signum)
         return original if callable(original) and not isinstance(original, _HandlersCompose) else None
     if callable(current) and current is not signal.default_int_handler:
-        return current  # type: ignore[return-value]
+        return current
     return None
 
 
@@ -559,10 +570,10 @@ def reopen_training_epoch(trainer: Trainer, before: Callable[[], None]) -> bool:
     Lightning's fetcher looks one batch ahead to find the last batch; it is rewound to the new
     iterator with that look-ahead refilled, and the epoch loop's last-batch flag is cleared so
     that the loop runs on."""
-    from lightning.pytorch.loops.fetchers import _DataFetcher
+    from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 
     fetcher = trainer.fit_loop._data_fetcher
-    if fetcher is None or fetcher.batches:
+    if not isinstance(fetcher, _PrefetchDataFetcher) or fetcher.batches:
         return False
     before()
     fetcher.iterator = iter(fetcher.combined_loader)
@@ -576,6 +587,19 @@ def reopen_training_epoch(trainer: Trainer, before: Callable[[], None]) -> bool:
     return True
 
 
+class LightningRankView:
+    """Lightning's rank-dependent state as a holder of a membership change: rank-zero-only logging,
+    the progress bar and the evaluation loaders follow the rank's new number (``rank()``; the
+    strategy's ``global_rank`` and ``world_size`` already answer it)."""
+
+    def __init__(self, trainer: Trainer, rank: Callable[[], int]) -> None:
+        self.trainer = trainer
+        self.rank = rank
+
+    def apply_change(self, change: Any) -> None:
+        renumber_lightning_ranks(self.trainer, self.rank())
+
+
 def renumber_lightning_ranks(trainer: Trainer, global_rank: int) -> None:
     """After a regroup: rank-zero-only logging, the progress bar and the evaluation loaders follow
     the rank's new number (``strategy.global_rank``/``world_size`` already answer it)."""
@@ -583,9 +607,10 @@ def renumber_lightning_ranks(trainer: Trainer, global_rank: int) -> None:
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
     from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-    rank_zero_only.rank = fabric_rank_zero_only.rank = utils_rank_zero_only.rank = global_rank
+    for rank_zero_only_fn in (rank_zero_only, fabric_rank_zero_only, utils_rank_zero_only):
+        rank_zero_only_fn.rank = global_rank  # type: ignore[attr-defined]  # set by Lightning, read by every rank_zero_*
     bar = trainer.progress_bar_callback
-    if global_rank == 0 and bar is not None and bar.is_disabled:
+    if global_rank == 0 and isinstance(bar, (RichProgressBar, TQDMProgressBar)) and bar.is_disabled:
         # Lightning disabled it at setup on every rank but 0: the new rank 0 shows it from here on,
         # with the display the bar builds when training starts.
         bar.enable()
