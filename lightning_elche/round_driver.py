@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_elche.coverage import EpochCoverage
-from lightning_elche.data import ElCheSampler
+from lightning_elche.dispatch import ElCheSampler
 from lightning_elche.engine import ElCheEngine, RoundOutcome
 from lightning_elche.loop_glue import (
     can_stop_early,

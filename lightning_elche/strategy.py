@@ -5,7 +5,7 @@ proportionally more steps per window and claim proportionally more data; at the 
 replicas' parameters are averaged, weighted by the work each did. The strategy is an adapter: the
 round protocol is :mod:`lightning_elche.engine`, its meeting with Lightning's loop
 :mod:`lightning_elche.round_driver`, the transport :mod:`lightning_elche.planes`, the dispatch
-:mod:`lightning_elche.data`, and who is in the fit :mod:`lightning_elche.membership`.
+:mod:`lightning_elche.dispatch`, and who is in the fit :mod:`lightning_elche.membership`.
 
 It subclasses ``DDPStrategy`` to keep Lightning's launchers, cluster environments, process-group
 set-up and epoch-level ``sync_dist``, but never wraps the model in ``DistributedDataParallel``.
@@ -39,7 +39,7 @@ from lightning_elche.averaging import AveragedLayout
 from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.config import FIT_KNOBS, ElCheConfig, ElCheMode, resolve_config
 from lightning_elche.coverage import EpochCoverage
-from lightning_elche.data import ElCheSampler
+from lightning_elche.dispatch import ElCheSampler
 from lightning_elche.engine import ElCheEngine
 from lightning_elche.fit_view import ElCheFitView
 from lightning_elche.loop_glue import (

@@ -1,7 +1,7 @@
 """A deterministic, virtual-time model of blocking cadence epochs: the real controller and the real
 pooled dispatch, ranks that take a fixed time per batch, no processes and no clocks.
 
-Each rank iterates its :class:`~lightning_elche.data.PoolDispatch` the way Lightning's fetcher does
+Each rank iterates its :class:`~lightning_elche.dispatch.PoolDispatch` the way Lightning's fetcher does
 (one batch fetched ahead, ``batch_started`` after the refill), trains a batch in ``batch_s[r]``
 virtual seconds (times a seeded factor within ``1 +- jitter``; plus ``first_batch_s[r]`` once per
 fit, a warm-up), and joins a blocking round when its window is due or it is out of data. A round
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from test_data import SharedCounter
 
-from lightning_elche.config import ElCheConfig
+from lightning_elche.config import Dispatch, ElCheConfig
 from lightning_elche.controller import ElCheController
-from lightning_elche.data import ElCheSampler
+from lightning_elche.dispatch import ElCheSampler, build_sampler
 from lightning_elche.guard import Stable
 
 
@@ -108,8 +108,8 @@ def simulate_cadence_fit(
     controller = ElCheController.from_config(config, world)
     counter = SharedCounter()
     ranks = [
-        _Rank(r, ElCheSampler(samples, batch, r, world, shuffle=True, seed=0, dispatch="pool", counter=counter,
-                              key_prefix="balance", max_chunk_batches=chunk))
+        _Rank(r, build_sampler(Dispatch.POOL, samples, batch, r, world, shuffle=True, seed=0, counter=counter,
+                               key_prefix="balance", max_chunk_batches=chunk))
         for r in range(world)
     ]
     epoch_size = ranks[0].sampler.num_batches
