@@ -51,6 +51,11 @@ GROWTH_STEP_CAP = 2.0
 WARMUP_GROWTH_MARGIN = 2.0
 """During Warmup, growth fires only above this multiple of the overhead target."""
 
+PLAN_IDLE_SHARE = 0.25
+"""Window growth also aims for whole-batch counts that leave at most this fraction of the
+overhead target idle: on many ranks each rank's count is rounded, and the longest rounded-up
+window makes the others wait (4.5 % of the ideal on 32 ranks at the default anchor of 10)."""
+
 DEAD_ZONE = 0.05
 """A rank's batch count changes only when the new target differs by more than this fraction."""
 
@@ -343,7 +348,7 @@ class ElCheController:
         if self.phase >= Phase.STABLE or (
             self.phase == Phase.WARMUP and self.calibration_count >= 1
         ):
-            self.proposed_anchor = self._propose_growth(overhead)
+            self.proposed_anchor = self._propose_growth(overhead, self._rounding_idle(slow_ms))
 
         # Counts follow the current anchor; a proposal only lands through a verdict.
         self._recompute_batch_counts(slow_ms)
@@ -422,19 +427,33 @@ class ElCheController:
             return None
         return fixed / denominator
 
-    def _propose_growth(self, overhead: float | None) -> int | None:
-        """The grown anchor that ``overhead`` calls for, or None. Grow-only by design."""
+    def _rounding_idle(self, slow_ms: float) -> float:
+        """The part of the ranks' time a window at the current anchor leaves idle because each
+        rank's count is a whole number of batches (0 unless every rank has a reading): the
+        counts' targets, not the counts, so that the dead zone's lag does not count as rounding."""
+        times = [self.smoothed_ms_or_none(rank) for rank in range(self.world_size)]
+        if any(t is None or t <= 0.0 for t in times):
+            return 0.0
+        counts = [self._rank_target(t, slow_ms) for t in times]  # type: ignore[arg-type]
+        window = max(n * t for n, t in zip(counts, times, strict=True))  # type: ignore[operator]
+        if window <= 0.0:
+            return 0.0
+        return max(0.0, 1.0 - sum(counts) / sum(window / t for t in times))  # type: ignore[operator]
+
+    def _propose_growth(self, overhead: float | None, rounding_idle: float = 0.0) -> int | None:
+        """The grown anchor that ``overhead`` (or the counts' ``rounding_idle``) calls for, or
+        None. Grow-only by design."""
         if not self._window_growth_applicable or not self.growth_enabled:
             return None
         # At the cap a larger anchor would not enlarge the window, only detach it from the anchor.
-        if self.window_cap_binding or overhead is None:
+        if self.window_cap_binding or (overhead is None and rounding_idle <= 0.0):
             return None
-        fire_at = self._overhead_target
-        if self.phase < Phase.STABLE:
-            fire_at *= WARMUP_GROWTH_MARGIN
-        if overhead <= fire_at:
+        target = self._overhead_target
+        pressure = max(0.0 if overhead is None else overhead / target, rounding_idle / (target * PLAN_IDLE_SHARE))
+        fire_at = WARMUP_GROWTH_MARGIN if self.phase < Phase.STABLE else 1.0
+        if pressure <= fire_at:
             return None
-        scale = min(overhead / self._overhead_target, GROWTH_STEP_CAP)
+        scale = min(pressure, GROWTH_STEP_CAP)
         grown = math.ceil(self.anchor * scale)
         grown = min(max(grown, self._min_anchor), self._max_anchor)
         return grown if grown > self.anchor else None

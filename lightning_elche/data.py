@@ -993,11 +993,14 @@ class PoolDispatch(ElCheSampler):
             return False
         # From the latest round of the epoch (or its start) every rank trains at its share of the
         # cohort's speed, so the epoch ends at the later of two ends: this rank's, after `mine`
-        # batches (time mine / share, in the cohort's batches), and the others', after `rest`
-        # (rest / others): what they claimed, untrained at the round, and the pool. Taking the next
-        # chunk pays off unless the later end is later with it than without it. Only claims and
-        # the round's counts enter: how far every rank is at this moment (a prefetch, a chunk in
-        # progress) is not known across ranks.
+        # batches (time mine / share, in the cohort's batches), and that of the ranks faster than
+        # it, which claim after it has left: their part of what the others claimed, untrained at
+        # the round (level among them: in proportion to their shares), and the pool. Taking the
+        # next chunk pays off unless the later end is later with it than without it. (Counting
+        # every other rank as claiming made every rank leave the pool to the others once their
+        # ends were level: on 32 ranks all but the drainer left the last 2 s of each epoch to it.)
+        # Only claims and the round's counts enter: how far every rank is at this moment (a
+        # prefetch, a chunk in progress) is not known across ranks.
         claimed = math.ceil(self.record.samples / self.batch_size)
         trained = self._batches_at_round()
         mine = claimed - trained[self.rank]
@@ -1005,13 +1008,18 @@ class PoolDispatch(ElCheSampler):
         largest = self.max_chunk_batches
         if (mine + largest) / share <= (rest - largest) / others:
             return False  # even after the largest chunk this rank ends first: no need to read the counter
+        faster = sum(s for k, s in enumerate(shares) if (s, -k) > (share, -self.rank))
+        if faster <= 0:
+            return False  # the fastest rank never leaves the tail
         assert self.counter is not None
         next_claim = self._epoch_world + self.counter.add(key, 0)
         if next_claim >= len(self._layout):
             return False  # the pool is dry: the claim below ends the epoch for this rank
         chunk = self._layout[next_claim][1]
-        with_chunk = max((mine + chunk) / share, (rest - chunk) / others)
-        without = max(mine / share, rest / others)
+        pool = self._batches_from(next_claim)
+        theirs = max(0, rest - pool) * faster / others + pool
+        with_chunk = max((mine + chunk) / share, (theirs - chunk) / faster)
+        without = max(mine / share, theirs / faster)
         return with_chunk > without  # strict: on a tie taking it is no worse
 
     def _batches_at_round(self) -> list[int]:
