@@ -492,7 +492,7 @@ def run_plan(ctx: RankContext, plan: list[Group]) -> int:
             if ctx.rank == 0:
                 print(f"[bench {time.time() - ctx.t0:6.0f} s] group {i + 1}/{len(plan)} {job.job_id}: "
                       f"{time.time() - job_started:.1f} s", flush=True)
-            if group.check_throttle and job.arm == SOLO_PAIR:
+            if group.check_throttle and job.arm == SOLO_PAIR and job is group.jobs[0]:
                 ok, verdict = throttle_ok(ctx, job)
                 if ctx.rank == 0:
                     write_record(ctx.run_dir, "throttle_check", 0, verdict)

@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_elche.averaging import AveragedLayout, FlatTensors, RoundWeights, divergence_norms, round_weights
 from lightning_elche.outer import OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane, RoundResult, all_gather_flat, check_layout, stamp_layout
+from lightning_elche.planes.fused import FusedDrift, drift_or_none
 from lightning_elche.planes.scratch import PreRoundValues
 from lightning_elche.rounds import Meta, validate_table
 
@@ -53,6 +54,9 @@ class CollectivePlane(AveragingPlane):
         self.group = group
         self._meta_out: Optional[Tensor] = None
         self._pre: Optional[PreRoundValues] = None  # this replica before the round (in its gradients)
+        self._drift: Optional[FusedDrift] = None  # the one-pass drift measurement (CUDA, Triton)
+        self.fused = True
+        """Measure the drift in one fused pass where it can run (CUDA with Triton)."""
         self._failed = False  # the last round's collectives did not finish: its values need restoring
         self._premul_backend: Optional[bool] = None
         self._local: Optional[Tensor] = None
@@ -71,7 +75,7 @@ class CollectivePlane(AveragingPlane):
 
     def start(self, local: Tensor) -> None:
         if stamp_layout(local, self.layout):
-            self._pre = None  # paired with the old layout's tensors
+            self._pre, self._drift = None, None  # paired with the old layout's tensors
             if self.outer is not None:
                 # Its momentum and previous global have the old layout's shape: restart it (every
                 # rank relayouts at the same round, so every rank restarts alike).
@@ -117,7 +121,9 @@ class CollectivePlane(AveragingPlane):
         params, buffers, joint = self.params, self.buffers, self.layout.joint
         if self._pre is None:
             self._pre = PreRoundValues(self.layout)
+            self._drift = drift_or_none(self.layout.joint, self._pre.current)
         pre = self._pre
+        drift = self._drift if self.fused else None
         if self._failed:
             pre.restore()  # the failed round's partial sums are in the live tensors
         else:
@@ -129,11 +135,18 @@ class CollectivePlane(AveragingPlane):
             # per dtype reduces both, so the buffers carry the ratio of the two weights.
             torch._foreach_mul_(buffers.flats, buffer_factor / param_factor)
         works = self.sum_scaled(joint, param_factor, wait=False)
-        pre_norms = torch._foreach_norm(pre.params) if pre.params else None  # beside the reduce
+        # The multi-tensor path takes the pre-round norms beside the reduce; the fused one reads
+        # every value once after it.
+        pre_norms = torch._foreach_norm(pre.params) if pre.params and drift is None else None
         for work in works:
             self._await(work, self._host_blocking)
         self._failed = False
-        divergence = divergence_norms(pre.params, pre.current, pre_norms) if pre.params else None
+        if not pre.params:
+            divergence = None
+        elif drift is not None:
+            divergence = drift(pre.params)
+        else:
+            divergence = divergence_norms(pre.params, pre.current, pre_norms)
         pre.release()
         if outer is not None:
             outer.step(params.flats)
@@ -170,7 +183,7 @@ class CollectivePlane(AveragingPlane):
         # The engine outlives fit (its totals are the run's record): free the model-sized buffers.
         if self._pre is not None:
             self._pre.release()
-        self._pre = None
+        self._pre, self._drift = None, None
         self._meta_out = None
         self.params.release()
         self.buffers.release()
