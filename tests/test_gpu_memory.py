@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,10 @@ def test_nccl_modes_peak_at_least_0_8_parameter_copies_below_ddp_on_one_gpu(tmp_
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=dict(os.environ))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    keep = os.environ.get("ELCHE_KEEP_BENCH")  # a folder to copy the run's tables to (device runs)
+    if keep:
+        for name in ("gpu2-homo.json", "gpu2-homo.md"):
+            shutil.copy(tmp_path / name, Path(keep) / f"memory-{name}")
     result = json.loads((tmp_path / "gpu2-homo.json").read_text())
     arms = result["arms"]
     ddp = arms["ddp"]["memory"]

@@ -12,6 +12,9 @@ divergence norms and the launches, at the benchmark's two model sizes:
 * ``wall_average_ms`` / ``wall_bare_ms``: the same two on the host's clock, synchronized;
 * ``kernels_per_round``: device kernels one ``average()`` runs (torch.profiler), with their names.
 
+Each size is measured with the fused drift measurement (CUDA, Triton) and, ``-multi-tensor``,
+with PyTorch's multi-tensor kernels.
+
     python tools/averaging_overhead.py --out overhead.json
 """
 
@@ -80,12 +83,13 @@ def kernels(op: Callable[[], object], prepare: Callable[[], None], rounds: int) 
     return sum(n for n in names.values() if n > 0) / rounds, counts
 
 
-def measure(megabytes: float, iters: int, tensors: int) -> dict[str, object]:
+def measure(megabytes: float, iters: int, tensors: int, fused: bool) -> dict[str, object]:
     numel = int(megabytes * 1e6 / 4)
     sizes = [numel // tensors] * (tensors - 1) + [numel - (numel // tensors) * (tensors - 1)]
     params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
     layout = AveragedLayout.fixed(FlatTensors(params), FlatTensors([]))
     plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
+    plane.fused = fused
     weights = round_weights([1], 1.0)
     grads = [torch.empty_like(p) for p in params]
 
@@ -120,7 +124,7 @@ def measure(megabytes: float, iters: int, tensors: int) -> dict[str, object]:
         "kernels_per_round": per_round,
         "kernels_of_the_bare_collective": bare_kernels,
         "kernel_names": names,
-        "fused_drift": bool(getattr(plane, "fused", False)),
+        "fused_drift": plane._drift is not None and plane.fused,
     }
 
 
@@ -134,7 +138,10 @@ def main() -> None:
         dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'pg')}", rank=0, world_size=1,
                                 device_id=torch.device("cuda", 0))
         try:
-            result: dict[str, object] = {name: measure(mb, args.iters, args.tensors) for name, mb in SIZES_MB.items()}
+            result: dict[str, object] = {
+                f"{name}{'' if fused else '-multi-tensor'}": measure(mb, args.iters, args.tensors, fused)
+                for name, mb in SIZES_MB.items() for fused in (True, False)
+            }
         finally:
             dist.destroy_process_group()
     result["device"] = torch.cuda.get_device_name(0)
