@@ -28,8 +28,8 @@ def test_nccl_modes_peak_at_least_0_8_parameter_copies_below_ddp_on_one_gpu(tmp_
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     command = [
         sys.executable, "-m", "lightning_elche.bench", "--rig", "gpu2-homo", "--share-gpu", "--budget", "tiny",
-        "--model", "mlp-wide", "--tp-batch", "256", "--seeds", "0", "--only-headline", "--tp-seconds", "2",
-        "--no-plots", "--out", str(tmp_path),
+        "--model", "mlp-wide", "--tp-batch", "256", "--seeds", "0", "--only-headline", "--tp-seconds", "1",
+        "--tp-arms", "ddp,ddp_post_local_sgd,nccl_sync,nccl_cadence", "--no-plots", "--out", str(tmp_path),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=dict(os.environ))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
