@@ -4,8 +4,8 @@ Fits are grouped: a throughput *pass* (the concurrent solo fits, one per speed c
 setting, then every multi-rank arm, then, on the CPU rigs, the solo fits again: A-B-A) or a
 convergence *seed* (rank 0's device alone, then every multi-rank arm). Arms are interleaved:
 each group runs every arm once, and the order of the multi-rank arms rotates from group to group
-so that a slow drift of the machine does not favour one arm. Every group but the first of each section may be skipped when the budget's deadline is
-near (the report lists skipped groups).
+so that a slow drift of the machine does not favour one arm. Every group but the first of each
+section may be skipped when the budget's deadline is near (the report lists skipped groups).
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class CollectivePlane(AveragingPlane):
         if not pre.params:
             divergence = None
         elif drift is not None:
-            divergence = drift(pre.params)
+            divergence = drift(pre.addresses)
         else:
             divergence = divergence_norms(pre.params, pre.current, pre_norms)
         pre.release()

@@ -102,14 +102,16 @@ class FusedDrift:
         self._blocks = blocks
         self._partials = torch.empty(3 * max(blocks, 1), dtype=torch.float32, device=device)
 
-    def __call__(self, saved: Sequence[Tensor]) -> Tensor:
+    def __call__(self, addresses: Sequence[int]) -> Tensor:
         """``[||pre - consensus||, ||pre||, ||consensus||]`` (float64, on the device) of the round
-        whose pre-round values are ``saved`` (same order and strides as the live views)."""
+        whose pre-round values are at ``addresses`` (one tensor per live view, in its order,
+        with its dtype and strides)."""
         out = torch.empty(3, dtype=torch.float64, device=self._partials.device)
+        whole = len(self._groups) == 1 and len(self._groups[0][1]) == len(addresses)
         for flat, members, offsets, sizes, block_tensor, block_start, first, count in self._groups:
-            addresses = torch.tensor([saved[i].data_ptr() for i in members], dtype=torch.int64,
-                                     device=flat.device)
-            _drift_kernel[(count,)](flat, offsets, addresses, sizes, block_tensor, block_start, self._partials,
+            table = list(addresses) if whole else [addresses[i] for i in members]
+            saved = torch.tensor(table, dtype=torch.int64, device=flat.device)
+            _drift_kernel[(count,)](flat, offsets, saved, sizes, block_tensor, block_start, self._partials,
                                     first, BLOCK=BLOCK, num_warps=8)
         _finish_kernel[(3,)](self._partials, out, BLOCKS=self._blocks, BLOCK=FINISH_BLOCK)
         return out

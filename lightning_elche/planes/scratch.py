@@ -19,6 +19,8 @@ The floating-point buffers (BatchNorm statistics: small) keep one persistent twi
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -49,9 +51,17 @@ class PreRoundValues:
     def __init__(self, layout: AveragedLayout) -> None:
         self.layout = layout
         self._slots = layout.params.slots()
+        self._params = [param for param, _ in self._slots]
         self._buffer_twins = [torch.empty_like(flat) for flat in layout.buffers.flats]
         self.params: list[Tensor] = []
         self.current: list[Tensor] = [view for _, view in self._slots]
+        self.addresses: list[int] = []
+        """Where each of :attr:`params` lives (its ``data_ptr``), for the fused drift measurement."""
+        # What a gradient that can hold a slot's values looks like (checked in one comparison: a
+        # round runs this for every parameter, and on models of hundreds of tensors Python time
+        # per tensor adds up to more than the round's kernels).
+        self._grad_layouts = [(torch.strided, view.dtype, view.stride()) for view in self.current]
+        self._slot_addresses = [view.data_ptr() for view in self.current]
         self._borrowed: list[Tensor] = []
         self.own_bytes = 0
         """Bytes of the tensors allocated for parameters without a usable gradient (this round)."""
@@ -63,6 +73,28 @@ class PreRoundValues:
     @torch.no_grad()
     def save(self) -> None:
         """Copy the live values aside (into the parameters' gradients where they can hold them)."""
+        grads = [param.grad for param in self._params]
+        if not self._all_usable(grads):
+            self._save_one_by_one()
+        else:
+            self.params, self._borrowed, self.own_bytes = grads, self._params, 0  # type: ignore[assignment]
+            self.addresses = [grad.data_ptr() for grad in grads]  # type: ignore[union-attr]
+            if any(a == b for a, b in zip(self.addresses, self._slot_addresses, strict=True)):
+                self._save_one_by_one()  # a gradient that is the parameter's own storage
+        if self.params:
+            torch._foreach_copy_(self.params, self.current)
+        if self._buffer_twins:
+            torch._foreach_copy_(self._buffer_twins, self.layout.buffers.flats)
+
+    def _all_usable(self, grads: list[Optional[Tensor]]) -> bool:
+        if None in grads:
+            return False
+        try:
+            return [(g.layout, g.dtype, g.stride()) for g in grads] == self._grad_layouts  # type: ignore[union-attr]
+        except RuntimeError:  # a sparse gradient has no strides
+            return False
+
+    def _save_one_by_one(self) -> None:
         self.params, self._borrowed, self.own_bytes = [], [], 0
         for param, view in self._slots:
             grad = param.grad
@@ -73,10 +105,7 @@ class PreRoundValues:
             else:
                 self.params.append(torch.empty_like(view))
                 self.own_bytes += view.numel() * view.element_size()
-        if self.params:
-            torch._foreach_copy_(self.params, self.current)
-        if self._buffer_twins:
-            torch._foreach_copy_(self._buffer_twins, self.layout.buffers.flats)
+        self.addresses = [t.data_ptr() for t in self.params]
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -91,4 +120,4 @@ class PreRoundValues:
         """The round is done: the borrowed gradients hold scratch values now, drop them."""
         for param in self._borrowed:
             param.grad = None
-        self.params, self._borrowed, self.own_bytes = [], [], 0
+        self.params, self._borrowed, self.own_bytes, self.addresses = [], [], 0, []
