@@ -77,7 +77,9 @@ def test_the_fused_drift_matches_the_multi_tensor_path_and_a_failed_round_restor
             tolerance = 1e-5 if dtype == torch.float32 else 1e-2
             assert measured[fused] == pytest.approx([norm / 2, norm, norm / 2], rel=tolerance)
         assert plane._drift is not None
-        assert measured[True] == pytest.approx(measured[False], rel=1e-6)
+        # Both accumulate in f32; the multi-tensor norms of bf16 tensors come back rounded to bf16.
+        assert measured[True] == pytest.approx(measured[False], rel=1e-6 if dtype == torch.float32 else 1e-2)
+        assert measured[True] == pytest.approx([norm / 2, norm, norm / 2], rel=1e-5)  # the fused one is not rounded
 
         # A round that fails mid-reduce leaves garbage; the retry runs from the pre-round values.
         step(model, x, optimizer)

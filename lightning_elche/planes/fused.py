@@ -101,6 +101,21 @@ class FusedDrift:
             blocks += len(block_tensor)
         self._blocks = blocks
         self._partials = torch.empty(3 * max(blocks, 1), dtype=torch.float32, device=device)
+        self._tables: dict[int, tuple[list[int], Tensor]] = {}
+
+    def _address_table(self, group: int, addresses: list[int]) -> Tensor:
+        """The device copy of a group's pre-round addresses. The allocator usually hands a step's
+        gradients the same blocks every step, so the table is mostly the last round's; a new one
+        goes up from pinned memory without the host waiting for the device (a pageable copy
+        would wait for every kernel queued before it)."""
+        cached = self._tables.get(group)
+        if cached is not None and cached[0] == addresses:
+            return cached[1]
+        device = self._partials.device
+        host = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda")
+        table = host.to(device, non_blocking=True)
+        self._tables[group] = (addresses, table)
+        return table
 
     def __call__(self, addresses: Sequence[int]) -> Tensor:
         """``[||pre - consensus||, ||pre||, ||consensus||]`` (float64, on the device) of the round
@@ -108,9 +123,8 @@ class FusedDrift:
         with its dtype and strides)."""
         out = torch.empty(3, dtype=torch.float64, device=self._partials.device)
         whole = len(self._groups) == 1 and len(self._groups[0][1]) == len(addresses)
-        for flat, members, offsets, sizes, block_tensor, block_start, first, count in self._groups:
-            table = list(addresses) if whole else [addresses[i] for i in members]
-            saved = torch.tensor(table, dtype=torch.int64, device=flat.device)
+        for group, (flat, members, offsets, sizes, block_tensor, block_start, first, count) in enumerate(self._groups):
+            saved = self._address_table(group, list(addresses) if whole else [addresses[i] for i in members])
             _drift_kernel[(count,)](flat, offsets, saved, sizes, block_tensor, block_start, self._partials,
                                     first, BLOCK=BLOCK, num_warps=8)
         _finish_kernel[(3,)](self._partials, out, BLOCKS=self._blocks, BLOCK=FINISH_BLOCK)
