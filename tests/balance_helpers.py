@@ -13,11 +13,12 @@ all. The model answers where a fast rank's time goes: waits in rounds, and the p
 out of data at the epoch's end (the drain).
 
 Membership changes: a :class:`Loss` kills a rank in a window (its work since the last round is
-lost; the survivors wait ``detect_s`` in the failed round, regroup the dispatch and the controller
-as the strategy does, and the round runs again on them). A :class:`Join` admits a rank at an
-epoch's start: the controller takes it through ``apply_change(Change(...))`` where the controller
-has it, else through :func:`_admit` (the same steps on this branch's controller); this branch's
-pooled dispatch takes no joiner mid-epoch, so the joiner waits for the next epoch's layout.
+lost; the survivors wait ``detect_s`` in the failed round, and the dispatch and the controller
+follow the :class:`~lightning_elche.membership.change.Change` as the strategy has them do, then
+the round runs again on them). A :class:`Join` admits a rank at an epoch's start: the controller
+takes it through ``apply_change``; the pooled dispatch takes no joiner yet
+(``ElCheSampler.apply_change`` refuses one), so the model's joiner waits for the next epoch's
+layout, for which every rank gets a sampler of the new world.
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ from dataclasses import dataclass, field
 
 from test_data import SharedCounter
 
-from lightning_elche import controller as controller_module
 from lightning_elche.config import ElCheConfig
 from lightning_elche.controller import ElCheController
-from lightning_elche.data import ElCheSampler, LostWork
+from lightning_elche.data import ElCheSampler
 from lightning_elche.guard import Stable
 from lightning_elche.membership.change import Change
 
@@ -137,30 +137,6 @@ class _Rank:
     started_at_round: int = 0
 
 
-def _apply_change(controller: ElCheController, change: Change) -> None:
-    """The controller follows a change: ``apply_change`` where it has it, else this branch's API."""
-    if hasattr(controller, "apply_change"):
-        controller.apply_change(change)
-    elif change.is_join:
-        _admit(controller, len(change.joined))
-    else:
-        controller.retain(change.survivors)
-
-
-def _admit(controller: ElCheController, joiners: int) -> None:
-    """A join on a controller without ``apply_change``: each joiner starts with no reading and
-    the anchor's count, the short calibration windows again (what ``apply_change`` does)."""
-    for _ in range(joiners):
-        controller.batch_counts.append(controller.anchor)
-        controller._ms_windows.append(deque(maxlen=controller_module.TRUST_WINDOW_CAP))
-        controller._zero_reports.append(0)
-        controller._warmup_reading.append(False)
-    controller.world_size += joiners
-    controller.set_epoch_batches_left(None)
-    controller.proposed_anchor = None
-    controller._calibration_windows_left = controller_module.CALIBRATION_WINDOWS
-
-
 def simulate_cadence_fit(
     batch_s: Sequence[float],
     epochs: int = 3,
@@ -216,7 +192,7 @@ def simulate_cadence_fit(
         if join is not None and join.epoch == epoch:
             generation += 1
             joiner = max(members) + 1
-            _apply_change(controller, Change(generation, tuple(members), (*members, joiner)))
+            controller.apply_change(Change(generation, tuple(members), (*members, joiner)))
             members.append(joiner)
             ranks.append(_Rank(len(ranks), sampler(len(ranks), len(ranks) + 1), float(join.batch_s)))
             warm.append(float(first_batch_s[0]) if first_batch_s else 0.0)  # its own warm-up
@@ -270,13 +246,15 @@ def simulate_cadence_fit(
                 lost["change"] += dead.steps  # its window never reached a consensus
                 gone += dead.trained - dead.steps
                 detect_s = loss.detect_s
-                survivors = [k for k in range(len(ranks)) if k != loss.rank]
-                work = [LostWork(loss.rank, dead.started_at_round)]
-                for k in survivors:
-                    ranks[k].sampler.regroup(survivors, work)
                 generation += 1
                 after = tuple(m for k, m in enumerate(members) if k != loss.rank)
-                _apply_change(controller, Change(generation, tuple(members), after))
+                # Its batches up to the last completed round are in the consensus; the rest go back.
+                change = Change(generation, tuple(members), after,
+                                trained_batches={members[loss.rank]: dead.started_at_round})
+                for k, state in enumerate(ranks):
+                    if k != loss.rank:
+                        state.sampler.apply_change(change)
+                controller.apply_change(change)
                 members = list(after)
                 del ranks[loss.rank]
                 del warm[loss.rank]

@@ -15,7 +15,7 @@ from zero_copy_helpers import ConvClassifier, ZeroCopyProbe, load_probe_records
 
 from lightning_elche import ElCheStrategy
 from lightning_elche.averaging import AveragedLayout, round_weights
-from lightning_elche.membership.change import PeerFailure
+from lightning_elche.membership.change import Change, PeerFailure
 from lightning_elche.planes import collective as collective_plane
 from lightning_elche.planes.collective import CollectivePlane
 
@@ -215,7 +215,7 @@ def test_a_failed_round_restores_from_the_gradients_and_its_retry_measures_the_s
         tensor.mul_(2.0)  # the other survivor: the same values and weight (1/2 each)
         return Done()
 
-    plane.regroup(None, 0, 2)
+    plane.apply_change(Change(generation=1, before=(0, 1, 2), after=(0, 1)))  # old rank 2 lost
     with mock.patch.object(collective_plane.dist, "all_reduce", survivors):
         divergence = plane.average(round_weights([1, 1], 1.0))
     params = torch.cat([b.flatten() for b in before[:-2]])

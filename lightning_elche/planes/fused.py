@@ -23,49 +23,55 @@ from torch import Tensor
 try:  # Triton comes with PyTorch's CUDA wheels; CPU-only installs have none.
     import triton
     import triton.language as tl
+
+    HAVE_TRITON = True
 except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+    HAVE_TRITON = False
 
 BLOCK = 4096
 """Values per program of the drift kernel."""
 FINISH_BLOCK = 1024
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-if triton is not None:
 
-    @triton.jit
-    def _drift_kernel(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr, block_start_ptr,
-                      partial_ptr, first_block, BLOCK: tl.constexpr):
-        block = tl.program_id(0)
-        tensor = tl.load(block_tensor_ptr + block)
-        start = tl.load(block_start_ptr + block)
-        size = tl.load(sizes_ptr + tensor)
-        offset = tl.load(offsets_ptr + tensor)
-        saved = tl.load(saved_addresses_ptr + tensor).to(tl.pointer_type(live_ptr.dtype.element_ty))
-        index = start + tl.arange(0, BLOCK)
-        mask = index < size
-        pre = tl.load(saved + index, mask=mask, other=0.0).to(tl.float32)
-        consensus = tl.load(live_ptr + offset + index, mask=mask, other=0.0).to(tl.float32)
-        delta = pre - consensus
-        out = partial_ptr + 3 * (first_block + block)
-        tl.store(out, tl.sum(delta * delta, axis=0))
-        tl.store(out + 1, tl.sum(pre * pre, axis=0))
-        tl.store(out + 2, tl.sum(consensus * consensus, axis=0))
+def _drift_source(live_ptr: Any, offsets_ptr: Any, saved_addresses_ptr: Any, sizes_ptr: Any, block_tensor_ptr: Any,
+                  block_start_ptr: Any, partial_ptr: Any, first_block: Any, BLOCK: tl.constexpr) -> None:
+    """One program: one block of one tensor; its three partial sums of squares."""
+    block = tl.program_id(0)
+    tensor = tl.load(block_tensor_ptr + block)
+    start = tl.load(block_start_ptr + block)
+    size = tl.load(sizes_ptr + tensor)
+    offset = tl.load(offsets_ptr + tensor)
+    saved = tl.load(saved_addresses_ptr + tensor).to(tl.pointer_type(live_ptr.dtype.element_ty))
+    index = start + tl.arange(0, BLOCK)
+    mask = index < size
+    pre = tl.load(saved + index, mask=mask, other=0.0).to(tl.float32)
+    consensus = tl.load(live_ptr + offset + index, mask=mask, other=0.0).to(tl.float32)
+    delta = pre - consensus
+    out = partial_ptr + 3 * (first_block + block)
+    tl.store(out, tl.sum(delta * delta, axis=0))
+    tl.store(out + 1, tl.sum(pre * pre, axis=0))
+    tl.store(out + 2, tl.sum(consensus * consensus, axis=0))
 
-    @triton.jit
-    def _finish_kernel(partial_ptr, out_ptr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
-        column = tl.program_id(0)
-        total = tl.zeros((BLOCK,), dtype=tl.float64)
-        for first in range(0, BLOCKS, BLOCK):
-            index = first + tl.arange(0, BLOCK)
-            total += tl.load(partial_ptr + 3 * index + column, mask=index < BLOCKS, other=0.0).to(tl.float64)
-        tl.store(out_ptr + column, tl.sqrt(tl.sum(total, axis=0)))
+
+def _finish_source(partial_ptr: Any, out_ptr: Any, BLOCKS: tl.constexpr, BLOCK: tl.constexpr) -> None:
+    """Program ``c``: the square root of column ``c``'s sum over every block, in float64."""
+    column = tl.program_id(0)
+    total = tl.zeros((BLOCK,), dtype=tl.float64)
+    for first in range(0, BLOCKS, BLOCK):
+        index = first + tl.arange(0, BLOCK)
+        total += tl.load(partial_ptr + 3 * index + column, mask=index < BLOCKS, other=0.0).to(tl.float64)
+    tl.store(out_ptr + column, tl.sqrt(tl.sum(total, axis=0)))
+
+
+if HAVE_TRITON:
+    _drift_kernel = triton.jit(_drift_source)
+    _finish_kernel = triton.jit(_finish_source)
 
 
 def fused_drift_available(joint: Sequence[Tensor]) -> bool:
     """Whether :class:`FusedDrift` can measure a round of these joint buffers."""
-    return triton is not None and bool(joint) and all(
+    return HAVE_TRITON and bool(joint) and all(
         flat.is_cuda and flat.dtype in FUSED_DTYPES for flat in joint
     )
 
@@ -88,8 +94,8 @@ class FusedDrift:
                        if view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()]
             if not members:
                 continue
-            sizes = [current[i].numel() for i in members]
-            offsets = [current[i].storage_offset() - flat.storage_offset() for i in members]
+            sizes = [int(current[i].numel()) for i in members]
+            offsets = [int(current[i].storage_offset() - flat.storage_offset()) for i in members]
             block_tensor = [t for t, n in enumerate(sizes) for _ in range(-(-n // BLOCK))]
             block_start = [b * BLOCK for n in sizes for b in range(-(-n // BLOCK))]
 
