@@ -10,15 +10,16 @@ from lightning_elche.dispatch import SMALLEST_LAYOUT_SHARE, TailRule
 
 
 class Chunk:
-    """The next chunk's size as the rule reads it, counting the reads (each is a store round trip)."""
+    """The next chunk's size and the pool left from it as the rule reads them, counting the reads
+    (each is a store round trip). ``pool`` defaults to the chunk alone (the pool's last chunk)."""
 
-    def __init__(self, size):
-        self.size = size
+    def __init__(self, size, pool=None):
+        self.size, self.pool = size, size if pool is None else pool
         self.reads = 0
 
     def __call__(self):
         self.reads += 1
-        return self.size
+        return None if self.size is None else (self.size, self.pool)
 
 
 def test_the_drainer_is_the_fastest_rank_and_stays_for_the_epoch():
@@ -86,21 +87,38 @@ def test_the_shortcut_only_skips_reads_whose_answer_is_stay():
         claimed = rng.randint(at_round[rank], max(at_round[rank], total - sum(at_round) + at_round[rank]))
         largest = rng.randint(1, 8)
         size = rng.randint(1, largest)
-        chunk = Chunk(size)
+        rest = total - claimed - (sum(at_round) - at_round[rank])
+        chunk = Chunk(size, rng.randint(size, max(size, rest)))
         leaves = rule.leaves_tail(rank, claimed, at_round, total, largest, chunk)
         leaving += leaves
         share = rule.shares[rank]
         if rank == rule.drainer or share <= 0 or share >= 1:
             continue
-        mine, rest, others = claimed - at_round[rank], total - claimed - (sum(at_round) - at_round[rank]), 1 - share
+        mine, others = claimed - at_round[rank], 1 - share
+        faster = sum(s for k, s in enumerate(rule.shares) if (s, -k) > (share, -rank))
+        if faster <= 0:
+            assert not leaves, "the fastest rank never leaves the tail"
+            continue
+        theirs = max(0, rest - chunk.pool) * faster / others + chunk.pool
         for c in range(1, largest + 1):
-            later = max((mine + c) / share, (rest - c) / others) > max(mine / share, rest / others)
+            later = max((mine + c) / share, (theirs - c) / faster) > max(mine / share, theirs / faster)
             if chunk.reads == 0:
                 assert not later, (rank, claimed, at_round, total, largest, c)
             elif c == size:
                 assert leaves == later
         skipped += chunk.reads == 0
     assert skipped > 100 and leaving > 100
+
+
+def test_a_slow_rank_counts_only_the_faster_ranks_as_taking_what_it_leaves():
+    # Four ranks, rank 1 the second slowest: leaving its chunk to the others would give it to
+    # ranks 2 and 3 only (rank 0 is slower and leaves too); counted as every other rank's work, the
+    # end without it looked earlier than it is, and all but the drainer left the tail.
+    rule = TailRule.from_shares([1, 2, 3, 4], 4)
+    args = dict(claimed=1, at_round=[0, 0, 0, 0], total=12, largest_chunk=2)
+    assert not rule.leaves_tail(1, next_chunk=Chunk(2, pool=7), **args)
+    everyone = max((1 + 2) / 0.2, (11 - 2) / 0.8) > max(1 / 0.2, 11 / 0.8)  # the old rule's answer
+    assert everyone, "the old rule left this chunk"
 
 
 @pytest.mark.parametrize("shares", [(1.0,), (1.0, -1.0), (0.0, 0.0), (float("nan"), 1.0), (float("inf"), 1.0)])

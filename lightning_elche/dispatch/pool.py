@@ -190,9 +190,9 @@ class PoolDispatch(ElCheSampler):
         assert self.counter is not None
         counter, keys, plan = self.counter, current.keys, current.plan
 
-        def next_chunk() -> Optional[int]:
+        def next_chunk() -> Optional[tuple[int, int]]:
             claim = plan.pool_bases[0] + counter.add(keys.pool(0), 0)
-            return None if claim >= len(current.layout) else current.layout[claim][1]
+            return None if claim >= len(current.layout) else (current.layout[claim][1], current.batches_from(claim))
 
         claimed = math.ceil(self.record.samples / self.batch_size)
         return self._tail.leaves_tail(self.rank, claimed, self._batches_at_round(), current.total_batches,

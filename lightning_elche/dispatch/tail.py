@@ -69,7 +69,7 @@ class TailRule:
         at_round: Sequence[int],
         total: int,
         largest_chunk: int,
-        next_chunk: Callable[[], Optional[int]],
+        next_chunk: Callable[[], Optional[tuple[int, int]]],
     ) -> bool:
         """Whether ``rank`` stops claiming now.
 
@@ -80,8 +80,9 @@ class TailRule:
                 before one).
             total: batches in the epoch's layout.
             largest_chunk: the layout's longest chunk, in batches.
-            next_chunk: the size in batches of the chunk the claim would take, or None when the
-                pool is dry; read only when the counts alone do not decide.
+            next_chunk: the size in batches of the chunk the claim would take and the batches left
+                in the pool from it on, or None when the pool is dry; read only when the counts alone
+                do not decide.
         """
         if rank == self.drainer:
             return False
@@ -93,18 +94,26 @@ class TailRule:
             return False
         # From the latest round of the epoch (or its start) every rank trains at its share of the
         # cohort's speed, so the epoch ends at the later of two ends: this rank's, after `mine`
-        # batches (time mine / share, in the cohort's batches), and the others', after `rest`
-        # (rest / others): what they claimed, untrained at the round, and the pool. Taking the next
-        # chunk pays off unless the later end is later with it than without it. Only claims and
-        # the round's counts enter: how far every rank is at this moment (a prefetch, a chunk in
-        # progress) is not known across ranks.
+        # batches (time mine / share, in the cohort's batches), and that of the ranks faster than
+        # it, which claim after it has left: their part of what the others claimed, untrained at
+        # the round (level among them: in proportion to their shares), and the pool. Taking the
+        # next chunk pays off unless the later end is later with it than without it. (Counting
+        # every other rank as claiming made every rank leave the pool to the others once their
+        # ends were level: on 32 ranks all but the drainer left the end of each epoch to it.)
+        # Only claims and the round's counts enter: how far every rank is at this moment (a
+        # prefetch, a chunk in progress) is not known across ranks.
         mine = claimed - at_round[rank]
         rest = total - claimed - (sum(at_round) - at_round[rank])
         if (mine + largest_chunk) / share <= (rest - largest_chunk) / others:
             return False  # even after the largest chunk this rank ends first: no need to read the counter
-        chunk = next_chunk()
-        if chunk is None:
+        faster = sum(s for k, s in enumerate(self.shares) if (s, -k) > (share, -rank))
+        if faster <= 0:
+            return False  # the fastest rank never leaves the tail
+        read = next_chunk()
+        if read is None:
             return False  # the pool is dry: the claim ends the epoch for this rank
-        with_chunk = max((mine + chunk) / share, (rest - chunk) / others)
-        without = max(mine / share, rest / others)
+        chunk, pool = read
+        theirs = max(0, rest - pool) * faster / others + pool
+        with_chunk = max((mine + chunk) / share, (theirs - chunk) / faster)
+        without = max(mine / share, theirs / faster)
         return with_chunk > without  # strict: on a tie taking it is no worse
