@@ -222,7 +222,7 @@ def user_sampler_name(sampler: Any) -> str:
     """The class name of the sampler the user passed: Lightning wraps a custom sampler in a
     ``DistributedSamplerWrapper`` under a distributed strategy, which is not what the user wrote."""
     if type(sampler) is DistributedSamplerWrapper:
-        sampler = sampler.dataset._sampler
+        sampler = sampler.dataset._sampler  # type: ignore[attr-defined]  # a _DatasetSamplerWrapper
     return type(sampler).__name__
 
 
