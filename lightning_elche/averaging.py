@@ -149,6 +149,10 @@ class FlatTensors:
             for t, view in zip(members, views, strict=True)
         )
 
+    def slots(self) -> list[tuple[Tensor, Tensor]]:
+        """``(tensor, its view in the flat buffer)`` for every tensor, grouped by flat buffer."""
+        return [(t, view) for members, _, views in self._groups for t, view in zip(members, views, strict=True)]
+
     def relink(self) -> int:
         """Move tensors that were rebound elsewhere back into their slots, keeping their current
         values; how many were. Call before reading or writing the flat buffers."""

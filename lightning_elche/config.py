@@ -89,7 +89,7 @@ _MODE_TRANSPORTS = {
 
 
 class Dispatch(str, Enum):
-    """How an epoch's samples are shared out (see :mod:`lightning_elche.data`)."""
+    """How an epoch's samples are shared out (see :mod:`lightning_elche.dispatch`)."""
 
     EQUAL = "equal"  # interleaved equal split (sync modes)
     POOL = "pool"  # chunks claimed from a shared pool: faster ranks claim more

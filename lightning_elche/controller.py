@@ -290,7 +290,8 @@ class ElCheController:
         if self.phase >= Phase.STABLE or (
             self.phase == Phase.WARMUP and self.calibration_count >= 1
         ):
-            self.proposed_anchor = self._propose_growth(overhead)
+            rounding = plan.rounding_idle(self.anchor, self._speeds_ms(), slow_ms)
+            self.proposed_anchor = self._propose_growth(overhead, rounding)
 
         # Counts follow the current anchor; a proposal only lands through a verdict.
         self._recompute_batch_counts(slow_ms)
@@ -318,15 +319,16 @@ class ElCheController:
 
     # -- window-pressure growth -----------------------------------------------------------
 
-    def _propose_growth(self, overhead: float | None) -> int | None:
-        """The grown anchor that ``overhead`` calls for, or None. Grow-only by design."""
+    def _propose_growth(self, overhead: float | None, rounding_idle: float = 0.0) -> int | None:
+        """The grown anchor that ``overhead`` (or the counts' ``rounding_idle``) calls for, or
+        None. Grow-only by design."""
         if not self._window_growth_applicable or not self.growth_enabled:
             return None
         # At the cap a larger anchor would not enlarge the window, only detach it from the anchor.
-        if self.window_cap_binding or overhead is None:
+        if self.window_cap_binding or (overhead is None and rounding_idle <= 0.0):
             return None
         return plan.grown_anchor(self.anchor, overhead, self._overhead_target, self.phase < Phase.STABLE,
-                                 self._min_anchor, self._max_anchor)
+                                 self._min_anchor, self._max_anchor, rounding_idle)
 
     # -- batch counts ---------------------------------------------------------------------
 

@@ -11,7 +11,12 @@ interleaved split or the fixed shares).
 
 Records written before the resize support kept per-rank ``offsets`` for the equal and fixed
 dispatch (how far each rank's stream of the whole epoch was trained); the sampler converts them
-to remaining positions when it resumes (:meth:`~lightning_elche.data.ElCheSampler.resume`).
+to remaining positions when it resumes (:meth:`~lightning_elche.dispatch.ElCheSampler.resume`).
+
+Below the record: how a rank's part of it (``local_coverage``) and the epoch's remainder are
+computed from what the dispatch knows, and when a remainder cannot be resumed. The dispatch
+(:mod:`lightning_elche.dispatch`) calls these with its policy's streams or claims; nothing here
+knows a policy.
 """
 
 from __future__ import annotations
@@ -162,3 +167,80 @@ class EpochCoverage:
                     "(batch_size, shuffle, drop_last), sampler seed and ElChe mode (the number of ranks may "
                     "change), or resume from an epoch-end checkpoint."
                 )
+
+
+# -- what each rank trained, and what a resumed epoch can take ----------------------------------
+
+
+def claimed_prefix(spans: Sequence[Range], batches: int, batch_size: int) -> list[Range]:
+    """The first ``batches`` batches of ``spans`` (pieces of work claimed in this order, each cut into
+    batches from its start), as ranges; what was claimed beyond them (a prefetch) is not trained.
+
+    Raises:
+        ValueError: the spans hold fewer batches.
+    """
+    taken: list[Range] = []
+    left = batches
+    for start, stop in spans:
+        if left <= 0:
+            break
+        count = min(left, -(-(stop - start) // batch_size))
+        taken.append((start, min(start + count * batch_size, stop)))
+        left -= count
+    if left > 0:
+        raise ValueError(f"{batches} batches trained, {batches - left} claimed")
+    return taken
+
+
+def stream_remaining(
+    universe: Sequence[int], trained: Sequence[int], streams: Sequence[range], epoch: int
+) -> list[Range]:
+    """``universe`` less the first ``trained[r]`` picks of every rank's stream (``streams[r]``: the
+    indices into ``universe`` of rank ``r``'s stream)."""
+    untrained = [True] * len(universe)
+    for rank, (count, stream) in enumerate(zip(trained, streams, strict=True)):
+        if not 0 <= count <= len(stream):
+            raise ValueError(
+                f"Rank {rank} reports {count} trained picks of epoch {epoch}; its stream has {len(stream)}."
+            )
+        done = stream[:count]
+        untrained[done.start : done.stop : done.step] = [False] * len(done)
+    return runs(p for p, left in zip(universe, untrained, strict=True) if left)
+
+
+def legacy_offsets(coverage: EpochCoverage) -> list[int]:
+    """The per-rank ``offsets`` of a legacy record, checked against its world size."""
+    if coverage.offsets is None:
+        raise ValueError(
+            f"The checkpoint's ElChe data coverage of epoch {coverage.epoch} has no remaining positions "
+            f"(dispatch={coverage.dispatch!r}): it is malformed."
+        )
+    if len(coverage.offsets) != coverage.world_size:
+        raise ValueError(
+            f"The checkpoint's coverage has {len(coverage.offsets)} rank offsets for world_size="
+            f"{coverage.world_size}: it is malformed."
+        )
+    return list(coverage.offsets)
+
+
+def refuse_thin_streams(remaining: Sequence[Range], stream_sizes: Sequence[int], needed: int, epoch: int) -> None:
+    """Refuse a remainder whose split into streams leaves a rank fewer than ``needed`` picks (no
+    batch: it would skip the epoch's rounds and deadlock its peers)."""
+    count = size(remaining)
+    for rank, picks in enumerate(stream_sizes):
+        if picks < needed:
+            raise ValueError(
+                f"The checkpoint leaves {count} pick(s) of epoch {epoch}, which give rank {rank} of "
+                f"{len(stream_sizes)} no batch; every rank needs at least one. Resume from the epoch-end "
+                "checkpoint instead."
+            )
+
+
+def refuse_thin_pool(remaining: Sequence[Range], batch_size: int, world_size: int, epoch: int) -> None:
+    """Refuse a pooled remainder with fewer batches than ranks (every rank reserves one)."""
+    batches = -(-size(remaining) // batch_size)
+    if batches < world_size:
+        raise ValueError(
+            f"The checkpoint leaves {batches} batch(es) of epoch {epoch} for {world_size} "
+            "ranks; every rank needs at least one. Resume from the epoch-end checkpoint instead."
+        )

@@ -12,6 +12,7 @@ Nothing here touches Lightning; the strategy calls :meth:`ElCheEngine.record_ste
 
 from __future__ import annotations
 
+import io
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ from lightning_elche.config import ElCheConfig
 from lightning_elche.controller import ElCheController
 from lightning_elche.convergence import ConvergenceControl, Feedback
 from lightning_elche.guard import DivergenceReport, NudgeDown, Stable
+from lightning_elche.membership.agreement import RoundProgress
 from lightning_elche.membership.change import Change, PeerFailure
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane, RoundResult
@@ -116,7 +118,7 @@ class FailedRoundHandler(Protocol):
     """Carries the fit on after a round failed on a lost peer (the survival module): agrees on the
     change and hands it to every holder, this engine included, before the round runs again."""
 
-    def after_failed_round(self, failure: PeerFailure, last: Optional[RoundOutcome]) -> Change: ...
+    def after_failed_round(self, failure: PeerFailure) -> Change: ...
 
 
 class ElCheEngine:
@@ -178,6 +180,8 @@ class ElCheEngine:
         self._forced_stop = StopRequest.NONE
         self._epoch_continues = False
         self.failures = failures
+        self._sent: Optional[Tensor] = None  # the metadata of the round in flight or last started
+        self._caught_up = False
 
     # -- per step: no collective, no host sync --------------------------------------------
 
@@ -258,7 +262,8 @@ class ElCheEngine:
             return completed
         # Read after finishing the in-flight round: its outcome may have asked for it.
         self._consensus_round, self._consensus_next = self._consensus_next, False
-        self.plane.start(self._local_metadata(epoch, out_of_data, stop_level, compute_s, epoch_batches))
+        self._sent = self._local_metadata(epoch, out_of_data, stop_level, compute_s, epoch_batches)
+        self.plane.start(self._sent)
         self._reset_window()
         if blocking or self._consensus_round or not self.plane.non_blocking:
             completed.append(self._finish())
@@ -294,8 +299,14 @@ class ElCheEngine:
             except PeerFailure as failure:
                 if self.failures is None:
                     raise
-                self.failures.after_failed_round(failure, self.last_outcome)  # applies the change here too
-                self.plane.retry()
+                self.failures.after_failed_round(failure)  # applies the change here too
+                if self._caught_up:
+                    # This round is one the others completed and this rank took over: it joins their
+                    # next round instead, without mass (its work is in the round it caught up on).
+                    self._caught_up = False
+                    self.plane.start(self._without_mass(self._sent))
+                else:
+                    self.plane.retry()
         self._in_flight = False
         if result.divergence is not None:
             self._divergence = result.divergence
@@ -478,6 +489,52 @@ class ElCheEngine:
         """Lost ranks left untrained work in the epoch: the next round must not end it, even if
         every member had run out of its own data."""
         self._epoch_continues = True
+
+    def progress_at_failure(self, epoch: Optional[int]) -> RoundProgress:
+        """How far this rank got when a round failed: the rounds it completed, and each rank's
+        batches of ``epoch`` at the last of them (what a lost rank left in the consensus)."""
+        last = self.last_outcome
+        reports = last.reports if last is not None else ()
+        return RoundProgress(self.state.rounds, tuple(r.epoch_batches if r.epoch == epoch else 0 for r in reports),
+                             last is not None and last.ends_window_sequence)
+
+    def round_record(self) -> bytes:
+        """This rank's last completed round and the state it left (for a member that missed it)."""
+        record = {
+            "decisions": (self.controller, self.convergence, self.outer),  # one pickle keeps their links
+            "rounds": self.state.rounds, "cohort_step": self.state.cohort_step, "totals": self.state.totals,
+            "outcome": self.last_outcome, "carried_stop": int(self._carried_stop),
+            "consensus_next": self._consensus_next, "max_overshoot": self.max_overshoot,
+        }
+        buffer = io.BytesIO()
+        torch.save(record, buffer)
+        return buffer.getvalue()
+
+    def catch_up(self, record: bytes) -> RoundOutcome:
+        """Take over the round the others completed and this rank missed (its failed round): the
+        decisions and counters it left, identical to theirs from here on. Returns its outcome."""
+        taken = torch.load(io.BytesIO(record), map_location=self.device, weights_only=False)
+        self.controller, self.convergence, self.outer = taken["decisions"]
+        self.state.rounds, self.state.cohort_step = int(taken["rounds"]), int(taken["cohort_step"])
+        self.state.totals = list(taken["totals"])
+        self.last_outcome = taken["outcome"]
+        self._carried_stop = StopRequest(taken["carried_stop"])
+        self._consensus_next = bool(taken["consensus_next"])
+        self.max_overshoot = int(taken["max_overshoot"])
+        self._divergence = None  # this rank measured no drift in the round it missed
+        self._caught_up = True
+        assert self.last_outcome is not None
+        return self.last_outcome
+
+    def _without_mass(self, sent: Optional[Tensor]) -> Tensor:
+        """``sent`` as this rank's part of the next round after a catch-up: no steps, samples, time,
+        loss or stop request of its own (the round it caught up on had them), at the others' round."""
+        assert sent is not None, "a round failed before any was started"
+        local = sent.clone()
+        for slot in (Meta.STEPS, Meta.SAMPLES, Meta.COMPUTE_S, Meta.LOSS_SUM, Meta.HAS_DIVERGENCE, Meta.STOP_REQUESTED):
+            local[slot] = 0.0
+        local[Meta.ROUND] = float(self.state.rounds)
+        return local
 
     # -- checkpoints -----------------------------------------------------------------------
 

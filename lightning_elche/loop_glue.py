@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from types import FrameType
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import lightning
 import torch.distributed as dist
@@ -49,8 +49,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from lightning_elche import job_store
 from lightning_elche.augment import AugmentedDataset
-from lightning_elche.config import ElCheConfig
-from lightning_elche.data import ElCheSampler
+from lightning_elche.config import Dispatch, ElCheConfig
+from lightning_elche.dispatch import ChunkCounter, ElCheSampler, build_sampler
 from lightning_elche.job_store import JobStoreLink
 from lightning_elche.rounds import StopRequest
 
@@ -190,25 +190,31 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
             "samples to ranks by speed. Use shuffle=True/False in the DataLoader."
         )
     assert dataloader.batch_size is not None
-    dispatch = config.run_mode.dispatch.value
-    store = default_group_store() if dispatch == "pool" else None
+    dispatch = config.run_mode.dispatch
+    # The pool claims through the store; the own-stream splits use it only when ranks join mid-epoch.
+    # (A Store has append at run time; torch's stub lacks it.)
+    store = (cast(ChunkCounter, default_group_store()) if dispatch is Dispatch.POOL or distributed_is_initialized()
+             else None)
     dataset = dataloader.dataset
-    augmented = isinstance(dataset, AugmentedDataset)
-    return ElCheSampler(
-        dataset.base_len if augmented else len(dataset),  # type: ignore[arg-type, union-attr]
+    if isinstance(dataset, AugmentedDataset):
+        samples, augment = dataset.base_len, dataset.augment
+    else:
+        samples, augment = len(dataset), 1  # type: ignore[arg-type]  # a map-style Dataset has __len__
+    return build_sampler(
+        dispatch,
+        samples,
         dataloader.batch_size,
         rank,
         world_size,
         shuffle=shuffle,
         seed=seed,
-        dispatch=dispatch,
         counter=store,
         key_prefix=key_prefix,
         partition_ratios=config.partition_ratios,
         max_chunk_batches=chunk_batches,
         drop_last=dataloader.drop_last,
-        augment=dataset.augment if augmented else 1,  # type: ignore[union-attr]
-        pick_keys=augmented,
+        augment=augment,
+        pick_keys=isinstance(dataset, AugmentedDataset),
     )
 
 
@@ -216,7 +222,7 @@ def user_sampler_name(sampler: Any) -> str:
     """The class name of the sampler the user passed: Lightning wraps a custom sampler in a
     ``DistributedSamplerWrapper`` under a distributed strategy, which is not what the user wrote."""
     if type(sampler) is DistributedSamplerWrapper:
-        sampler = sampler.dataset._sampler
+        sampler = sampler.dataset._sampler  # type: ignore[attr-defined]  # a _DatasetSamplerWrapper
     return type(sampler).__name__
 
 

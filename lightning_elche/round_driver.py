@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_elche.coverage import EpochCoverage
-from lightning_elche.data import ElCheSampler
+from lightning_elche.dispatch import ElCheSampler
 from lightning_elche.engine import ElCheEngine, RoundOutcome
 from lightning_elche.loop_glue import (
     can_stop_early,
@@ -28,7 +28,7 @@ from lightning_elche.loop_glue import (
     save_and_requeue_slurm_job,
     slurm_requeue_signal,
 )
-from lightning_elche.membership.agreement import Membership
+from lightning_elche.membership.agreement import Membership, RoundProgress
 from lightning_elche.membership.change import RanksLost
 from lightning_elche.rounds import StopRequest
 from lightning_elche.session import RoundAction, Session
@@ -47,6 +47,7 @@ class RoundDriver:
         listeners: callbacks' round listeners (called on every rank after every round).
         log_every_n_syncs: rank 0 logs the ``elche/*`` metrics every this many rounds.
         rank: this rank's current number (it changes when members change).
+        trainer: the fitting trainer.
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class RoundDriver:
         listeners: list[RoundListener],
         log_every_n_syncs: int,
         rank: Callable[[], int],
+        trainer: Callable[[], Trainer],
     ) -> None:
         self.engine = engine
         self.session = session
@@ -64,6 +66,7 @@ class RoundDriver:
         self.listeners = listeners
         self.log_every_n_syncs = log_every_n_syncs
         self.rank = rank
+        self.trainer = trainer
 
     # -- per step -----------------------------------------------------------------------------
 
@@ -149,6 +152,19 @@ class RoundDriver:
             if config.interval == "step" and not config.reduce_on_plateau:
                 for _ in range(others):
                     config.scheduler.step()  # type: ignore[call-arg]  # not a ReduceLROnPlateau here
+
+    # -- a round some members missed (a peer died in the middle of its collectives) -----------------
+
+    def progress(self, epoch: Optional[int]) -> RoundProgress:
+        return self.engine.progress_at_failure(epoch)
+
+    def round_record(self) -> bytes:
+        return self.engine.round_record()
+
+    def catch_up(self, record: bytes) -> None:
+        """Take the round this rank missed: the engine's decisions and counters, then what the round
+        changes on Lightning's side, as if it had completed here (still in the old numbering)."""
+        self.after_round(self.trainer(), self.engine.catch_up(record))
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ proportionally more steps per window and claim proportionally more data; at the 
 replicas' parameters are averaged, weighted by the work each did. The strategy is an adapter: the
 round protocol is :mod:`lightning_elche.engine`, its meeting with Lightning's loop
 :mod:`lightning_elche.round_driver`, the transport :mod:`lightning_elche.planes`, the dispatch
-:mod:`lightning_elche.data`, and who is in the fit :mod:`lightning_elche.membership`.
+:mod:`lightning_elche.dispatch`, and who is in the fit :mod:`lightning_elche.membership`.
 
 It subclasses ``DDPStrategy`` to keep Lightning's launchers, cluster environments, process-group
 set-up and epoch-level ``sync_dist``, but never wraps the model in ``DistributedDataParallel``.
@@ -42,7 +42,7 @@ from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checked_collectives import CheckedCollectives
 from lightning_elche.config import FIT_KNOBS, ElCheConfig, ElCheMode, resolve_config
 from lightning_elche.coverage import EpochCoverage
-from lightning_elche.data import ElCheSampler
+from lightning_elche.dispatch import ElCheSampler
 from lightning_elche.engine import ElCheEngine
 from lightning_elche.fit_view import ElCheFitView
 from lightning_elche.job_store import mark_exited
@@ -278,12 +278,12 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
         # Frozen parameters too: one may be unfrozen later (the planes stamp the current signature).
         self._engine = ElCheEngine(self.elche, plane, self.global_rank, self.world_size, self.root_device,
                                    params=list(module.parameters()), signature=layout.signature,
-                                   step_budget=self._session.step_budget, outer=outer,
-                                   failures=self._survival(module.trainer))
+                                   step_budget=self._session.step_budget, outer=outer)
         self._rounds = RoundDriver(self._engine, self._session, lambda: self._sampler, self._round_listeners,
-                                   self.elche.log_every_n_syncs, lambda: self.global_rank)
+                                   self.elche.log_every_n_syncs, lambda: self.global_rank, self._fitting_trainer)
+        self._engine.failures = self._survival(module.trainer, self._rounds)
 
-    def _survival(self, trainer: Trainer) -> Optional[Survival]:
+    def _survival(self, trainer: Trainer, rounds: RoundDriver) -> Optional[Survival]:
         membership = self._membership
         if membership is None:
             return None
@@ -293,7 +293,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
             membership, ProcessGroups(membership, process_group_timeout(self), device),
             holders=lambda: [h for h in (view, self._session, self._sampler, self._engine, self._change_listeners)
                              if h is not None],
-            handover=lambda: self._sampler, epoch=lambda: self._session.epoch,
+            handover=lambda: self._sampler, recovery=rounds, epoch=lambda: self._session.epoch,
             keep_epoch_open=lambda: self._engine.keep_epoch_open() if self._engine is not None else None,
         )
 
@@ -476,6 +476,10 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        if self._rounds is not None and self._session.pending_save.saves:
+            # A saving stop acted on at the fit's last round has no next batch start to save at.
+            with self._stop_saving():
+                self._rounds.save_and_exit(self._fitting_trainer(), self._membership, self.elche.max_failure)
         self._session.end_training()
         if self._engine is not None and self.lightning_module is not None:
             # After the callbacks' on_train_end (SWA's BatchNorm pass has ended): buffers a callback

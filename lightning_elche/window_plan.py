@@ -25,6 +25,11 @@ GROWTH_STEP_CAP = 2.0
 WARMUP_GROWTH_MARGIN = 2.0
 """During Warmup, growth fires only above this multiple of the overhead target."""
 
+PLAN_IDLE_SHARE = 0.25
+"""Window growth also aims for whole-batch counts that leave at most this fraction of the
+overhead target idle: on many ranks each rank's count is rounded, and the longest rounded-up
+window makes the others wait (4.5 % of the ideal on 32 ranks at the default anchor of 10)."""
+
 DEAD_ZONE = 0.05
 """A rank's batch count changes only when the new target differs by more than this fraction."""
 
@@ -138,14 +143,29 @@ def window_overhead(anchor: int, slow_ms: float, sync_ms: float, fill_ms: float)
     return fixed / denominator
 
 
+def rounding_idle(anchor: int, speeds_ms: Sequence[float], slow_ms: float) -> float:
+    """The part of the ranks' time a window at ``anchor`` leaves idle because each rank's count is
+    a whole number of batches (0 unless every rank has a reading): from the counts' targets, not
+    the counts, so that the dead zone's lag does not count as rounding."""
+    if not speeds_ms or any(ms <= 0.0 for ms in speeds_ms):
+        return 0.0
+    counts = [rank_target(anchor, ms, slow_ms) for ms in speeds_ms]
+    window = max(n * ms for n, ms in zip(counts, speeds_ms, strict=True))
+    if window <= 0.0:
+        return 0.0
+    return max(0.0, 1.0 - sum(counts) / sum(window / ms for ms in speeds_ms))
+
+
 def grown_anchor(
-    anchor: int, overhead: float, target: float, warmup: bool, min_anchor: int, max_anchor: int,
+    anchor: int, overhead: float | None, target: float, warmup: bool, min_anchor: int, max_anchor: int,
+    rounding: float = 0.0,
 ) -> int | None:
-    """The grown anchor that ``overhead`` calls for against the overhead ``target`` (a margin
-    higher during warm-up), or None. Grow-only by design."""
-    fire_at = target * WARMUP_GROWTH_MARGIN if warmup else target
-    if overhead <= fire_at:
+    """The grown anchor that ``overhead`` (against the overhead ``target``) or the counts'
+    ``rounding`` idle (against :data:`PLAN_IDLE_SHARE` of it) calls for, a margin higher during
+    warm-up, or None. Grow-only by design."""
+    pressure = max(0.0 if overhead is None else overhead / target, rounding / (target * PLAN_IDLE_SHARE))
+    if pressure <= (WARMUP_GROWTH_MARGIN if warmup else 1.0):
         return None
-    scale = min(overhead / target, GROWTH_STEP_CAP)
+    scale = min(pressure, GROWTH_STEP_CAP)
     grown = min(max(math.ceil(anchor * scale), min_anchor), max_anchor)
     return grown if grown > anchor else None

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_elche.coverage import EpochCoverage, expand
-from lightning_elche.data import epoch_permutation
+from lightning_elche.dispatch import epoch_permutation
 
 SAMPLES = 512
 BATCH_SIZE = 16

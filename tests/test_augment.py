@@ -16,13 +16,14 @@ from test_data import SharedCounter, drain_interleaved
 from test_strategy_distributed import elche
 
 from lightning_elche import AugmentedDataset, PickKey
-from lightning_elche.data import ElCheSampler
+from lightning_elche.config import Dispatch
+from lightning_elche.dispatch import build_sampler
 from lightning_elche.testing import Throttle
 
 
-def keyed_sampler(rank, counter, n=100, augment=3, dispatch="pool", epoch=1):
-    sampler = ElCheSampler(n, 10, rank, 2, shuffle=True, seed=3, dispatch=dispatch, counter=counter, key_prefix="a",
-                           augment=augment, pick_keys=True)
+def keyed_sampler(rank, counter, n=100, augment=3, dispatch=Dispatch.POOL, epoch=1):
+    sampler = build_sampler(dispatch, n, 10, rank, 2, shuffle=True, seed=3, counter=counter, key_prefix="a",
+                            augment=augment, pick_keys=True)
     sampler.set_epoch(epoch)
     return sampler
 
@@ -43,10 +44,10 @@ def test_pool_dispatches_every_index_and_repeat_exactly_once(seed, speeds):
     assert len(first_third) < 101
 
 
-@pytest.mark.parametrize("dispatch", ["equal", "fixed"])
+@pytest.mark.parametrize("dispatch", [Dispatch.EQUAL, Dispatch.FIXED])
 def test_equal_and_fixed_dispatch_cover_every_pick(dispatch):
     kw = {"partition_ratios": [0.6, 0.4]} if dispatch == "fixed" else {}
-    samplers = [ElCheSampler(50, 10, r, 2, shuffle=False, seed=0, dispatch=dispatch, augment=2, pick_keys=True, **kw)
+    samplers = [build_sampler(dispatch, 50, 10, r, 2, shuffle=False, seed=0, augment=2, pick_keys=True, **kw)
                 for r in range(2)]
     keys = list(samplers[0]) + list(samplers[1])
     assert sorted((k.index, k.repeat) for k in keys) == [(i, r) for i in range(50) for r in range(2)]
@@ -89,7 +90,7 @@ def test_bad_augmented_dataset_arguments_are_refused(kwargs, message):
 
 def test_sampler_refuses_augment_without_pick_keys():
     with pytest.raises(ValueError, match="augment=2 needs pick_keys=True"):
-        ElCheSampler(10, 2, 0, 2, shuffle=False, seed=0, dispatch="equal", augment=2)
+        build_sampler(Dispatch.EQUAL, 10, 2, 0, 2, shuffle=False, seed=0, augment=2)
 
 
 @pytest.mark.distributed

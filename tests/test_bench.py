@@ -84,7 +84,7 @@ def _config(argv: list[str]) -> BenchConfig:
 
 
 def test_plan_interleaves_arms_and_lists_every_constructible_mode():
-    config = _config(["--rig", "cpu2", "--budget", "full", "--throughput-seeds", "2"])
+    config = _config(["--rig", "cpu2", "--budget", "full", "--throughput-seeds", "2", "--no-bracket"])
     modes, skipped = available_elche_modes()
     assert {"nccl_sync", "nccl_cadence"} <= set(modes)
     assert set(modes) | set(skipped) == {"nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"}
@@ -99,6 +99,46 @@ def test_plan_interleaves_arms_and_lists_every_constructible_mode():
     assert throughput[0].jobs[1].arm != throughput[1].jobs[1].arm, "arm order does not rotate between passes"
     assert throughput[0].check_throttle and not throughput[0].skippable
     assert not any(g.check_throttle for g in throughput if g.jobs[0].setting.label == "k1")
+
+
+def test_cpu_passes_end_with_the_solos_again_and_tp_arms_restrict_only_throughput():
+    config = _config(["--rig", "cpu4", "--budget", "full", "--throughput-seeds", "2", "--tp-arms",
+                      "ddp,nccl_cadence,cpu_async"])
+    assert config.bracket_solos and not _config(["--rig", "gpu2-homo"]).bracket_solos
+    plan = build_plan(config)
+    throughput = [g for g in plan if g.section == THROUGHPUT]
+    for group in throughput:
+        assert group.jobs[0].arm == group.jobs[-1].arm == SOLO_PAIR  # A-B-A
+        assert group.jobs[-1].job_id == group.jobs[0].job_id + "-end"
+        assert {job.arm for job in group.jobs[1:-1]} == {"ddp", "nccl_cadence", "cpu_async"}
+    for group in plan:
+        if group.section == CONVERGENCE:
+            assert "cpu_cadence" in {job.arm for job in group.jobs}
+    with pytest.raises(ValueError, match="--tp-arms"):
+        _config(["--rig", "cpu4", "--tp-arms", "nccl_cadence"])
+
+
+def test_a_bracketed_pass_takes_the_mean_solo_rates_and_warns_on_a_spread_above_5_percent():
+    from lightning_elche.bench.report import noise_lines
+
+    before = [_fit_record(0, steps=90, batch=10, span=9.0), _fit_record(0, steps=30, batch=10, span=9.0)]
+    after = [_fit_record(0, steps=90, batch=10, span=11.25), _fit_record(0, steps=30, batch=10, span=9.0)]
+    ddp = [_fit_record(r, steps=30, batch=10, span=6.0) for r in range(2)]
+    tp = metrics.throughput_pass([("solo", "s"), ("ddp", "d"), ("solo", "e")], {"s": before, "d": ddp, "e": after})
+    # Rank 0 alone: 100/s before the arms, 80/s after: the ideal counts 90.
+    assert tp["ideal_samples_per_s"] == pytest.approx(90.0 + 100.0 / 3)
+    assert tp["solo_bracket"]["drift"] == pytest.approx([-0.2, 0.0])
+    assert tp["solo_bracket"]["measured_slowdown_opening"] == pytest.approx(3.0)
+    assert tp["solo_bracket"]["measured_slowdown_closing"] == pytest.approx(2.4)
+    steady = metrics.aggregate_passes([tp, tp])
+    assert steady["arms"]["ddp"]["efficiency_spread"] == pytest.approx(0.0) and steady["spread_warnings"] == []
+    slower = metrics.throughput_pass([("solo", "s"), ("ddp", "d")], {"s": before, "d": ddp})
+    noisy = metrics.aggregate_passes([tp, slower, tp])
+    first, second = tp["arms"]["ddp"]["efficiency"], slower["arms"]["ddp"]["efficiency"]
+    assert noisy["arms"]["ddp"]["efficiency_spread"] == pytest.approx((first - second) / first)
+    assert noisy["spread_warnings"] == ["ddp"]
+    text = "\n".join(noise_lines(noisy))
+    assert "**Warning**" in text and "`ddp`" in text and "before / after 3.00x / 2.40x" in text
 
 
 def test_gpu_rigs_throttle_by_sm_count():

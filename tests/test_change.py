@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import pytest
 
+from lightning_elche.membership.agreement import RoundProgress
 from lightning_elche.membership.change import Change, PeerFailure, combined
 from lightning_elche.membership.survival import ChangeListeners, Survival
 
@@ -58,8 +59,8 @@ class FakeMembership:
         self.change, self.recorded, self.world_size, self.lost_count, self.limit = change, [], 2, 1, None
         self.epoch_batches: Optional[list[int]] = None
 
-    def agree(self, cause: BaseException, epoch_batches: list[int]) -> Change:
-        self.epoch_batches = list(epoch_batches)
+    def agree(self, cause: BaseException, progress: RoundProgress) -> Change:
+        self.epoch_batches = list(progress.epoch_batches)
         return self.change
 
     def record(self, change: Change) -> None:
@@ -70,6 +71,17 @@ class FakeMembership:
 
     def left_a_notice(self, member: int) -> bool:
         return False
+
+
+class Recovery:
+    def progress(self, epoch: Optional[int]) -> RoundProgress:
+        return RoundProgress(3, (6, 0, 2)) if epoch == 4 else RoundProgress()
+
+    def round_record(self) -> bytes:
+        raise AssertionError("nobody is behind")
+
+    def catch_up(self, record: bytes) -> None:
+        raise AssertionError("nobody is behind")
 
 
 class FakeGroups:
@@ -87,17 +99,10 @@ def test_survival_hands_one_change_to_every_holder_in_order_then_warns() -> None
         membership, FakeGroups(),  # type: ignore[arg-type]
         holders=lambda: [Holder("lightning", log), Holder("session", log), dispatch, Holder("engine", log)],
         handover=lambda: dispatch,  # type: ignore[arg-type, return-value]
-        epoch=lambda: 4, keep_epoch_open=lambda: log.append("epoch stays open"),
+        recovery=Recovery(), epoch=lambda: 4, keep_epoch_open=lambda: log.append("epoch stays open"),
     )
-    report = type("Report", (), {})
-    reports = []
-    for epoch, batches in ((4, 6), (3, 9), (4, 2)):  # rank 1 trained 9 batches of an earlier epoch: none of this one
-        row: Any = report()
-        row.epoch, row.epoch_batches = epoch, batches
-        reports.append(row)
-    last = type("Outcome", (), {"reports": tuple(reports)})()
     with pytest.warns(UserWarning, match="lost rank 1 \\(gone\\)"):
-        applied = survival.after_failed_round(PeerFailure("closed"), last)
+        applied = survival.after_failed_round(PeerFailure("closed"))
     assert log == ["lightning", "session", "dispatch", "engine", "epoch stays open"]
     assert membership.epoch_batches == [6, 0, 2]
     assert applied.regrouped_with == "new group" and membership.recorded == [applied]

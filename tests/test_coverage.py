@@ -6,8 +6,9 @@ from dataclasses import replace
 import pytest
 from test_data import SharedCounter
 
+from lightning_elche.config import Dispatch
 from lightning_elche.coverage import EpochCoverage, compress, expand, merge, runs, subtract
-from lightning_elche.data import ElCheSampler, epoch_permutation
+from lightning_elche.dispatch import build_sampler, epoch_permutation
 
 
 def test_range_helpers():
@@ -28,8 +29,8 @@ def test_range_helpers():
 
 
 def make(dispatch, rank, counter, n=1000, batch=10, world=2, seed=3, **kw):
-    sampler = ElCheSampler(n, batch, rank, world, shuffle=True, seed=seed, dispatch=dispatch, counter=counter,
-                           key_prefix=f"k{id(counter)}", max_chunk_batches=3, **kw)
+    sampler = build_sampler(Dispatch(dispatch), n, batch, rank, world, shuffle=True, seed=seed, counter=counter,
+                            key_prefix=f"k{id(counter)}", max_chunk_batches=3, **kw)
     sampler.set_epoch(2)
     return sampler
 

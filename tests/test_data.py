@@ -5,7 +5,10 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightning_elche.data import ElCheSampler, chunk_layout, epoch_permutation, fixed_share_batches
+from lightning_elche.config import Dispatch
+from lightning_elche.dispatch import build_sampler, chunk_layout, epoch_permutation, fixed_share_batches
+
+EQUAL, FIXED, POOL = Dispatch.EQUAL, Dispatch.FIXED, Dispatch.POOL
 
 
 class SharedCounter:
@@ -46,8 +49,7 @@ def drain_interleaved(samplers, rng: random.Random, speeds):
 
 
 def make(dispatch, rank, counter=None, n=1000, batch=10, world=2, **kw):
-    return ElCheSampler(n, batch, rank, world, shuffle=True, seed=3, dispatch=dispatch, counter=counter,
-                        key_prefix="t", **kw)
+    return build_sampler(dispatch, n, batch, rank, world, shuffle=True, seed=3, counter=counter, key_prefix="t", **kw)
 
 
 def test_permutation_matches_distributed_sampler():
@@ -63,17 +65,17 @@ def test_equal_split_reproduces_ddp_batches_without_padding():
     for rank in range(2):
         ref = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=3)
         ref.set_epoch(2)
-        mine = make("equal", rank, n=100)
+        mine = make(EQUAL, rank, n=100)
         mine.set_epoch(2)
         assert list(mine) == list(ref)
-    odd = [list(make("equal", r, n=101)) for r in range(2)]
+    odd = [list(make(EQUAL, r, n=101)) for r in range(2)]
     assert sorted(odd[0] + odd[1]) == list(range(101))
 
 
 @pytest.mark.parametrize("speeds", [(1, 1), (3, 1), (1, 10)])
 def test_pool_covers_every_sample_exactly_once_and_fast_ranks_claim_more(speeds):
     counter = SharedCounter()
-    samplers = [make("pool", r, counter, max_chunk_batches=4) for r in range(2)]
+    samplers = [make(POOL, r, counter, max_chunk_batches=4) for r in range(2)]
     for s in samplers:
         s.set_epoch(1)
     out = drain_interleaved(samplers, random.Random(0), speeds)
@@ -87,7 +89,7 @@ def test_pool_covers_every_sample_exactly_once_and_fast_ranks_claim_more(speeds)
 
 def test_pool_epochs_use_separate_counters_and_permutations():
     counter = SharedCounter()
-    samplers = [make("pool", r, counter) for r in range(2)]
+    samplers = [make(POOL, r, counter) for r in range(2)]
     orders = []
     for epoch in (0, 1):
         for s in samplers:
@@ -101,7 +103,7 @@ def test_pool_epochs_use_separate_counters_and_permutations():
 
 def test_pool_reserves_one_chunk_per_rank():
     counter = SharedCounter()
-    samplers = [make("pool", r, counter, n=40, batch=10) for r in range(2)]
+    samplers = [make(POOL, r, counter, n=40, batch=10) for r in range(2)]
     # Rank 0 alone drains the pool before rank 1 starts: rank 1 still gets its reserved chunk.
     first = list(samplers[0])
     second = list(samplers[1])
@@ -110,11 +112,11 @@ def test_pool_reserves_one_chunk_per_rank():
 
 def test_pool_tail_is_one_partial_batch_and_drop_last_drops_only_the_global_tail():
     counter = SharedCounter()
-    samplers = [make("pool", r, counter, n=105) for r in range(2)]
+    samplers = [make(POOL, r, counter, n=105) for r in range(2)]
     out = drain_interleaved(samplers, random.Random(1), (1, 1))
     assert sorted(out[0] + out[1]) == list(range(105))
     shared = SharedCounter()
-    dropped = [make("pool", r, shared, n=105, drop_last=True) for r in range(2)]
+    dropped = [make(POOL, r, shared, n=105, drop_last=True) for r in range(2)]
     out = drain_interleaved(dropped, random.Random(1), (1, 1))
     assert len(out[0]) + len(out[1]) == 100 and len(set(out[0] + out[1])) == 100
 
@@ -147,7 +149,7 @@ def test_every_rank_cuts_the_epoch_with_the_first_layout_share_proposed():
     # Ranks that hold different shares when they start the epoch (the first epoch's first round
     # adopted by one rank before the other starts) must still name the same chunks by index.
     counter = SharedCounter()
-    samplers = [make("pool", r, counter, n=2000) for r in range(2)]
+    samplers = [make(POOL, r, counter, n=2000) for r in range(2)]
     samplers[0].set_epoch(1)
     samplers[0].set_speed_shares([0.8, 0.2])
     first = iter(samplers[0])
@@ -158,7 +160,7 @@ def test_every_rank_cuts_the_epoch_with_the_first_layout_share_proposed():
     second = iter(samplers[1])
     taken.append(list(second))
     taken[0] += list(first)
-    assert samplers[0]._layout == samplers[1]._layout == chunk_layout(200, 2, 4, 0.2)
+    assert samplers[0].layout == samplers[1].layout == chunk_layout(200, 2, 4, 0.2)
     assert sorted(taken[0] + taken[1]) == list(range(2000))
 
 
@@ -167,7 +169,7 @@ def test_the_tail_rule_counts_from_the_latest_round():
     # fast one, and holds 2 more: from the epoch's start it looks far ahead of its share and would
     # leave the rest to the fast rank; from the round on, both have the same work left per speed.
     counter = SharedCounter()
-    slow = make("pool", 1, counter, n=400, batch=10, max_chunk_batches=2)
+    slow = make(POOL, 1, counter, n=400, batch=10, max_chunk_batches=2)
     slow.set_epoch(0)
     slow.set_speed_shares([0.8, 0.2])
     it = iter(slow)
@@ -177,27 +179,27 @@ def test_the_tail_rule_counts_from_the_latest_round():
     key = slow.pool_key(0)
     counter.add(key, 15)
     slow.record.samples = 12 * 10
-    assert slow._leaves_tail_to_faster_ranks(key)
+    assert slow.leaves_tail()
     slow.on_round([0.8, 0.2], 0, [10, 10])
-    assert not slow._leaves_tail_to_faster_ranks(key)
+    assert not slow.leaves_tail()
     slow.on_round([0.8, 0.2], 1, [10, 10])  # another epoch's counts do not apply
-    assert slow._leaves_tail_to_faster_ranks(key)
+    assert slow.leaves_tail()
 
 
 def test_fixed_shares():
     assert fixed_share_batches(100, [0.75, 0.25]) == [75, 25]
     assert fixed_share_batches(10, [0.5, 0.3, 0.2]) == [5, 3, 2]
     assert fixed_share_batches(7, [0.5, 0.5]) == [4, 3]
-    out = [list(make("fixed", r, partition_ratios=[0.7, 0.3])) for r in range(2)]
+    out = [list(make(FIXED, r, partition_ratios=[0.7, 0.3])) for r in range(2)]
     assert len(out[0]) == 700 and len(out[1]) == 300
     assert sorted(out[0] + out[1]) == list(range(1000))
 
 
 def test_shuffle_is_deterministic_from_the_seed():
-    a, b = make("equal", 0), make("equal", 0)
+    a, b = make(EQUAL, 0), make(EQUAL, 0)
     a.set_epoch(3), b.set_epoch(3)
     assert list(a) == list(b)
-    c = ElCheSampler(1000, 10, 0, 2, shuffle=True, seed=4, dispatch="equal")
+    c = build_sampler(EQUAL, 1000, 10, 0, 2, shuffle=True, seed=4)
     c.set_epoch(3)
     assert list(c) != list(a)
 
@@ -207,22 +209,22 @@ def test_shuffle_is_deterministic_from_the_seed():
     [
         ({"n": 15, "batch": 10}, "too few"),
         ({"dispatch": "bogus"}, "dispatch="),
-        ({"dispatch": "fixed", "partition_ratios": [0.999, 0.001]}, "no batch"),
+        ({"dispatch": FIXED, "partition_ratios": [0.999, 0.001]}, "no batch"),
     ],
 )
 def test_splits_that_leave_a_rank_without_data_are_refused(kwargs, message):
-    dispatch = kwargs.pop("dispatch", "pool")
+    dispatch = kwargs.pop("dispatch", POOL)
     with pytest.raises(ValueError, match=message):
         make(dispatch, 0, SharedCounter(), **kwargs)
 
 
 def test_sampler_has_no_len_so_lightning_runs_until_exhausted():
     with pytest.raises(TypeError):
-        len(make("pool", 0, SharedCounter()))
+        len(make(POOL, 0, SharedCounter()))
 
 
 def test_dispatch_record_counts_chunks():
-    s = make("pool", 1, SharedCounter(), n=200)
+    s = make(POOL, 1, SharedCounter(), n=200)
     got = list(s)  # alone on the counter: its reserved chunk 1, then every chunk from 2 on
     layout = chunk_layout(20, 2, 4)
     assert s.record.chunks == [1] + list(range(2, len(layout)))
@@ -232,7 +234,7 @@ def test_dispatch_record_counts_chunks():
 
 def test_split_adapts_within_the_epoch_when_a_rank_slows_down():
     counter = SharedCounter()
-    samplers = [make("pool", r, counter, n=4000, max_chunk_batches=2) for r in range(2)]
+    samplers = [make(POOL, r, counter, n=4000, max_chunk_batches=2) for r in range(2)]
     iters = [iter(s) for s in samplers]
     rng = random.Random(5)
     taken = [[0, 0], [0, 0]]  # [half][rank]
@@ -261,7 +263,7 @@ def simulate_pool(speeds, shares=None, n=1000, batch=10, chunk=4, prefetch=0):
     import heapq
 
     counter = SharedCounter()
-    samplers = [make("pool", r, counter, n=n, batch=batch, world=len(speeds), max_chunk_batches=chunk)
+    samplers = [make(POOL, r, counter, n=n, batch=batch, world=len(speeds), max_chunk_batches=chunk)
                 for r in range(len(speeds))]
     for s in samplers:
         s.set_epoch(0)
@@ -329,7 +331,7 @@ def test_the_fastest_rank_always_claims_even_on_equal_shares():
 @pytest.mark.parametrize("shares", [(1.0,), (1.0, -1.0), (0.0, 0.0), (float("nan"), 1.0)])
 def test_speed_shares_are_validated(shares):
     with pytest.raises(ValueError, match="speed shares"):
-        make("pool", 0, SharedCounter()).set_speed_shares(shares)
+        make(POOL, 0, SharedCounter()).set_speed_shares(shares)
 
 
 
@@ -342,7 +344,7 @@ def simulate_pool_with_rounds(speeds, plans, adopt_times, n=1000, batch=10, chun
 
     counter = SharedCounter()
     world = len(speeds)
-    samplers = [make("pool", r, counter, n=n, batch=batch, world=world, max_chunk_batches=chunk) for r in range(world)]
+    samplers = [make(POOL, r, counter, n=n, batch=batch, world=world, max_chunk_batches=chunk) for r in range(world)]
     for s in samplers:
         s.set_epoch(0)
         s.started_batches = 0
@@ -392,35 +394,41 @@ def test_random_round_plans_adopted_at_random_times_keep_exactly_once(world):
 
 
 def test_each_dispatch_policy_is_its_own_class():
-    from lightning_elche.data import EqualDispatch, FixedDispatch, PoolDispatch
+    from lightning_elche.dispatch import EqualDispatch, FixedDispatch, PoolDispatch
 
     common = {"shuffle": False, "seed": 0}
-    assert type(ElCheSampler(40, 4, 0, 2, dispatch="equal", **common)) is EqualDispatch
-    assert type(ElCheSampler(40, 4, 0, 2, dispatch="fixed", partition_ratios=[0.5, 0.5], **common)) is FixedDispatch
-    assert type(ElCheSampler(40, 4, 0, 2, dispatch="pool", counter=SharedCounter(), **common)) is PoolDispatch
+    assert type(build_sampler(EQUAL, 40, 4, 0, 2, **common)) is EqualDispatch
+    assert type(build_sampler(FIXED, 40, 4, 0, 2, partition_ratios=[0.5, 0.5], **common)) is FixedDispatch
+    assert type(build_sampler(POOL, 40, 4, 0, 2, counter=SharedCounter(), **common)) is PoolDispatch
     assert type(PoolDispatch(40, 4, 0, 2, counter=SharedCounter(), **common)) is PoolDispatch
-    with pytest.raises(ValueError, match="dispatch='round_robin' is invalid: expected 'equal', 'pool' or 'fixed'"):
-        ElCheSampler(40, 4, 0, 2, dispatch="round_robin", **common)
-    with pytest.raises(ValueError, match="EqualDispatch dispatches 'equal', not dispatch='pool'"):
-        EqualDispatch(40, 4, 0, 2, dispatch="pool", **common)
+    # The builder takes the run mode's enum, not its name: no string round trip.
+    expected = r"dispatch='round_robin'\) is invalid: expected a lightning_elche.config.Dispatch"
+    with pytest.raises(ValueError, match=expected):
+        build_sampler("round_robin", 40, 4, 0, 2, **common)
+    with pytest.raises(ValueError, match=r"dispatch='pool'\) is invalid: .*Dispatch\(name\)"):
+        build_sampler("pool", 40, 4, 0, 2, counter=SharedCounter(), **common)
+    from lightning_elche.dispatch import ElCheSampler
+
+    with pytest.raises(TypeError, match="interface of the dispatch policies"):
+        ElCheSampler(40, 4, 0, 2, **common)
 
 
 def test_only_the_pool_follows_the_round_plan():
-    equal = ElCheSampler(40, 4, 1, 2, shuffle=False, seed=0, dispatch="equal")
+    equal = build_sampler(EQUAL, 40, 4, 1, 2, shuffle=False, seed=0)
     equal.on_round([3, 1])  # nothing to adapt: the split is fixed
     assert list(equal) == list(range(1, 40, 2))
-    pool = ElCheSampler(40, 4, 1, 2, shuffle=False, seed=0, dispatch="pool", counter=SharedCounter())
+    pool = build_sampler(POOL, 40, 4, 1, 2, shuffle=False, seed=0, counter=SharedCounter())
     pool.on_round([0, 0])  # a plan without work carries no speed information
-    assert pool._speed_shares is None
+    assert pool.speed_shares is None
     pool.on_round([3, 1])
-    assert pool._speed_shares == [0.75, 0.25]
+    assert pool.speed_shares == [0.75, 0.25]
 
 
 def test_the_tail_rule_never_scans_the_layout_at_a_claim(monkeypatch):
     # The leave-the-tail check runs at every claim: summing the chunks left made a claim cost
     # O(chunks) (119 us per claim in a 32 000-batch epoch). A layout that refuses to be scanned
     # shows that a claim only indexes it, and the O(1) count must equal the plain sum.
-    import lightning_elche.data as data
+    import lightning_elche.dispatch.pool as pool
 
     class NoScan(list):
         def __iter__(self):
@@ -438,9 +446,9 @@ def test_the_tail_rule_never_scans_the_layout_at_a_claim(monkeypatch):
         layouts.append(layout)
         return layout
 
-    monkeypatch.setattr(data, "chunk_layout", unscannable_layout)
+    monkeypatch.setattr(pool, "chunk_layout", unscannable_layout)
     counter = SharedCounter()
-    samplers = [make("pool", r, counter, n=4000, batch=4, world=4) for r in range(4)]
+    samplers = [make(POOL, r, counter, n=4000, batch=4, world=4) for r in range(4)]
     for s in samplers:
         s.set_speed_shares([1.0, 2.0, 3.0, 4.0])
     out = drain_interleaved(samplers, random.Random(0), (1, 2, 3, 4))
@@ -448,4 +456,4 @@ def test_the_tail_rule_never_scans_the_layout_at_a_claim(monkeypatch):
     layout = list.__iter__(layouts[0])
     counts = [count for _, count in layout]
     for chunk in range(len(counts) + 1):
-        assert samplers[0]._batches_from(chunk) == sum(counts[chunk:])
+        assert samplers[0].batches_from(chunk) == sum(counts[chunk:])

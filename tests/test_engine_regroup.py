@@ -10,7 +10,7 @@ import torch
 from lightning_elche import ElCheConfig
 from lightning_elche.averaging import round_weights
 from lightning_elche.controller import ElCheController
-from lightning_elche.engine import ElCheEngine, RoundOutcome
+from lightning_elche.engine import ElCheEngine
 from lightning_elche.membership.change import Change, PeerFailure
 from lightning_elche.planes.base import AveragingPlane, RoundResult
 from lightning_elche.rounds import META_SIZE, Meta, StopRequest
@@ -24,10 +24,12 @@ class FailingPeers(AveragingPlane):
         self.peer_out_of_data = False
         self.regroups: list[tuple[int, int]] = []
         self.retries = 0
+        self.starts: list[torch.Tensor] = []
         self._local: Optional[torch.Tensor] = None
 
     def start(self, local: torch.Tensor) -> None:
         self._local = local
+        self.starts.append(local.clone())
 
     def collect(self) -> RoundResult:
         if self.failures:
@@ -62,7 +64,7 @@ class Survivors:
         self.seen: list[PeerFailure] = []
         engine.failures = self
 
-    def after_failed_round(self, failure: PeerFailure, last: Optional[RoundOutcome]) -> Change:
+    def after_failed_round(self, failure: PeerFailure) -> Change:
         self.seen.append(failure)
         self.engine.apply_change(self.change)
         if self.keep_epoch_open:
@@ -89,6 +91,39 @@ def test_the_failed_round_runs_again_on_the_survivors() -> None:
     assert len(engine.state.totals) == 2 and len(engine.state.lost_totals) == 1
     assert outcome.reports[0].epoch_batches == 5
     assert engine.metrics(outcome)["elche/alive"] == 2.0
+
+
+def test_a_rank_that_missed_a_round_takes_it_over_and_joins_the_next_one_without_mass() -> None:
+    # Rank 1 of 3 died in the middle of a round's collectives: this rank's round failed, the
+    # furthest survivor's completed; it hands over its round, this rank takes it and joins the
+    # survivors' next round without mass (its work is in the round it took over).
+    leader = engine_for(FailingPeers(world_size=3, failures=0), 3)
+    laggard_plane = FailingPeers(world_size=3, failures=1)
+    laggard = engine_for(laggard_plane, 3)
+    for engine in (leader, laggard):
+        for _ in range(3):
+            engine.record_step(8, torch.tensor(0.25), 0.1)
+    (missed,) = leader.run_round(epoch=0, out_of_data=False, epoch_batches=3)
+    record = leader.round_record()
+    change = Change(generation=1, before=(0, 1, 2), after=(0, 2), completed_rounds={0: 1, 2: 0})
+
+    class CatchUp:
+        def after_failed_round(self, failure: PeerFailure) -> Change:
+            took = laggard.catch_up(record)
+            assert took == missed and laggard.state.rounds == leader.state.rounds == 1
+            assert laggard.controller.state_dict() == leader.controller.state_dict()
+            assert laggard.state.totals == leader.state.totals
+            laggard.apply_change(change)
+            return change
+
+    laggard.failures = CatchUp()
+    (joined,) = laggard.run_round(epoch=0, out_of_data=False, epoch_batches=3)
+    first, second = laggard_plane.starts
+    assert first[Meta.STEPS] == 3 and first[Meta.ROUND] == 0
+    assert second[Meta.STEPS] == 0 and second[Meta.SAMPLES] == 0 and second[Meta.LOSS_SUM] == 0
+    assert second[Meta.ROUND] == 1 and second[Meta.EPOCH_BATCHES] == 3, "the others' round, its own epoch count"
+    assert laggard_plane.retries == 0 and joined.index == 2 and laggard.state.rounds == 2
+    assert len(joined.reports) == 2 and joined.reports[0].steps == 0
 
 
 def test_without_a_handler_the_failure_ends_the_fit() -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch.distributed as dist
 
 from lightning_elche import ElCheStrategy
 from lightning_elche.job_store import heartbeat_key, proc_key
-from lightning_elche.membership.agreement import Membership
+from lightning_elche.membership.agreement import Membership, RoundProgress
 from lightning_elche.membership.change import PeerFailure, RanksLost, check_max_failure, failure_limit
 from lightning_elche.membership.liveness import check_liveness_timeout
 
@@ -24,12 +24,17 @@ def members(store: Any, ranks: list[int], world: int, liveness: timedelta = LIVE
             for r in ranks]
 
 
-def agree_together(ms: list[Membership], timeout_s: float) -> dict[int, Any]:
-    """Every member runs ``agree`` at once (one thread each); the losses by original rank."""
+def agree_together(ms: list[Membership], timeout_s: float,
+                   progress: Optional[dict[int, RoundProgress]] = None) -> dict[int, Any]:
+    """Every member runs ``agree`` at once (one thread each); the losses (or what a member raised) by
+    original rank."""
     losses: dict[int, Any] = {}
 
     def agree(m: Membership) -> None:
-        losses[m.original_rank] = m.agree(RuntimeError("connection closed"))
+        try:
+            losses[m.original_rank] = m.agree(RuntimeError("connection closed"), (progress or {}).get(m.original_rank))
+        except RanksLost as error:
+            losses[m.original_rank] = error
 
     threads = [threading.Thread(target=agree, args=(m,)) for m in ms]
     for t in threads:
@@ -140,6 +145,44 @@ def test_a_survivor_lost_during_the_agreement_is_one_loss_in_the_callers_numberi
             assert m.losses == [loss] and m.lost_count == 2  # recorded as the caller sees it
             assert m.members == [0, 2] and m.world_size == 2
         assert [m.rank for m in ms] == [0, 1]
+    finally:
+        for m in ms:
+            m.close()
+
+
+def test_survivors_that_got_further_than_others_set_the_lost_ranks_trained_batches() -> None:
+    # Rank 1 died in the middle of round 5's collectives: ranks 0 and 2 completed it, rank 3 did not.
+    import socket
+
+    store = dist.HashStore()
+    store.set(proc_key(1), f"{socket.gethostname()}:999999999")
+    ms = members(store, [0, 2, 3], world=4)
+    progress = {0: RoundProgress(5, (9, 7, 9, 8)), 2: RoundProgress(5, (9, 7, 9, 8)), 3: RoundProgress(4, (6, 5, 6, 6))}
+    try:
+        changes = agree_together(ms, timeout_s=10, progress=progress)
+        for m in ms:
+            change = changes[m.original_rank]
+            assert change.trained_batches == {1: 7}, "the furthest survivor's count: its round holds rank 1's work"
+            assert change.completed_rounds == {0: 5, 2: 5, 3: 4}
+            assert change.round_leader == 0 and change.behind_ids == (3,)
+    finally:
+        for m in ms:
+            m.close()
+
+
+def test_a_survivor_that_missed_the_round_that_ended_the_epoch_leaves_too() -> None:
+    import socket
+
+    store = dist.HashStore()
+    store.set(proc_key(1), f"{socket.gethostname()}:999999999")
+    ms = members(store, [0, 2], world=3)
+    progress = {0: RoundProgress(8, (0, 0, 0), ended_sequence=True), 2: RoundProgress(7, (4, 3, 4))}
+    try:
+        outcome = agree_together(ms, timeout_s=10, progress=progress)
+        assert isinstance(outcome[2], RanksLost) and "missed round 8" in str(outcome[2])
+        change = outcome[0]
+        assert change.lost_original == [1, 2] and change.after == (0,) and change.trained_batches == {1: 0, 2: 0}
+        assert ms[0].members == [0]
     finally:
         for m in ms:
             m.close()

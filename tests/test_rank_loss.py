@@ -162,6 +162,7 @@ FAULTS = {
     "kill-rank0": (["kill:0:{step}"], {0}),
     "stop-rank2": (["stop:2:{step}"], {2}),
     "raise-rank1": (["raise:1:{step}"], {1}),
+    "exit-rank0": (["exit:0:{step}"], {0}),
 }
 CI_CASES = [(mode, "kill-rank1") for mode in MODES] + [
     ("nccl_cadence", "kill-rank0"), ("cpu_async", "stop-rank2"), ("cpu_sync", "raise-rank1"),
@@ -169,9 +170,9 @@ CI_CASES = [(mode, "kill-rank1") for mode in MODES] + [
 FULL_CASES = [(mode, fault) for mode in MODES for fault in FAULTS if (mode, fault) not in CI_CASES]
 
 
-def run_case(tmp_path: Path, mode: str, fault: str, step: int) -> None:
+def run_case(tmp_path: Path, mode: str, fault: str, step: int, ranks: int = RANKS) -> None:
     specs, lost = FAULTS[fault]
-    job = run_job(tmp_path, mode, [spec.format(step=step) for spec in specs])
+    job = run_job(tmp_path, mode, [spec.format(step=step) for spec in specs], ranks=ranks)
     check_survived(job, lost)
 
 
@@ -184,6 +185,13 @@ def test_survivors_go_on_after_a_lost_rank(tmp_path: Path, mode: str, fault: str
 @pytest.mark.parametrize(("mode", "fault"), FULL_CASES)
 def test_every_mode_survives_every_fault(tmp_path: Path, mode: str, fault: str) -> None:
     run_case(tmp_path, mode, fault, step=12)
+
+
+@pytest.mark.parametrize("mode", ["cpu_async", *(pytest.param(m, marks=pytest.mark.faults) for m in MODES[:-1])])
+def test_a_loss_in_the_first_windows_on_four_ranks(tmp_path: Path, mode: str) -> None:
+    # Issue 23's first failure: rank 0 left with os._exit(1) at step 5 of epoch 0 (the calibration
+    # windows) on 4 ranks; a survivor whose round lagged after the agreement failed the fit.
+    run_case(tmp_path, mode, "exit-rank0", step=5, ranks=4)
 
 
 @pytest.mark.faults
@@ -199,6 +207,19 @@ def test_max_failure_reached_saves_and_stops_every_survivor(tmp_path: Path) -> N
     assert job.returncode != 0, "the survivor must exit non-zero when max_failure is reached"
     assert not job.results, "no rank may finish the fit normally"
     assert "max_failure=2 reached" in job.log and "lost rank 1" in job.log and "rank 2" in job.log, job.log[-4000:]
+    checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False)
+    assert checkpoint["elche"]["rounds"] > 0
+
+
+@pytest.mark.parametrize("mode", ["cpu_async", *(pytest.param(m, marks=pytest.mark.faults) for m in MODES[:-1])])
+def test_max_failure_reached_in_the_last_window_still_saves_and_raises(tmp_path: Path, mode: str) -> None:
+    # Issue 23's second failure: the limit reached near the end of the last epoch, where survivors
+    # are already draining it, was acted on at the fit's last round, and the fit then ended as if
+    # nothing had happened (exit 0, no checkpoint).
+    job = run_job(tmp_path, mode, [f"raise:0:17:{EPOCHS - 1}"], max_failure="1")
+    assert not job.leftover, f"processes left behind: {job.leftover}"
+    assert not job.results, "no rank may finish the fit normally"
+    assert "RanksLost" in job.log and "max_failure=1 reached" in job.log, job.log[-4000:]
     checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False)
     assert checkpoint["elche"]["rounds"] > 0
 

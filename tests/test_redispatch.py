@@ -4,14 +4,16 @@ N ranks run as DataLoader-like loaders over the real samplers (one in-memory sto
 random interleaving biased by speed: each loader batches its sampler's iterator as torch's
 BatchSampler does and keeps ``prefetch + 1`` batches fetched ahead of training. At random points
 ranks are lost: each reports how many batches it had in the consensus (any number up to what it
-trained), its fetched batches vanish with it, and every survivor calls ``regroup``. A loader whose
-iterator ended asks ``wants_reopen`` and re-iterates after ``reopen``. The survivors' trained batches
-and the lost ranks' consensus batches must be the epoch's picks, each exactly once.
+trained), its fetched batches vanish with it, and every survivor applies the membership ``Change``.
+A loader whose iterator ended asks ``wants_reopen`` and re-iterates after ``reopen``. The survivors'
+trained batches and the lost ranks' consensus batches must be the epoch's picks, each exactly once.
+Ranks may also join (:mod:`test_join_dispatch` uses the same harness).
 """
 
 from __future__ import annotations
 
 import itertools
+import pickle
 import random
 import threading
 import time
@@ -22,10 +24,12 @@ from typing import Any, Optional
 import pytest
 from test_data import SharedCounter
 
+from lightning_elche.config import Dispatch
 from lightning_elche.coverage import EpochCoverage
-from lightning_elche.data import ElCheSampler, LostWork, PoolDispatch
+from lightning_elche.dispatch import ElCheSampler, PoolDispatch, build_sampler, sampler_for_joiner
+from lightning_elche.membership import Change
 
-DISPATCHES = ("equal", "fixed", "pool")
+DISPATCHES = tuple(Dispatch)
 
 
 class Crash(Exception):
@@ -99,39 +103,64 @@ class Epoch:
     rng: random.Random
     alive: list[Loader] = field(default_factory=list)
     consensus: list[Any] = field(default_factory=list)  # keys of the lost ranks' consensus batches
-    regroups: int = 0
+    regroups: int = 0  # membership changes (losses, joins or both)
     reopens_asked: int = 0
+    members: list[int] = field(default_factory=list)  # member id of every live rank, in rank order
+    generation: int = 0
+    joined: int = 0
 
     def __post_init__(self) -> None:
         self.alive = list(self.loaders)
+        self.members = list(range(len(self.loaders)))
         self.speeds = [self.rng.uniform(0.2, 3.0) for _ in self.loaders]
 
-    def lose(self, victims: list[Loader], consensus: Optional[list[int]] = None) -> None:
+    def lose(self, victims: list[Loader], consensus: Optional[list[int]] = None, joiners: int = 0) -> Change:
         ranks = [self.alive.index(v) for v in victims]
-        survivors = [r for r in range(len(self.alive)) if r not in ranks]
         lost = []
         for k, (rank, victim) in enumerate(zip(ranks, victims, strict=True)):
             kept = self.rng.randint(0, len(victim.trained)) if consensus is None else consensus[k]
-            lost.append(LostWork(rank=rank, trained_batches=kept))
+            lost.append((self.members[rank], kept))
             self.consensus += [key for batch in victim.trained[:kept] for key in batch]
         self.rng.shuffle(lost)  # any order
-        for r in survivors:
-            self.alive[r].sampler.regroup(survivors, lost)
-        self.alive = [self.alive[r] for r in survivors]
+        return self.change(ranks, dict(lost), joiners)
+
+    def change(self, lost: list[int], trained: dict[int, int], joiners: int = 0) -> Change:
+        """Every survivor applies one change (``lost``: ranks; ``trained``: by member id); joiners
+        take over a survivor's state (pickled, as it would cross the wire)."""
+        new_ids = [max(self.members + [len(self.loaders) - 1]) + 1 + j for j in range(joiners)]
+        self.generation += 1
+        change = Change(generation=self.generation, before=tuple(self.members),
+                        after=tuple(m for r, m in enumerate(self.members) if r not in lost) + tuple(new_ids),
+                        trained_batches=trained)
+        for r in change.survivors:
+            self.alive[r].sampler.apply_change(change)
+        self.alive = [self.alive[r] for r in change.survivors]
+        self.members = list(change.after)
+        if joiners:
+            state = pickle.loads(pickle.dumps(self.alive[0].sampler.state_for_joiner()))
+            store = self.alive[0].sampler.counter
+            for rank in change.joined:
+                joiner = Loader(sampler_for_joiner(state, rank, counter=store), prefetch=self.rng.choice((0, 1, 3)))
+                self.loaders.append(joiner)
+                self.alive.append(joiner)
+                self.speeds.append(self.rng.uniform(0.2, 3.0))
+            self.joined += joiners
         self.regroups += 1
+        return change
 
     def run(self, losses: list[tuple[int, int]] = (), stop_after: Optional[int] = None,
-            plans: bool = True) -> None:
-        """Step until every rank is out of work; ``losses``: (step, ranks lost) events."""
-        pending = sorted(losses)
+            plans: bool = True, joins: list[tuple[int, int, int]] = ()) -> None:
+        """Step until every rank is out of work; ``losses``: (step, ranks lost) events; ``joins``:
+        (step, ranks lost, ranks joined) events (one change each)."""
+        pending = sorted([(step, count, 0) for step, count in losses] + list(joins))
         idle: set[int] = set()
         steps = 0
         while True:
             if pending and (steps >= pending[0][0] or not self._can_step(idle)):
-                _, count = pending.pop(0)
+                _, count, joiners = pending.pop(0)
                 count = min(count, len(self.alive) - 1)
-                if count > 0:
-                    self.lose(self.rng.sample(self.alive, count))
+                if count > 0 or joiners:
+                    self.lose(self.rng.sample(self.alive, count), joiners=joiners)
                     idle.clear()
                 continue
             if stop_after is not None and steps >= stop_after:
@@ -161,16 +190,16 @@ class Epoch:
         return [key for lo in self.alive for batch in lo.trained for key in batch] + self.consensus
 
 
-def make_samplers(dispatch: str, world: int, rng: random.Random, store: SharedCounter, n: int, batch: int,
+def make_samplers(dispatch: Dispatch, world: int, rng: random.Random, store: SharedCounter, n: int, batch: int,
                   drop_last: bool, augment: int = 1, epoch: int = 1) -> list[ElCheSampler]:
     raw = [rng.uniform(1, 3) for _ in range(world)]
     ratios = [r / sum(raw) for r in raw] if dispatch == "fixed" else None
     chunk = rng.choice((1, 2, 4))
     samplers = []
     for r in range(world):
-        s = ElCheSampler(n, batch, r, world, shuffle=True, seed=11, dispatch=dispatch, counter=store,
-                         key_prefix=f"p{id(store)}", partition_ratios=ratios, max_chunk_batches=chunk,
-                         drop_last=drop_last, augment=augment, pick_keys=augment > 1)
+        s = build_sampler(dispatch, n, batch, r, world, shuffle=True, seed=11, counter=store,
+                          key_prefix=f"p{id(store)}", partition_ratios=ratios, max_chunk_batches=chunk,
+                          drop_last=drop_last, augment=augment, pick_keys=augment > 1)
         s.set_epoch(epoch)
         samplers.append(s)
     return samplers
@@ -178,10 +207,11 @@ def make_samplers(dispatch: str, world: int, rng: random.Random, store: SharedCo
 
 def epoch_keys(sampler: ElCheSampler, coverage: Optional[EpochCoverage] = None) -> Counter:
     """The picks ``sampler``'s epoch dispatches (after ``coverage``): one rank alone yields them all."""
-    alone = ElCheSampler(sampler.dataset_len, sampler.batch_size, 0, 1, shuffle=sampler.shuffle, seed=sampler.seed,
-                         dispatch=sampler.dispatch, counter=SharedCounter(), key_prefix="alone",
-                         partition_ratios=[1.0] if sampler.dispatch == "fixed" else None,
-                         drop_last=sampler.drop_last, augment=sampler.augment, pick_keys=sampler.pick_keys)
+    assert sampler.dispatch is not None
+    alone = build_sampler(sampler.dispatch, sampler.dataset_len, sampler.batch_size, 0, 1, shuffle=sampler.shuffle,
+                          seed=sampler.seed, counter=SharedCounter(), key_prefix="alone",
+                          partition_ratios=[1.0] if sampler.dispatch == "fixed" else None,
+                          drop_last=sampler.drop_last, augment=sampler.augment, pick_keys=sampler.pick_keys)
     alone.set_epoch(sampler.epoch)
     if coverage is not None:
         alone.resume(coverage)
@@ -191,6 +221,7 @@ def epoch_keys(sampler: ElCheSampler, coverage: Optional[EpochCoverage] = None) 
 def resume_somehow(sampler: ElCheSampler, coverage: EpochCoverage, rng: random.Random,
                    world: int) -> list[ElCheSampler]:
     """Samplers of ``world`` ranks (fewer where the remainder leaves a rank no batch) resuming ``coverage``."""
+    assert sampler.dispatch is not None
     for ranks in range(world, 0, -1):
         resumed = make_samplers(sampler.dispatch, ranks, rng, SharedCounter(), sampler.dataset_len,
                                 sampler.batch_size, drop_last=sampler.drop_last)
@@ -216,15 +247,15 @@ def assert_exactly_once(trained: list[Any], expected: Counter, slack: int = 0) -
     assert missing <= slack, f"{missing} picks missing (allowed {slack})"
 
 
-def drop_slack(dispatch: str, drop_last: bool, epoch: Epoch, world: int) -> int:
+def drop_slack(dispatch: Dispatch, drop_last: bool, epoch: Epoch, world: int) -> int:
     # The equal split leaves each rank's short batch to the DataLoader (dropped under drop_last):
-    # one per rank's own stream and one per regroup's returned remainder.
+    # one per rank's own stream and one per change's returned (or re-split) remainder.
     if dispatch != "equal" or not drop_last:
         return 0
     return (world + epoch.regroups) * (epoch.loaders[0].sampler.batch_size - 1)
 
 
-def random_epoch(dispatch: str, seed: int, drop_last: bool, augment: int = 1,
+def random_epoch(dispatch: Dispatch, seed: int, drop_last: bool, augment: int = 1,
                  store: Optional[SharedCounter] = None) -> tuple[Epoch, int, Counter]:
     rng = random.Random(seed)
     world = rng.randint(2, 8)
@@ -305,7 +336,7 @@ def test_a_rank_that_dies_between_claim_and_record_loses_nothing(where):
     crashes = 0
     for seed in range(10):
         store = CrashingStore()
-        epoch, world, expected = random_epoch("pool", 900 + seed, drop_last=False, store=store)
+        epoch, world, expected = random_epoch(Dispatch.POOL, 900 + seed, drop_last=False, store=store)
         epoch.run(stop_after=epoch.rng.randint(0, 20))
         if where == "returned":
             epoch.lose([epoch.alive[-1]])
@@ -397,43 +428,46 @@ def test_the_next_epoch_uses_the_new_numbering(dispatch):
 
 
 def test_the_check_catches_a_regroup_that_forgets_the_lost_work(monkeypatch):
-    # The assertion must be able to fail: a pool regroup that returns nothing loses the lost
+    # The assertion must be able to fail: a pool change that returns nothing loses the lost
     # rank's claimed, untrained batches.
-    regroup = PoolDispatch._regroup_policy
+    follow = PoolDispatch._follow_change
 
-    def forgetful(self, survivors, lost):
-        regroup(self, survivors, lost)
-        self._queues[-1] = []
+    def forgetful(self, change, span):
+        returned = follow(self, change, span)
+        self._epoch.plan.queues[-1] = []
+        return returned
 
-    monkeypatch.setattr(PoolDispatch, "_regroup_policy", forgetful)
-    epoch, world, expected = random_epoch("pool", 4, drop_last=False)
+    monkeypatch.setattr(PoolDispatch, "_follow_change", forgetful)
+    epoch, world, expected = random_epoch(Dispatch.POOL, 4, drop_last=False)
     epoch.run([(10, 1)])
     with pytest.raises(AssertionError, match="missing"):
         assert_exactly_once(epoch.trained_keys(), expected)
 
 
 @pytest.mark.parametrize(
-    "survivors, lost, message",
+    "change, message",
     [
-        ([0, 2], [LostWork(1, 0)], "does not hold this rank"),
-        ([1, 0], [LostWork(2, 0)], "ascending"),
-        ([1, 2], [], "must be lost"),
-        ([1, 2], [LostWork(0, -1)], "trained_batches"),
-        ([1, 2], [LostWork(0, 10_000)], "had"),
+        ({"after": (0, 2), "trained_batches": {1: 0}}, "does not hold this rank"),
+        ({"after": (1, 0), "trained_batches": {2: 0}}, "in their old order"),
+        ({"after": (1, 2), "trained_batches": {1: 3}}, "member 1 is not lost"),
+        ({"after": (1, 2), "trained_batches": {0: -1}}, "trained_batches"),
+        ({"after": (1, 2), "trained_batches": {0: 10_000}}, "had"),
+        ({"before": (0, 1), "after": (1,)}, "expected the 3 members"),
+        ({"after": (1, 2), "generation": 0}, "expected a generation above 0"),
     ],
 )
 @pytest.mark.parametrize("dispatch", DISPATCHES)
-def test_bad_regroups_are_refused(dispatch, survivors, lost, message):
+def test_bad_regroups_are_refused(dispatch, change, message):
     samplers = make_samplers(dispatch, 3, random.Random(0), SharedCounter(), 120, 4, drop_last=False)
     for s in samplers:
         s.started_batches = 0
     list(itertools.islice(iter(samplers[0]), 8))
     with pytest.raises(ValueError, match=message):
-        samplers[1].regroup(survivors, lost)
+        samplers[1].apply_change(Change(**{"generation": 1, "before": (0, 1, 2), **change}))
 
 
 def test_reopen_is_refused_while_the_iterator_is_live():
-    sampler = make_samplers("equal", 2, random.Random(0), SharedCounter(), 40, 4, drop_last=False)[0]
+    sampler = make_samplers(Dispatch.EQUAL, 2, random.Random(0), SharedCounter(), 40, 4, drop_last=False)[0]
     iterator = iter(sampler)
     next(iterator)
     assert not sampler.wants_reopen
@@ -447,7 +481,7 @@ def test_a_lost_rank_that_runs_on_takes_no_work_from_the_survivors():
     # through counters it does not know, so it takes nothing from them.
     for seed in range(10):
         rng = random.Random(seed)
-        samplers = make_samplers("pool", 4, rng, SharedCounter(), rng.randint(100, 300), 4, drop_last=False)
+        samplers = make_samplers(Dispatch.POOL, 4, rng, SharedCounter(), rng.randint(100, 300), 4, drop_last=False)
         epoch = Epoch([Loader(s, prefetch=rng.choice((0, 2))) for s in samplers], rng)
         epoch.run(stop_after=rng.randint(0, 12))
         zombie = epoch.alive[1]

@@ -25,7 +25,7 @@ import torch
 
 from lightning_elche import ElCheConfig
 from lightning_elche.averaging import round_weights
-from lightning_elche.data import ElCheSampler, PoolDispatch
+from lightning_elche.dispatch import ElCheSampler, TailRule, build_sampler
 from lightning_elche.engine import ElCheEngine, RoundOutcome
 from lightning_elche.planes.base import AveragingPlane, RoundResult
 from lightning_elche.rounds import Meta, validate_table
@@ -191,15 +191,15 @@ def simulate(mode: str, world: int, seed: int, epochs: int = 3, batches: int = 4
     if partition:
         raw = [rng.uniform(1, 3) for _ in range(world)]
         config = dataclasses.replace(config, partition_ratios=[r / sum(raw) for r in raw])
-    dispatch = "fixed" if config.partition_ratios else ("pool" if config.mode.progressive_dispatch else "equal")
+    dispatch = config.run_mode.dispatch
     counter = LockedCounter()
     board = RoundBoard(world)
     ranks = []
     samples = batches * batch - rng.randrange(batch)  # often a partial last batch
     chunk = rng.choice((1, 2, 4))
     for r in range(world):
-        sampler = ElCheSampler(
-            samples, batch, r, world, shuffle=True, seed=seed, dispatch=dispatch,
+        sampler = build_sampler(
+            dispatch, samples, batch, r, world, shuffle=True, seed=seed,
             counter=counter, key_prefix=f"sim{seed}", partition_ratios=config.partition_ratios,
             max_chunk_batches=chunk,
         )
@@ -257,11 +257,10 @@ def test_fixed_partition_ratios_train_each_sample_once(mode):
 def test_the_simulation_catches_a_rank_that_leaves_with_claimed_batches(monkeypatch):
     # The check must be able to fail: a sampler that stops claiming on every rank near the end
     # (what the cpu_async loss did) leaves part of the pool untrained.
-    def always_leave(self: PoolDispatch, key: str, last_claim: int) -> bool:
-        return last_claim >= 2 * self.world_size
+    def always_leave(self: TailRule, rank: int, *counts: object) -> bool:
+        return True  # the drainer included: nobody claims until the pool is dry
 
-    monkeypatch.setattr(PoolDispatch, "_leaves_tail_to_faster_ranks", always_leave)
-    monkeypatch.setattr(PoolDispatch, "_fastest_rank", lambda self: None)
+    monkeypatch.setattr(TailRule, "leaves_tail", always_leave)
     with pytest.raises(AssertionError, match="missing"):
         assert_exactly_once(simulate("cpu_async", 4, 7), epochs=3)
 

@@ -19,7 +19,7 @@ from model_helpers import RecordingModel, inverse_decay
 from process_helpers import load_records, run_command
 
 from lightning_elche import DiLoCo, ElCheConfig, ElCheStrategy
-from lightning_elche.data import epoch_permutation
+from lightning_elche.dispatch import epoch_permutation
 from lightning_elche.testing import Throttle
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]

@@ -15,7 +15,7 @@ from zero_copy_helpers import ConvClassifier, ZeroCopyProbe, load_probe_records
 
 from lightning_elche import ElCheStrategy
 from lightning_elche.averaging import AveragedLayout, round_weights
-from lightning_elche.membership.change import PeerFailure
+from lightning_elche.membership.change import Change, PeerFailure
 from lightning_elche.planes import collective as collective_plane
 from lightning_elche.planes.collective import CollectivePlane
 
@@ -112,6 +112,118 @@ def test_a_round_that_failed_mid_reduce_runs_again_from_the_same_values():
         plane.average(round_weights([1], 1.0))
     after = list(model.parameters()) + [model[1].running_mean]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def stepped_two_layer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model right after an optimizer step: its gradients are stale, as at a round."""
+    model = two_layer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 3)).pow(2).mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def model_sized_tensors(root: Any, numel: int, exclude: set[int], depth: int = 3) -> list[str]:
+    """Attribute paths below ``root`` to tensors of at least ``numel`` values whose storage is not
+    in ``exclude`` (the live parameters' flat buffers)."""
+    found: list[str] = []
+
+    def visit(obj: Any, path: str, level: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            if obj.numel() >= numel and obj.untyped_storage().data_ptr() not in exclude:
+                found.append(path)
+            return
+        if level > depth or isinstance(obj, (nn.Module, type)):
+            return
+        children = (enumerate(obj) if isinstance(obj, (list, tuple)) else obj.items() if isinstance(obj, dict)
+                    else vars(obj).items() if hasattr(obj, "__dict__") else ())
+        for key, child in children:
+            visit(child, f"{path}.{key}", level + 1)
+
+    visit(root, "plane", 0)
+    return found
+
+
+def test_a_round_keeps_the_pre_round_values_in_the_stale_gradients_and_holds_no_model_sized_buffer():
+    model, _ = stepped_two_layer()
+    plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=2, device=torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    seen: dict[str, Any] = {}
+
+    def all_reduce(tensor: torch.Tensor, **kwargs: Any) -> Done:
+        assert plane._pre is not None
+        seen["own_bytes"] = plane._pre.own_bytes
+        seen["pre_in_grads"] = all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+        tensor.add_(1.0)  # the peer's share: the consensus moves every value by +1 (scaled 1/2 here)
+        return Done()
+
+    with mock.patch.object(collective_plane.dist, "all_reduce", all_reduce):
+        divergence = plane.average(round_weights([1, 1], 1.0))
+    assert seen == {"own_bytes": 0, "pre_in_grads": True}
+    # The borrowed gradients are dropped, as optimizer.zero_grad() (set_to_none) drops them.
+    assert all(p.grad is None for p in model.parameters())
+    numel = sum(p.numel() for p in model.parameters())
+    flats = {storage(f) for f in plane.layout.joint}
+    assert model_sized_tensors(plane, numel // 2, flats) == []
+    expected_delta = torch.cat([(b - (0.5 * b + 1.0)).flatten() for b in before]).norm()
+    assert divergence is not None
+    assert divergence[0].item() == pytest.approx(expected_delta.item(), rel=1e-5)
+    assert divergence[1].item() == pytest.approx(torch.cat([b.flatten() for b in before]).norm().item(), rel=1e-5)
+
+
+def test_parameters_without_a_usable_gradient_get_a_copy_of_their_own_for_the_round():
+    model, _ = stepped_two_layer()
+    first, last = model[0].weight, model[2].weight
+    last.grad = None  # not used by the last step
+    first.grad = first.grad.t().contiguous().t()  # other strides than the parameter's slot: not used
+    plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=2, device=torch.device("cpu"))
+    seen: list[int] = []
+
+    def all_reduce(tensor: torch.Tensor, **kwargs: Any) -> Done:
+        assert plane._pre is not None
+        seen.append(plane._pre.own_bytes)
+        return Done()
+
+    with mock.patch.object(collective_plane.dist, "all_reduce", all_reduce):
+        plane.average(round_weights([1, 1], 1.0))
+    assert seen == [4 * (first.numel() + last.numel())]
+    assert first.grad is not None and first.grad.stride() == (1, 4)  # not borrowed, left alone
+    assert all(p.grad is None for p in model.parameters() if p is not first)
+
+
+def test_a_failed_round_restores_from_the_gradients_and_its_retry_measures_the_same_drift():
+    model, _ = stepped_two_layer()
+    with torch.no_grad():
+        model[1].running_mean.fill_(2.0)
+    plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=3, device=torch.device("cpu"))
+    live = list(model.parameters()) + [model[1].running_mean, model[1].running_var]
+    before = [t.detach().clone() for t in live]
+
+    def scribble(tensor: torch.Tensor, **kwargs: Any) -> Done:
+        tensor.fill_(float("nan"))  # half-reduced garbage in the parameters' own storage
+        return Failed()
+
+    # Work 3:1:0 over 3 ranks: the buffers were scaled by their own ratio before the reduce failed.
+    with mock.patch.object(collective_plane.dist, "all_reduce", scribble), pytest.raises(PeerFailure):
+        plane.average(round_weights([3, 1, 0], 1.0))
+    assert all(p.grad is not None for p in model.parameters())  # still holding the pre-round values
+
+    sent: list[torch.Tensor] = []
+
+    def survivors(tensor: torch.Tensor, **kwargs: Any) -> Done:
+        sent.append(tensor.clone())
+        tensor.mul_(2.0)  # the other survivor: the same values and weight (1/2 each)
+        return Done()
+
+    plane.apply_change(Change(generation=1, before=(0, 1, 2), after=(0, 1)))  # old rank 2 lost
+    with mock.patch.object(collective_plane.dist, "all_reduce", survivors):
+        divergence = plane.average(round_weights([1, 1], 1.0))
+    params = torch.cat([b.flatten() for b in before[:-2]])
+    buffers = torch.cat([b.flatten() for b in before[-2:]])
+    assert torch.equal(sent[0], torch.cat([0.5 * params, 0.5 * buffers]))  # the same contribution
+    assert all(torch.equal(a, b) for a, b in zip(before, live, strict=True))
+    assert divergence is not None and divergence[0].item() == 0.0
+    assert all(p.grad is None for p in model.parameters())
 
 
 def storage(t: torch.Tensor) -> int:

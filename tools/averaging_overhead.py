@@ -1,10 +1,19 @@
 """What the ``nccl_*`` averaging path adds to its all-reduce, on one GPU (a one-rank NCCL group).
 
 A one-rank all-reduce moves no bytes, so this cannot give a bus bandwidth (the benchmark's
-microbenchmark does, on 2 GPUs); it measures the rest of ``CollectivePlane.average``: the
-pre-round copy, the scaling, the divergence norms and the launches, in device time (CUDA events,
-median of many rounds), at the benchmark's two model sizes. Adding that time to a measured
-2-GPU raw all-reduce time estimates the path's share of the raw bus bandwidth.
+microbenchmark does, on 2 GPUs); it measures the rest of ``CollectivePlane.average``: keeping the
+pre-round values (in the parameters' gradients, as after an optimizer step), the scaling, the
+divergence norms and the launches, at the benchmark's two model sizes:
+
+* ``bare_collective_ms``: the collective alone as the plane issues it (``sum_scaled``: one
+  PreMulSum all-reduce of the flat buffer), device time (CUDA events), median;
+* ``average_ms``: the whole ``average()``, device time; ``own_ms`` = the difference, the round's
+  own work beyond the all-reduce;
+* ``wall_average_ms`` / ``wall_bare_ms``: the same two on the host's clock, synchronized;
+* ``kernels_per_round``: device kernels one ``average()`` runs (torch.profiler), with their names.
+
+Each size is measured with the fused drift measurement (CUDA, Triton) and, ``-multi-tensor``,
+with PyTorch's multi-tensor kernels.
 
     python tools/averaging_overhead.py --out overhead.json
 """
@@ -12,10 +21,13 @@ median of many rounds), at the benchmark's two model sizes. Adding that time to 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
 import tempfile
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,45 +38,93 @@ from lightning_elche.planes.collective import CollectivePlane
 SIZES_MB = {"resnet20x4": 17.31, "char-medium": 77.24}  # the benchmark's flat parameter bytes
 
 
-def device_ms(op, iters: int) -> float:
-    times = []
+def timed(op: Callable[[], object], prepare: Callable[[], None], iters: int) -> tuple[float, float]:
+    """Median device time (CUDA events) and median synchronized host wall of ``op``, in ms;
+    ``prepare`` runs before each, untimed."""
+    device, wall = [], []
     for _ in range(iters):
+        prepare()
+        torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began = time.perf_counter()
         start.record()
         op()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        wall.append(1000.0 * (time.perf_counter() - began))
+        device.append(start.elapsed_time(end))
+    return statistics.median(device), statistics.median(wall)
 
 
-def measure(megabytes: float, iters: int, tensors: int, profile: bool = False) -> dict[str, float]:
+def kernels(op: Callable[[], object], prepare: Callable[[], None], rounds: int) -> tuple[float, dict[str, int]]:
+    """Device kernels per ``op`` (mean over ``rounds``) and how often each ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    names: collections.Counter[str] = collections.Counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            prepare()
+            torch.cuda.synchronize()
+            op()
+            torch.cuda.synchronize()
+    prepares: collections.Counter[str] = collections.Counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as baseline:
+        for _ in range(rounds):
+            prepare()
+            torch.cuda.synchronize()
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            names[evt.name] += 1
+    for evt in baseline.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            prepares[evt.name] += 1
+    names.subtract(prepares)
+    counts = {name[:90]: n // rounds for name, n in names.items() if n > 0}
+    return sum(n for n in names.values() if n > 0) / rounds, counts
+
+
+def measure(megabytes: float, iters: int, tensors: int, fused: bool) -> dict[str, object]:
     numel = int(megabytes * 1e6 / 4)
     sizes = [numel // tensors] * (tensors - 1) + [numel - (numel // tensors) * (tensors - 1)]
-    params = [torch.randn(n, device="cuda") for n in sizes]
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
     layout = AveragedLayout.fixed(FlatTensors(params), FlatTensors([]))
     plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
+    plane.fused = fused
     weights = round_weights([1], 1.0)
-    flat = torch.ones(numel, device="cuda")
-    for _ in range(5):
-        plane.average(weights)
-        dist.all_reduce(flat)
-    torch.cuda.synchronize()
-    if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
+    grads = [torch.empty_like(p) for p in params]
 
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                plane.average(weights)
-            torch.cuda.synchronize()
-        print(f"== {megabytes} MB, 20 rounds")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+    def after_a_step() -> None:  # the gradients a step leaves; the round drops them
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+
+    def average() -> None:
+        plane.average(weights)
+
+    def bare() -> None:
+        plane.sum_scaled(layout.joint, 1.0)
+
+    for _ in range(5):
+        after_a_step()
+        average()
+        bare()
+    torch.cuda.synchronize()
+    average_ms, wall_average_ms = timed(average, after_a_step, iters)
+    bare_ms, wall_bare_ms = timed(bare, lambda: None, iters)
+    per_round, names = kernels(average, after_a_step, 20)
+    bare_kernels, _ = kernels(bare, lambda: None, 20)
     return {
         "bytes": numel * 4,
-        "one_rank_all_reduce_ms": device_ms(lambda: dist.all_reduce(flat), iters),
-        "average_ms": device_ms(lambda: plane.average(weights), iters),
-        "copy_ms": device_ms(lambda: flat.copy_(layout.params.flats[0]), iters),
+        "tensors": tensors,
+        "bare_collective_ms": bare_ms,
+        "average_ms": average_ms,
+        "own_ms": average_ms - bare_ms,
+        "wall_bare_ms": wall_bare_ms,
+        "wall_average_ms": wall_average_ms,
+        "wall_own_ms": wall_average_ms - wall_bare_ms,
+        "kernels_per_round": per_round,
+        "kernels_of_the_bare_collective": bare_kernels,
+        "kernel_names": names,
+        "fused_drift": plane._drift is not None and plane.fused,
     }
 
 
@@ -73,17 +133,20 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--tensors", type=int, default=60, help="parameter tensors per model")
     parser.add_argument("--out", default="averaging_overhead.json")
-    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table per size")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'pg')}", rank=0, world_size=1,
                                 device_id=torch.device("cuda", 0))
         try:
-            result = {name: measure(mb, args.iters, args.tensors, args.profile) for name, mb in SIZES_MB.items()}
+            result: dict[str, object] = {
+                f"{name}{'' if fused else '-multi-tensor'}": measure(mb, args.iters, args.tensors, fused)
+                for name, mb in SIZES_MB.items() for fused in (True, False)
+            }
         finally:
             dist.destroy_process_group()
     result["device"] = torch.cuda.get_device_name(0)
     result["torch"] = torch.__version__
+    result["command"] = "python tools/averaging_overhead.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items())
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

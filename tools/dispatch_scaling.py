@@ -40,7 +40,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from scaling_cli import free_port, parse, world_size_parser
 
-from lightning_elche.data import ElCheSampler
+from lightning_elche.config import Dispatch
+from lightning_elche.dispatch import build_sampler
 
 FAST_STEP_S = 0.001
 DEFAULT_CHUNK_BATCHES = 4
@@ -103,9 +104,9 @@ def percentile(values: list[float], q: float) -> float:
 def run_phase(rank: int, world_size: int, store: Any, name: str, chunks_per_rank: int, chunk_batches: int,
               step_s: float, speed_shares: bool) -> RankPhase:
     counter = TimedCounter(store)
-    sampler = ElCheSampler(world_size * chunks_per_rank * chunk_batches, 1, rank, world_size, shuffle=False, seed=0,
-                           dispatch="pool", counter=counter, key_prefix=f"dispatch_scaling/{name}",
-                           max_chunk_batches=chunk_batches)
+    sampler = build_sampler(Dispatch.POOL, world_size * chunks_per_rank * chunk_batches, 1, rank, world_size,
+                            shuffle=False, seed=0, counter=counter, key_prefix=f"dispatch_scaling/{name}",
+                            max_chunk_batches=chunk_batches)
     if speed_shares:
         sampler.set_speed_shares([1.0] * world_size)
     sampler.set_epoch(0)

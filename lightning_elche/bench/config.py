@@ -267,6 +267,13 @@ class BenchConfig:
     skipped_modes: dict[str, str] = field(default_factory=dict)
     conv_arms: Optional[tuple[str, ...]] = None
     """2-rank arms of the convergence section (``None``: every arm)."""
+    bracket_solos: bool = False
+    """Each throughput pass also ends with the solo fits (A-B-A): the ideal of the pass is the mean
+    of the solo rates before and after its arms, so a drift of the machine's speed during the
+    pass is measured, not charged to the arms (the CPU rigs' default but for the ``tiny`` structure
+    check; ``--no-bracket``)."""
+    tp_arms: Optional[tuple[str, ...]] = None
+    """Multi-rank arms of the throughput section (``None``: every arm)."""
     share_gpu: bool = False
     """Every rank on ``cuda:0``, over gloo, each rank a one-device "node" for Lightning (hidden
     ``--share-gpu``): checks the memory columns on a one-GPU machine; its rates mean nothing (the
@@ -325,6 +332,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="comma-separated 2-rank arms of the convergence section (default: every arm)")
     parser.add_argument("--micro-iters", type=int, default=None,
                         help="timed iterations of the all-reduce microbenchmark")
+    parser.add_argument("--tp-arms", default=None,
+                        help="comma-separated multi-rank arms of the throughput section (default: every arm; ddp is "
+                             "required, the speed-ups are against it)")
+    parser.add_argument("--no-bracket", action="store_true",
+                        help="CPU rigs: do not repeat the solo fits at the end of each throughput pass (A-B-A)")
     parser.add_argument("--only-headline", action="store_true", help="skip the rig's other heterogeneity settings")
     # Hidden: for checking the memory columns on one GPU (docs/benchmarks.md, "Memory").
     parser.add_argument("--share-gpu", action="store_true", help=argparse.SUPPRESS)
@@ -433,6 +445,14 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         if unknown or "ddp" not in conv_arms:
             raise ValueError(f"--conv-arms={args.conv_arms!r} is invalid: expected a comma-separated subset of "
                              f"{', '.join(known)} that includes ddp (the target is set from it); unknown: {unknown}")
+    tp_arms = None
+    if args.tp_arms is not None:
+        tp_arms = tuple(a.strip() for a in args.tp_arms.split(",") if a.strip())
+        known = ("ddp", "ddp_post_local_sgd", *elche_modes)
+        unknown = [a for a in tp_arms if a not in known]
+        if unknown or "ddp" not in tp_arms:
+            raise ValueError(f"--tp-arms={args.tp_arms!r} is invalid: expected a comma-separated subset of "
+                             f"{', '.join(known)} that includes ddp (the speed-ups are against it); unknown: {unknown}")
     if not budget.other_settings:
         settings = settings[:1]
     return BenchConfig(
@@ -450,5 +470,7 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         plots=not args.no_plots,
         skipped_modes=skipped,
         conv_arms=conv_arms,
+        bracket_solos=rig.accelerator == "cpu" and budget.name != "tiny" and not args.no_bracket,
+        tp_arms=tp_arms,
         share_gpu=bool(args.share_gpu),
     )

@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
-from lightning_elche.bench.plan import DDP, LOCAL_SGD
+from lightning_elche.bench.plan import DDP, LOCAL_SGD, SOLO_PAIR
 
 TOLERANCE_ACC = 0.005
 """Default target = Lightning DDP's worst-seed final accuracy minus 0.5 percentage points ..."""
@@ -253,6 +253,7 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
     every rank ran its own solo, as on the 2-rank rigs). Solo arms are named by that rank.
     """
     (_, solo_id), *multi = jobs
+    closing_id = multi.pop()[1] if multi and multi[-1][0] == SOLO_PAIR else None  # A-B-A: the solos again
     solo = records[solo_id]
     class_rate = {int(r.get("solo_of_rank", k)): steady_rate([r]) for k, r in enumerate(solo)}
     by_rank = {int(r.get("solo_of_rank", k)): r for k, r in enumerate(solo)}
@@ -260,6 +261,17 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
     missing = sorted(set(reps) - set(class_rate))
     if missing:
         raise ValueError(f"solo job {solo_id} has no record of rank(s) {missing}")
+    bracket: Optional[dict[str, Any]] = None
+    if closing_id is not None:
+        # The ideal of the pass is the mean of the solo rates before and after its arms.
+        closing = {int(r.get("solo_of_rank", k)): steady_rate([r]) for k, r in enumerate(records[closing_id])}
+        opening = dict(class_rate)
+        class_rate = {rep: (rate + closing[rep]) / 2.0 for rep, rate in opening.items()}
+        bracket = {
+            "opening": [opening[rep] for rep in sorted(opening)],
+            "closing": [closing[rep] for rep in sorted(opening)],
+            "drift": [closing[rep] / opening[rep] - 1.0 if opening[rep] else None for rep in sorted(opening)],
+        }
     rates = [class_rate[rep] for rep in reps]
     ideal = sum(rates)
     arms: dict[str, Any] = {}
@@ -281,7 +293,13 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
         row["efficiency"] = row["samples_per_s"] / ideal if ideal > 0 else None
         row["speedup_vs_ddp"] = _ratio(row["samples_per_s"], ddp_rate)
     slowest = min(rates[1:]) if len(rates) > 1 else None
+    if bracket is not None:
+        for key in ("opening", "closing"):
+            class_rates = dict(zip(sorted(class_rate), bracket[key], strict=True))
+            others = [class_rates[rep] for rep in reps[1:]]
+            bracket[f"measured_slowdown_{key}"] = class_rates[reps[0]] / min(others) if others and min(others) else None
     return {
+        "solo_bracket": bracket,
         "ideal_samples_per_s": ideal,
         # Rank 0's device against the slowest other: on 2 ranks, solo rank 0 ÷ solo rank 1.
         "measured_slowdown": rates[0] / slowest if slowest else None,
@@ -294,13 +312,32 @@ _AGGREGATED = ("samples_per_s", "efficiency", "speedup_vs_ddp", "syncs", "sample
                "share_error")
 
 
+SPREAD_WARNING = 0.05
+"""An arm whose efficiency varies more than this (max - min over the median) between passes is
+flagged in the report: the machine's speed changed more than the rig can measure through."""
+
+
+def efficiency_spread(values: Sequence[Optional[float]]) -> Optional[float]:
+    """``(max - min) / median`` of an arm's per-pass efficiencies (None with fewer than two)."""
+    finite = [v for v in values if v is not None]
+    if len(finite) < 2 or statistics.median(finite) <= 0:
+        return None
+    return (max(finite) - min(finite)) / statistics.median(finite)
+
+
 def aggregate_passes(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Median over passes of every headline number; the last pass's details (idle, shares, ...)."""
+    """Median over passes of every headline number; the last pass's details (idle, shares, ...).
+
+    With several passes each arm also gets ``efficiency_spread`` and the section a
+    ``spread_warnings`` list (arms above :data:`SPREAD_WARNING`), and the measured slowdown of
+    every pass (and, A-B-A, before and after its arms) is listed."""
     if not passes:
         return {}
     last = passes[-1]
     out: dict[str, Any] = {
         "passes": len(passes),
+        "measured_slowdown_per_pass": [p["measured_slowdown"] for p in passes],
+        "solo_brackets": [p.get("solo_bracket") for p in passes],
         "ideal_samples_per_s": _median(p["ideal_samples_per_s"] for p in passes),
         "measured_slowdown": _median(p["measured_slowdown"] for p in passes),
         "speed_share": [_median(p["speed_share"][r] for p in passes) for r in range(len(last["speed_share"]))],
@@ -315,7 +352,11 @@ def aggregate_passes(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 merged[f"{key}_per_pass"] = values
         idle = [p["arms"][arm]["idle"] for p in passes if arm in p["arms"]]
         merged["idle"] = [_median(v[k] for v in idle) for k in range(len(idle[0]))]
+        merged["efficiency_spread"] = efficiency_spread([p["arms"][arm].get("efficiency") for p in passes
+                                                         if arm in p["arms"]])
         out["arms"][arm] = merged
+    out["spread_warnings"] = [arm for arm, row in out["arms"].items() if row.get("kind") != "solo"
+                              and (row["efficiency_spread"] or 0.0) > SPREAD_WARNING]
     return out
 
 

@@ -188,6 +188,39 @@ def slowdown_line(section: dict[str, Any], world: int) -> str:
     return f"Measured solo slowdown of the slowest speed class against rank 0: {_num(section['measured_slowdown'])}x."
 
 
+def noise_lines(section: dict[str, Any]) -> list[str]:
+    """How steady the machine was: each pass's measured slowdown (and, A-B-A, the solo rates'
+    drift across the arms), each arm's efficiency per pass and its spread, and a warning when an
+    arm's spread is above 5 % (older results: nothing)."""
+    passes = int(section.get("passes", 1))
+    brackets = [b for b in section.get("solo_brackets", []) if b]
+    lines: list[str] = []
+    if brackets:
+        drift = ", ".join("[" + ", ".join(_num(None if d is None else 100 * d, 1, " %") for d in b["drift"]) + "]"
+                          for b in brackets)
+        slow = ", ".join(f"{_num(b.get('measured_slowdown_opening'))}x / {_num(b.get('measured_slowdown_closing'))}x"
+                         for b in brackets)
+        lines.append(f"Solo fits before and after the arms of each pass (A-B-A; the ideal is their mean): measured "
+                     f"slowdown before / after {slow}; solo rate drift per speed class {drift}.")
+    if passes > 1:
+        per_pass = ", ".join(f"{_num(p)}x" for p in section.get("measured_slowdown_per_pass", []))
+        lines.append(f"Measured slowdown per pass: {per_pass}.")
+        cells = []
+        for arm, row in section["arms"].items():
+            if row.get("kind") == "solo" or "efficiency_per_pass" not in row:
+                continue
+            spread = row.get("efficiency_spread")
+            values = ", ".join(_num(v) for v in row["efficiency_per_pass"])
+            cells.append(f"`{arm}` {values} (spread {_num(None if spread is None else 100 * spread, 1, ' %')})")
+        lines.append(f"Efficiency per pass (median in the table; spread = (max - min) / median): {'; '.join(cells)}.")
+    warned = section.get("spread_warnings") or []
+    if warned:
+        lines.append(f"**Warning**: the efficiency of {', '.join(f'`{a}`' for a in warned)} varies by more than 5 % "
+                     "between passes: the machine's load changed more than the passes measure through; do not "
+                     "read their differences below that spread.")
+    return ["", *lines] if lines else []
+
+
 def convergence_table(conv: dict[str, Any]) -> list[str]:
     quality = conv["quality"].replace("_", " ")
     digits = 4 if conv["higher_is_better"] else 3
@@ -257,6 +290,7 @@ def markdown(result: dict[str, Any]) -> str:
         *throughput_table(result, world),
         "",
         slowdown_line(result, world),
+        *noise_lines(result),
         *section_extras(result, world),
     ]
     conv = result.get("convergence")
@@ -277,7 +311,7 @@ def markdown(result: dict[str, Any]) -> str:
             *micro_table(result["microbenchmark"])]
     for label, section in result.get("other_settings", {}).items():
         out += ["", f"## Throughput: {section['description']} (`{label}`)", "", *throughput_table(section, world), "",
-                slowdown_line(section, world), *section_extras(section, world)]
+                slowdown_line(section, world), *noise_lines(section), *section_extras(section, world)]
     out += ["", "## Notes", ""]
     out += [f"- `{arm}`: {arm_description(arm)}." for arm in result["arms"]]
     for mode, why in result.get("elche_modes_skipped", {}).items():

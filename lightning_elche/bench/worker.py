@@ -238,7 +238,8 @@ def _time_collective(ctx: RankContext, op: Callable[[], Any], iters: int, warmup
 def _micro_model(ctx: RankContext, section: str) -> dict[str, Any]:
     iters = ctx.config.budget.micro_iters
     module = ctx.workload(section).make_module().to(ctx.device)
-    params = [p.detach().clone() for p in module.parameters()]
+    params = [torch.nn.Parameter(p.detach().clone()) for p in module.parameters()]
+    grads = [torch.zeros_like(p) for p in params]
     numel = sum(p.numel() for p in params)
     flat = torch.ones(numel, dtype=torch.float32, device=ctx.device)
     raw_s = _time_collective(ctx, lambda: dist.all_reduce(flat), iters)
@@ -246,7 +247,15 @@ def _micro_model(ctx: RankContext, section: str) -> dict[str, Any]:
     layout = AveragedLayout.fixed(FlatTensors(params), FlatTensors([]))
     plane = CollectivePlane(layout, ctx.rank, ctx.world, meta_device)
     weights = round_weights([1] * ctx.world, 1.0)
-    plane_s = _time_collective(ctx, lambda: plane.average(weights), iters)
+
+    def after_a_step() -> None:
+        # A round follows an optimizer step: it keeps its pre-round values in the gradients
+        # (and drops them), so every timed round starts with gradients, as in a fit.
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        plane.average(weights)
+
+    plane_s = _time_collective(ctx, after_a_step, iters)
     flat_s = _time_collective(ctx, lambda: plane.sum_scaled(plane.params.flats, 1.0), iters)
     local = torch.zeros(META_SIZE, dtype=torch.float64)
     exchange_s = _time_collective(ctx, lambda: plane.exchange(local), iters)
@@ -275,7 +284,8 @@ def microbenchmark(ctx: RankContext) -> dict[str, Any]:
     """Per model of the run: seconds per raw ``dist.all_reduce`` of a flat float32 tensor of its
     parameter count, per flat-parameter all-reduce as the plane issues it
     (``CollectivePlane.sum_scaled``: pre-scale and SUM all-reduce of its persistent flat buffer),
-    per ``CollectivePlane.average`` of its parameters (keep the pre-round values, scaled SUM
+    per ``CollectivePlane.average`` of its parameters after a step (keep the pre-round values in
+    the gradients, scaled SUM
     all-reduce of the parameters' own flat storage, divergence norms: ElChe's whole averaging
     path), per metadata exchange (a round's all-gather),
     and (model-independent) per chunk claim of the pooled dispatch."""
@@ -492,7 +502,7 @@ def run_plan(ctx: RankContext, plan: list[Group]) -> int:
             if ctx.rank == 0:
                 print(f"[bench {time.time() - ctx.t0:6.0f} s] group {i + 1}/{len(plan)} {job.job_id}: "
                       f"{time.time() - job_started:.1f} s", flush=True)
-            if group.check_throttle and job.arm == SOLO_PAIR:
+            if group.check_throttle and job.arm == SOLO_PAIR and job is group.jobs[0]:
                 ok, verdict = throttle_ok(ctx, job)
                 if ctx.rank == 0:
                     write_record(ctx.run_dir, "throttle_check", 0, verdict)

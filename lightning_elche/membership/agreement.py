@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -192,12 +192,16 @@ class Membership:
     def _joined_key(self, generation: int, member: int) -> str:
         return f"{self.fit_prefix}/membership/gen{generation}/joined/{member}"
 
-    def agree(self, cause: BaseException, epoch_batches: Sequence[int] = ()) -> Change:
+    def agree(self, cause: BaseException, progress: Optional[RoundProgress] = None) -> Change:
         """After a failed round: agree with the other members on who is lost, and wait until every
         member has joined the next generation. Returns the change (already applied here).
 
-        ``epoch_batches``: by current rank, the batches of the current epoch each rank had trained
-        at the last completed round (the lost ranks' part of the consensus).
+        ``progress`` is how far this rank got: the rounds it completed, and by rank, the batches of
+        the current epoch each rank had trained at the last of them. A peer's death may let some
+        survivors complete a round that failed on others; the change carries every survivor's count
+        (:attr:`Change.completed_rounds`) and the lost ranks' trained batches as the survivor that
+        got furthest saw them (its round is in the consensus). A survivor that missed a round which
+        ended the epoch for the others cannot take part again: it is dropped too.
 
         Raises:
             RanksLost: this rank was declared lost by the others (it must leave the fit).
@@ -205,6 +209,7 @@ class Membership:
                 something else).
         """
         before = tuple(self.members)
+        mine = progress or RoundProgress()
         deadline = time.monotonic() + self.liveness_timeout_s + 2 * CHECK_INTERVAL_S
         applied: list[Change] = []
         while True:
@@ -221,23 +226,47 @@ class Membership:
                     continue
                 proposal = self._propose(self.generation + 1, lost)
             applied.append(self._apply(proposal))
-            missing = self._join(applied[-1].generation)
+            missing = self._join(applied[-1].generation, mine)
             if missing is None:
-                return self._settle(combined(applied), len(applied), before, epoch_batches)
-            if missing:  # a member vanished before it joined: the next generation drops it too
+                records = self._progress_of(applied[-1].generation)
+                stranded = stranded_members(records)
+                if not stranded:
+                    return self._settle(combined(applied), len(applied), before, records)
+                missing = stranded
+            if missing:  # a member vanished before it joined (or was stranded): the next generation drops it
                 self._propose(self.generation + 1, missing)
 
     def _settle(self, change: Change, generations: int, before: tuple[int, ...],
-                epoch_batches: Sequence[int]) -> Change:
-        """The agreed change as the caller acts on it: the lost ranks' trained batches, and whether
-        it reaches ``max_failure``; the record holds it in place of its generations."""
+                records: dict[int, RoundProgress]) -> Change:
+        """The agreed change as the caller acts on it: every survivor's round count, the lost ranks'
+        trained batches (as the survivor that got furthest saw them), and whether it reaches
+        ``max_failure``; the record holds it in place of its generations."""
+        furthest = records[round_leader(records)].epoch_batches
         lost_ids = change.lost_ids
-        trained = {m: int(epoch_batches[k]) for k, m in enumerate(before) if m in lost_ids and k < len(epoch_batches)}
+        trained = {m: int(furthest[k]) for k, m in enumerate(before) if m in lost_ids and k < len(furthest)}
         del self.changes[-generations:]
         lost = self.lost_count + len(change.lost_ids)
-        change = replace(change, trained_batches=trained, ends_fit=self.limit is not None and lost >= self.limit)
+        change = replace(change, trained_batches=trained, ends_fit=self.limit is not None and lost >= self.limit,
+                         completed_rounds={m: r.rounds for m, r in records.items()})
         self.changes.append(change)
         return change
+
+    def wait_for_key(self, key: str, member: int) -> bytes:
+        """The value ``member`` leaves under ``key``, waiting while it lives.
+
+        Raises:
+            RanksLost: ``member`` was lost before it left the value (this rank cannot go on)."""
+        while not self.store.check([key]):
+            lost = self.signals.lost([member])
+            if lost:
+                raise RanksLost(f"ElChe: rank {member} was lost ({lost[member]}) before it handed over the round "
+                                f"this rank (original rank {self.original_rank}) missed; this rank leaves the fit.")
+            time.sleep(0.02)
+        return bytes(self.store.get(key))
+
+    def round_record_key(self, generation: int) -> str:
+        """Where the survivor that got furthest leaves its round for the others (``generation``'s)."""
+        return f"{self.fit_prefix}/membership/gen{generation}/round_record"
 
     def _read_proposal(self, generation: int) -> Optional[dict[int, str]]:
         key = self._proposal_key(generation)
@@ -270,10 +299,11 @@ class Membership:
         self.changes.append(change)
         return change
 
-    def _join(self, generation: int) -> Optional[dict[int, str]]:
-        """Announce this rank in ``generation`` and wait for every member. None when all joined;
-        otherwise the members found lost meanwhile (empty when another rank already proposed)."""
-        self.store.set(self._joined_key(generation, self.original_rank), "1")
+    def _join(self, generation: int, progress: RoundProgress) -> Optional[dict[int, str]]:
+        """Announce this rank (and how far it got) in ``generation`` and wait for every member. None
+        when all joined; otherwise the members found lost meanwhile (empty when another rank
+        already proposed)."""
+        self.store.set(self._joined_key(generation, self.original_rank), progress.to_json())
         deadline = time.monotonic() + self.join_timeout_s
         while True:
             absent = [m for m in self.members if not self.store.check([self._joined_key(generation, m)])]
@@ -288,3 +318,46 @@ class Membership:
             if now > deadline:
                 return {m: f"did not join the regroup within {self.join_timeout_s:.0f} s" for m in absent}
             time.sleep(0.02)
+
+    def _progress_of(self, generation: int) -> dict[int, RoundProgress]:
+        """Every member's announcement in ``generation`` (all joined)."""
+        return {m: RoundProgress.from_json(self.store.get(self._joined_key(generation, m))) for m in self.members}
+
+
+@dataclass(frozen=True)
+class RoundProgress:
+    """How far a member got before a failed round: what it announces when it joins a generation."""
+
+    rounds: int = 0
+    """Rounds it completed in this fit."""
+    epoch_batches: tuple[int, ...] = ()
+    """By rank (the numbering before the change), each rank's batches of this member's current
+    epoch at the last round it completed (0 for a rank whose report was of an earlier epoch)."""
+    ended_sequence: bool = False
+    """Its last completed round ended the window sequence (the epoch, a stop, the step budget)."""
+
+    def to_json(self) -> str:
+        return json.dumps({"rounds": self.rounds, "epoch_batches": list(self.epoch_batches),
+                           "ended_sequence": self.ended_sequence})
+
+    @classmethod
+    def from_json(cls, value: Any) -> RoundProgress:
+        fields = json.loads(value)
+        batches = tuple(int(b) for b in fields["epoch_batches"])
+        return cls(int(fields["rounds"]), batches, bool(fields["ended_sequence"]))
+
+
+def round_leader(records: dict[int, RoundProgress]) -> int:
+    """The member that completed the most rounds (the lowest id among equals)."""
+    most = max(r.rounds for r in records.values())
+    return min(m for m, r in records.items() if r.rounds == most)
+
+
+def stranded_members(records: dict[int, RoundProgress]) -> dict[int, str]:
+    """Members that missed a round which ended the window sequence for the others: they cannot
+    rejoin a round of the same epoch, so they leave the fit (their work is in that round)."""
+    furthest = records[round_leader(records)]
+    if not furthest.ended_sequence:
+        return {}
+    return {m: f"it missed round {furthest.rounds} (which ended the epoch for the others) when a peer was lost"
+            for m, r in records.items() if r.rounds < furthest.rounds}

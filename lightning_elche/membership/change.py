@@ -50,6 +50,10 @@ class Change:
         detected_at: wall time (``time.time()``) at which the change was first proposed.
         regrouped_with: how the members' process group was built for ``after``:
             ``"shrink_group"`` (NCCL's own shrink) or ``"new group"`` (a group on the store).
+        completed_rounds: by member id of each member that stays, the rounds it had completed
+            when the change was agreed. A peer that dies in the middle of a round's collectives may
+            let some members complete it and not others: those behind catch up on the round
+            before the failed one runs again (see :mod:`~lightning_elche.membership.survival`).
     """
 
     generation: int
@@ -60,6 +64,7 @@ class Change:
     ends_fit: bool = False
     detected_at: float = 0.0
     regrouped_with: str = ""
+    completed_rounds: Mapping[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("before", "after"):
@@ -123,6 +128,22 @@ class Change:
     def world_size_after(self) -> int:
         return len(self.after)
 
+    @property
+    def round_leader(self) -> Optional[int]:
+        """The member that completed the most rounds, the lowest id among equals (None: unknown)."""
+        if not self.completed_rounds:
+            return None
+        most = max(self.completed_rounds.values())
+        return min(m for m, r in self.completed_rounds.items() if r == most)
+
+    @property
+    def behind_ids(self) -> tuple[int, ...]:
+        """Members that completed fewer rounds than :attr:`round_leader` (they missed its last round)."""
+        if not self.completed_rounds:
+            return ()
+        most = max(self.completed_rounds.values())
+        return tuple(m for m in self.after if self.completed_rounds.get(m, most) < most)
+
     # -- renumbering -----------------------------------------------------------------------------
 
     def new_rank(self, old_rank: int) -> Optional[int]:
@@ -181,6 +202,7 @@ def combined(changes: Sequence[Change]) -> Change:
         ends_fit=any(change.ends_fit for change in changes),
         detected_at=first.detected_at,
         regrouped_with=last.regrouped_with,
+        completed_rounds=last.completed_rounds,
     )
 
 

@@ -3,7 +3,9 @@
 When a round fails on a lost peer, the engine hands the failure to :class:`Survival`, which
 does everything in one order, on every member:
 
-1. agree on the change (:meth:`Membership.agree`, which also judges ``max_failure``);
+1. agree on the change (:meth:`Membership.agree`, which also judges ``max_failure``); a member
+   that missed the last round the others completed (a peer died in the middle of its
+   collectives) catches up on it from the member that got furthest, through the store;
 2. fence: a stopped or hung rank on this host is killed, so that it cannot wake into a job that
    went on without it (a rank that left a notice is ending by itself);
 3. rebuild the default process group on the new members (:mod:`~lightning_elche.membership.groups`);
@@ -24,10 +26,10 @@ import signal
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Optional, Protocol
+from typing import Optional, Protocol
 
 from lightning_elche.job_store import process_alive
-from lightning_elche.membership.agreement import Membership
+from lightning_elche.membership.agreement import Membership, RoundProgress
 from lightning_elche.membership.change import Change, ChangeHolder, PeerFailure
 from lightning_elche.membership.groups import ProcessGroups
 
@@ -55,6 +57,16 @@ def fence(change: Change, membership: Membership) -> None:
                 os.kill(proc[1], signal.SIGKILL)
 
 
+class RoundRecovery(Protocol):
+    """How a member hands over its last completed round, and how one that missed it catches up."""
+
+    def progress(self, epoch: Optional[int]) -> RoundProgress: ...
+
+    def round_record(self) -> bytes: ...
+
+    def catch_up(self, record: bytes) -> None: ...
+
+
 class Survival:
     """Carries the fit on after a failed round (see the module's docstring).
 
@@ -64,6 +76,7 @@ class Survival:
         holders: the holders of per-rank state, in the order they take a change (called at each
             change: the dispatch may be built during the fit).
         handover: the dispatch (None before it exists): whether the lost ranks left work in the epoch.
+        recovery: the rounds' side (how far this rank got; the round record and the catch-up).
         epoch: the epoch this rank trains (None before its first batch).
         keep_epoch_open: called when the lost ranks left work, so that the retried round does not
             end the epoch even if every survivor had run out of its own data.
@@ -75,6 +88,7 @@ class Survival:
         groups: ProcessGroups,
         holders: Callable[[], Sequence[ChangeHolder]],
         handover: Callable[[], Optional[EpochHandover]],
+        recovery: RoundRecovery,
         epoch: Callable[[], Optional[int]],
         keep_epoch_open: Callable[[], None],
     ) -> None:
@@ -82,16 +96,14 @@ class Survival:
         self.groups = groups
         self.holders = holders
         self.handover = handover
+        self.recovery = recovery
         self.epoch = epoch
         self.keep_epoch_open = keep_epoch_open
 
-    def after_failed_round(self, failure: PeerFailure, last: Optional[Any]) -> Change:
-        """Agree, fence, regroup, apply and warn; ``last`` is the last completed round's outcome
-        (its reports say how far each rank had trained in the epoch)."""
-        epoch = self.epoch()
-        reports = last.reports if last is not None else ()
-        trained = [r.epoch_batches if r.epoch == epoch else 0 for r in reports]
-        change = self.membership.agree(failure, trained)
+    def after_failed_round(self, failure: PeerFailure) -> Change:
+        """Agree, catch up, fence, regroup, apply and warn."""
+        change = self.membership.agree(failure, self.recovery.progress(self.epoch()))
+        self._catch_up(change)
         fence(change, self.membership)
         change = replace(change, regrouped_with=self.groups.rebuild(change))
         self.membership.record(change)
@@ -102,6 +114,20 @@ class Survival:
             self.keep_epoch_open()
         self._warn(change)
         return change
+
+    def _catch_up(self, change: Change) -> None:
+        """Members behind the furthest one take its last round (still in the old numbering, before
+        any holder takes the change); the furthest one leaves it in the store for them."""
+        behind, leader = change.behind_ids, change.round_leader
+        if not behind or leader is None:
+            return
+        membership = self.membership
+        key = membership.round_record_key(change.generation)
+        me = membership.original_rank
+        if me == leader:
+            membership.store.set(key, self.recovery.round_record())
+        elif me in behind:
+            self.recovery.catch_up(membership.wait_for_key(key, leader))
 
     def _warn(self, change: Change) -> None:
         membership = self.membership

@@ -27,6 +27,8 @@ from lightning_elche.planes.base import (
     check_layout,
     stamp_layout,
 )
+from lightning_elche.planes.fused import FusedDrift, drift_or_none
+from lightning_elche.planes.scratch import PreRoundValues
 from lightning_elche.rounds import Meta, validate_table
 
 
@@ -75,8 +77,10 @@ class CollectivePlane(AveragingPlane):
         self.outer = outer
         self.group = group
         self._meta_out: Optional[Tensor] = None
-        self._pre_joint: Optional[list[Tensor]] = None  # the joint buffers before the round
-        self._pre: list[Tensor] = []  # their parameter parts
+        self._pre: Optional[PreRoundValues] = None  # this replica before the round (in its gradients)
+        self._drift: Optional[FusedDrift] = None  # the one-pass drift measurement (CUDA, Triton)
+        self.fused = True
+        """Measure the drift in one fused pass where it can run (CUDA with Triton)."""
         self._failed = False  # the last round's collectives did not finish: its values need restoring
         self._premul_backend: Optional[bool] = None
         self._local: Optional[Tensor] = None
@@ -95,7 +99,7 @@ class CollectivePlane(AveragingPlane):
 
     def start(self, local: Tensor) -> None:
         if stamp_layout(local, self.layout):
-            self._pre_joint = None  # sized for the old layout
+            self._pre, self._drift = None, None  # paired with the old layout's tensors
             if self.outer is not None:
                 # Its momentum and previous global have the old layout's shape: restart it (every
                 # rank relayouts at the same round, so every rank restarts alike).
@@ -136,18 +140,21 @@ class CollectivePlane(AveragingPlane):
         """Average in place; returns this rank's divergence measurement (``None`` if nobody moved).
 
         The collectives write into the live parameters and buffers. Their values before the round
-        are kept (they also measure the drift), and a round that failed on a lost peer puts them
-        back when it runs again, so it runs from the same contribution."""
+        are kept aside (:class:`PreRoundValues`: in the parameters' stale gradients, no buffer of
+        the model's size) for the drift measurement, and a round that failed on a lost peer puts
+        them back when it runs again, so it runs from the same contribution."""
         if not weights.realized:
             return None
         params, buffers, joint = self.params, self.buffers, self.layout.joint
-        if self._failed and self._pre_joint is not None:
-            torch._foreach_copy_(joint, self._pre_joint)
-            self._failed = False
-        if self._pre_joint is None:
-            self._pre_joint, self._pre = _shadow(joint, params.flats)
-        # Keep this replica's values: for the drift measurement, and for a retry.
-        torch._foreach_copy_(self._pre_joint, joint)
+        if self._pre is None:
+            self._pre = PreRoundValues(self.layout)
+            self._drift = drift_or_none(self.layout.joint, self._pre.current)
+        pre = self._pre
+        drift = self._drift if self.fused else None
+        if self._failed:
+            pre.restore()  # the failed round's partial sums are in the live tensors
+        else:
+            pre.save()
         self._failed = True  # until every collective is done (a PeerFailure leaves it set)
         param_factor, buffer_factor = weights.param_factors[self.rank], weights.buffer_factors[self.rank]
         if buffers and param_factor > 0.0 and buffer_factor != param_factor:
@@ -155,11 +162,19 @@ class CollectivePlane(AveragingPlane):
             # per dtype reduces both, so the buffers carry the ratio of the two weights.
             torch._foreach_mul_(buffers.flats, buffer_factor / param_factor)
         works = self.sum_scaled(joint, param_factor, wait=False)
-        pre_norms = torch._foreach_norm(self._pre)  # runs beside the reduce (another stream, thread)
+        # The multi-tensor path takes the pre-round norms beside the reduce; the fused one reads
+        # every value once after it.
+        pre_norms = torch._foreach_norm(pre.params) if pre.params and drift is None else None
         for work in works:
             self._await(work, self._host_blocking)
         self._failed = False
-        divergence = divergence_norms(self._pre, params.flats, pre_norms)
+        if not pre.params:
+            divergence = None
+        elif drift is not None:
+            divergence = drift(pre.addresses)
+        else:
+            divergence = divergence_norms(pre.params, pre.current, pre_norms)
+        pre.release()
         if outer is not None:
             outer.step(params.flats)
         return divergence
@@ -194,20 +209,10 @@ class CollectivePlane(AveragingPlane):
 
     def close(self) -> None:
         # The engine outlives fit (its totals are the run's record): free the model-sized buffers.
-        self._pre_joint, self._pre = None, []
+        if self._pre is not None:
+            self._pre.release()
+        self._pre, self._drift = None, None
         self._meta_out = None
         self.params.release()
         self.buffers.release()
 
-
-def _shadow(joint: list[Tensor], parts: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-    """A copy-sized twin of each joint buffer, and the slices of those twins where ``parts``
-    (slices of the joint buffers) sit."""
-    twins = [torch.empty_like(flat) for flat in joint]
-    views = []
-    for part in parts:
-        storage = part.untyped_storage().data_ptr()
-        index = next(i for i, flat in enumerate(joint) if flat.untyped_storage().data_ptr() == storage)
-        offset = part.storage_offset() - joint[index].storage_offset()
-        views.append(twins[index][offset : offset + part.numel()])
-    return twins, views

@@ -2,8 +2,10 @@
 
     python fault_fit.py OUT_DIR --mode M --devices 3 --fault kill:1:12 [--fault stop:2:30] [--max-failure N]
 
-A fault is ``KIND:RANK:STEP``: on original rank ``RANK``, before its optimizer step number ``STEP``
-(its own count), ``kill`` sends itself SIGKILL, ``stop`` SIGSTOP, ``raise`` raises in the step.
+A fault is ``KIND:RANK:STEP[:EPOCH]``: on original rank ``RANK``, before its optimizer step number ``STEP``
+(with ``EPOCH``: its ``STEP``-th step of that epoch, from 0)
+(its own count), ``kill`` sends itself SIGKILL, ``stop`` SIGSTOP, ``raise`` raises in the step,
+``exit`` ends the process with ``os._exit(1)`` (no exception, no notice).
 Every rank appends each batch it trains to ``steps-rank<original rank>.jsonl`` (flushed at once,
 so a killed rank's record survives it); every rank that finishes writes ``result-rank<r>.json``
 (its final numbering, parameters and the losses it saw).
@@ -89,13 +91,21 @@ class FaultLogModel(pl.LightningModule):
 
 
 class InjectFault(pl.Callback):
-    """Before this rank's optimizer step number ``step``: kill, stop or raise (once)."""
+    """Before this rank's optimizer step number ``step`` (of epoch ``epoch``, when given): kill, stop,
+    exit or raise (once)."""
 
-    def __init__(self, out_dir: str, kind: str, step: int) -> None:
-        self.out_dir, self.kind, self.step = out_dir, kind, step
+    def __init__(self, out_dir: str, kind: str, step: int, epoch: Optional[int] = None) -> None:
+        self.out_dir, self.kind, self.step, self.epoch = out_dir, kind, step, epoch
+        self.epoch_steps = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.epoch_steps = 0
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if trainer.global_step != self.step:
+        in_epoch, self.epoch_steps = self.epoch_steps, self.epoch_steps + 1
+        if self.epoch is None and trainer.global_step != self.step:
+            return
+        if self.epoch is not None and (trainer.current_epoch != self.epoch or in_epoch != self.step):
             return
         Path(self.out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(
             json.dumps({"kind": self.kind, "time": time.time(), "epoch": trainer.current_epoch}))
@@ -103,6 +113,8 @@ class InjectFault(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.kind == "exit":
+            os._exit(1)
         else:
             raise RuntimeError(f"injected fault on rank {ORIGINAL_RANK}")
 
@@ -112,9 +124,9 @@ def main(args: argparse.Namespace) -> None:
     pl.seed_everything(0)
     callbacks: list[pl.Callback] = [StepDelay(args.delays_ms)]
     for fault in args.fault:
-        kind, rank, step = fault.split(":")
+        kind, rank, step, *epoch = fault.split(":")
         if int(rank) == ORIGINAL_RANK:
-            callbacks.append(InjectFault(args.out_dir, kind, int(step)))
+            callbacks.append(InjectFault(args.out_dir, kind, int(step), int(epoch[0]) if epoch else None))
     if args.monitor is not None:
         monitor_dir = Path(args.monitor)
         callbacks.append(ElCheMonitor(record_log_dir=str(monitor_dir / "records"),

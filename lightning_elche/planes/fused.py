@@ -1,0 +1,145 @@
+"""The drift measurement of a round in one pass over the parameters, on CUDA (Triton).
+
+``||pre - consensus||``, ``||pre||`` and ``||consensus||`` need each value of the pre-round copy
+and of the consensus once. PyTorch's multi-tensor kernels take five passes for them (the norms of
+the copy, a subtraction in place, the norms of the difference and of the consensus); one Triton
+kernel reads both once, every tensor of the round in the same launch (a table of their
+addresses: the pre-round values live in the gradients, which the allocator places anywhere), and
+a second sums the per-block partials in float64 and takes the square roots. Three launches
+instead of about ten, two passes instead of five.
+
+Without Triton, or off CUDA, :func:`fused_drift_available` is False and the plane keeps the
+multi-tensor path (:func:`~lightning_elche.averaging.divergence_norms`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+try:  # Triton comes with PyTorch's CUDA wheels; CPU-only installs have none.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAVE_TRITON = False
+
+BLOCK = 4096
+"""Values per program of the drift kernel."""
+FINISH_BLOCK = 1024
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _drift_source(live_ptr: Any, offsets_ptr: Any, saved_addresses_ptr: Any, sizes_ptr: Any, block_tensor_ptr: Any,
+                  block_start_ptr: Any, partial_ptr: Any, first_block: Any, BLOCK: tl.constexpr) -> None:
+    """One program: one block of one tensor; its three partial sums of squares."""
+    block = tl.program_id(0)
+    tensor = tl.load(block_tensor_ptr + block)
+    start = tl.load(block_start_ptr + block)
+    size = tl.load(sizes_ptr + tensor)
+    offset = tl.load(offsets_ptr + tensor)
+    saved = tl.load(saved_addresses_ptr + tensor).to(tl.pointer_type(live_ptr.dtype.element_ty))
+    index = start + tl.arange(0, BLOCK)
+    mask = index < size
+    pre = tl.load(saved + index, mask=mask, other=0.0).to(tl.float32)
+    consensus = tl.load(live_ptr + offset + index, mask=mask, other=0.0).to(tl.float32)
+    delta = pre - consensus
+    out = partial_ptr + 3 * (first_block + block)
+    tl.store(out, tl.sum(delta * delta, axis=0))
+    tl.store(out + 1, tl.sum(pre * pre, axis=0))
+    tl.store(out + 2, tl.sum(consensus * consensus, axis=0))
+
+
+def _finish_source(partial_ptr: Any, out_ptr: Any, BLOCKS: tl.constexpr, BLOCK: tl.constexpr) -> None:
+    """Program ``c``: the square root of column ``c``'s sum over every block, in float64."""
+    column = tl.program_id(0)
+    total = tl.zeros((BLOCK,), dtype=tl.float64)
+    for first in range(0, BLOCKS, BLOCK):
+        index = first + tl.arange(0, BLOCK)
+        total += tl.load(partial_ptr + 3 * index + column, mask=index < BLOCKS, other=0.0).to(tl.float64)
+    tl.store(out_ptr + column, tl.sqrt(tl.sum(total, axis=0)))
+
+
+if HAVE_TRITON:
+    _drift_kernel = triton.jit(_drift_source)
+    _finish_kernel = triton.jit(_finish_source)
+
+
+def fused_drift_available(joint: Sequence[Tensor]) -> bool:
+    """Whether :class:`FusedDrift` can measure a round of these joint buffers."""
+    return HAVE_TRITON and bool(joint) and all(
+        flat.is_cuda and flat.dtype in FUSED_DTYPES for flat in joint
+    )
+
+
+class FusedDrift:
+    """The drift of one layout's parameters: built once per layout (the block tables), run once
+    per round with that round's pre-round tensors (their addresses change from round to round).
+
+    Args:
+        joint: the layout's joint flat buffers (one per dtype), where the parameters live.
+        current: each parameter's live view (slices of ``joint``), in :class:`PreRoundValues` order.
+    """
+
+    def __init__(self, joint: Sequence[Tensor], current: Sequence[Tensor]) -> None:
+        device = current[0].device
+        self._groups: list[tuple[Tensor, list[int], Tensor, Tensor, Tensor, Tensor, int, int]] = []
+        blocks = 0
+        for flat in joint:
+            members = [i for i, view in enumerate(current)
+                       if view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()]
+            if not members:
+                continue
+            sizes = [int(current[i].numel()) for i in members]
+            offsets = [int(current[i].storage_offset() - flat.storage_offset()) for i in members]
+            block_tensor = [t for t, n in enumerate(sizes) for _ in range(-(-n // BLOCK))]
+            block_start = [b * BLOCK for n in sizes for b in range(-(-n // BLOCK))]
+
+            def table(values: list[int]) -> Tensor:
+                return torch.tensor(values, dtype=torch.int64, device=device)
+
+            self._groups.append((flat, members, table(offsets), table(sizes), table(block_tensor),
+                                 table(block_start), blocks, len(block_tensor)))
+            blocks += len(block_tensor)
+        self._blocks = blocks
+        self._partials = torch.empty(3 * max(blocks, 1), dtype=torch.float32, device=device)
+        self._tables: dict[int, tuple[list[int], Tensor]] = {}
+
+    def _address_table(self, group: int, addresses: list[int]) -> Tensor:
+        """The device copy of a group's pre-round addresses. The allocator usually hands a step's
+        gradients the same blocks every step, so the table is mostly the last round's; a new one
+        goes up from pinned memory without the host waiting for the device (a pageable copy
+        would wait for every kernel queued before it)."""
+        cached = self._tables.get(group)
+        if cached is not None and cached[0] == addresses:
+            return cached[1]
+        device = self._partials.device
+        host = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda")
+        table = host.to(device, non_blocking=True)
+        self._tables[group] = (addresses, table)
+        return table
+
+    def __call__(self, addresses: Sequence[int]) -> Tensor:
+        """``[||pre - consensus||, ||pre||, ||consensus||]`` (float64, on the device) of the round
+        whose pre-round values are at ``addresses`` (one tensor per live view, in its order,
+        with its dtype and strides)."""
+        out = torch.empty(3, dtype=torch.float64, device=self._partials.device)
+        whole = len(self._groups) == 1 and len(self._groups[0][1]) == len(addresses)
+        for group, (flat, members, offsets, sizes, block_tensor, block_start, first, count) in enumerate(self._groups):
+            saved = self._address_table(group, list(addresses) if whole else [addresses[i] for i in members])
+            _drift_kernel[(count,)](flat, offsets, saved, sizes, block_tensor, block_start, self._partials,
+                                    first, BLOCK=BLOCK, num_warps=8)
+        _finish_kernel[(3,)](self._partials, out, BLOCKS=self._blocks, BLOCK=FINISH_BLOCK)
+        return out
+
+
+def drift_or_none(joint: Sequence[Tensor], current: Sequence[Tensor]) -> Optional[Any]:
+    """A :class:`FusedDrift` for the layout, or None where it cannot run (the plane then keeps
+    the multi-tensor path)."""
+    if not current or not fused_drift_available(joint):
+        return None
+    return FusedDrift(joint, current)

@@ -1,0 +1,101 @@
+"""The ``nccl_*`` round on ONE GPU (a one-rank NCCL group; `pytest -m gpu`): the fused drift
+measurement against the multi-tensor one, and a failed round restored from the gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_elche.averaging import AveragedLayout, round_weights
+from lightning_elche.membership.change import PeerFailure
+from lightning_elche.planes import collective as collective_plane
+from lightning_elche.planes.collective import CollectivePlane
+from lightning_elche.planes.fused import fused_drift_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+
+class Failed:
+    def wait(self, timeout: Any = None) -> bool:
+        raise PeerFailure("peer lost mid-reduce")
+
+
+def stepped_model(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1000), nn.LayerNorm(1000), nn.ReLU(), nn.Linear(1000, 77)).cuda().to(dtype)
+    x = torch.randn(32, 256, device="cuda", dtype=dtype)
+    return model, x
+
+
+def step(model: nn.Module, x: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    model(x).float().pow(2).mean().backward()
+    optimizer.step()
+
+
+def halve(flats: list[torch.Tensor], factor: float, wait: bool = True) -> list[Any]:
+    torch._foreach_mul_(flats, 0.5)
+    return []
+
+
+def alone(flats: list[torch.Tensor], factor: float, wait: bool = True) -> list[Any]:
+    return []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_drift_matches_the_multi_tensor_path_and_a_failed_round_restores(tmp_path, dtype):
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        model, x = stepped_model(dtype)
+        plane = CollectivePlane(AveragedLayout(model), 0, 1, torch.device("cuda", 0))
+        assert fused_drift_available(plane.layout.joint), "Triton should be there with PyTorch's CUDA wheel"
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step(model, x, optimizer)
+        before = [p.detach().clone() for p in model.parameters()]
+        grads = [p.grad.clone() for p in model.parameters()]
+        norm = torch.cat([b.float().flatten() for b in before]).norm().item()
+        measured = {}
+        for fused in (True, False):  # the same state for both paths
+            plane.fused = fused
+            with torch.no_grad():
+                for p, b, g in zip(model.parameters(), before, grads, strict=True):
+                    p.copy_(b)
+                    p.grad = g.clone()
+            # A consensus of half the values: the drift is then ||p / 2||, known exactly.
+            with mock.patch.object(plane, "sum_scaled", halve):
+                divergence = plane.average(round_weights([1], 1.0))
+            assert divergence is not None and divergence.dtype == torch.float64
+            assert all(p.grad is None for p in model.parameters())
+            measured[fused] = divergence.tolist()
+            tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+            assert measured[fused] == pytest.approx([norm / 2, norm, norm / 2], rel=tolerance)
+        assert plane._drift is not None
+        # Both accumulate in f32; the multi-tensor norms of bf16 tensors come back rounded to bf16.
+        assert measured[True] == pytest.approx(measured[False], rel=1e-6 if dtype == torch.float32 else 1e-2)
+        assert measured[True] == pytest.approx([norm / 2, norm, norm / 2], rel=1e-5)  # the fused one is not rounded
+
+        # A round that fails mid-reduce leaves garbage; the retry runs from the pre-round values.
+        step(model, x, optimizer)
+        before = [p.detach().clone() for p in model.parameters()]
+
+        def scribble(tensor: torch.Tensor, **kwargs: Any) -> Failed:
+            tensor.fill_(float("nan"))
+            return Failed()
+
+        plane.fused = True
+        with mock.patch.object(collective_plane.dist, "all_reduce", scribble), pytest.raises(PeerFailure):
+            plane.average(round_weights([1, 1], 1.0))
+        with mock.patch.object(plane, "sum_scaled", alone):  # the survivor alone: its own values
+            divergence = plane.average(round_weights([1], 1.0))
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        assert divergence is not None and divergence[0].item() == 0.0
+        plane.close()
+    finally:
+        dist.destroy_process_group()
