@@ -32,11 +32,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 
 from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import PeerFailure
@@ -149,6 +151,8 @@ class CheckedCollectives:
             collectives are checked while it is active (between the fit's set-up and teardown) and
             the default group has more than one rank.
         phase: where the fit is (Lightning's hook and stage), for the messages.
+        timeout: how long a live peer may take to enter the same collective (the process group's
+            timeout: what a DDP collective would wait before it fails).
         world_size: the default group's size (1 while there is none).
 
     The collective methods return None where they do not apply (another group, no active
@@ -157,9 +161,11 @@ class CheckedCollectives:
     """
 
     def __init__(self, membership: Callable[[], Optional[Membership]], phase: Callable[[], str],
+                 timeout: timedelta = default_pg_timeout,
                  world_size: Callable[[], int] = lambda: dist.get_world_size() if dist.is_initialized() else 1) -> None:
         self._membership = membership
         self._phase = phase
+        self._timeout_s = timeout.total_seconds()
         self._world_size = world_size
         self._scope: tuple[str, int] = ("", -1)
         self.count = 0
@@ -226,6 +232,7 @@ class CheckedCollectives:
         store.set(f"{base}/{me}/{number}", entry.dumps())
         pending = [peer for peer in membership.members if peer != me]
         poll, next_markers = _POLL_FIRST_S, time.monotonic() + _MARKERS_EVERY_S
+        deadline = time.monotonic() + self._timeout_s
         while pending:
             for peer in list(pending):
                 key = f"{base}/{peer}/{number}"
@@ -245,6 +252,11 @@ class CheckedCollectives:
                 except PeerFailure as failure:
                     cause = _lost_peers(membership, failure)
                     raise self._cannot_complete(membership, number, entry, cause) from failure
+                if time.monotonic() > deadline:
+                    late = ", ".join(f"rank {self._rank_of(membership, peer)}" for peer in pending)
+                    raise self._cannot_complete(
+                        membership, number, entry,
+                        f"{late} did not enter it within the process group's timeout ({self._timeout_s:g} s)")
             time.sleep(poll)
             poll = min(_POLL_MAX_S, poll * 2)
         return membership

@@ -354,7 +354,8 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
             trainer, self._on_stop_signal, on_restored=watchdog.stop_listening,
             on_unroutable=lambda: rank_zero_warn(
                 "ElCheStrategy could not install its stop-signal handlers outside the main thread."))
-        self._collectives = CheckedCollectives(lambda: self._membership, lambda: lightning_phase(trainer))
+        self._collectives = CheckedCollectives(lambda: self._membership, lambda: lightning_phase(trainer),
+                                               process_group_timeout(self) or default_pg_timeout)
         assert self.lightning_module is not None
         self._patches.check_gathered_collections(self.lightning_module, self._checked_gather)
 

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -224,6 +225,18 @@ def test_a_peer_that_left_the_fit_fails_the_waiting_rank_with_its_reason():
     with pytest.raises(CollectiveMismatch, match=r"can never complete: rank 1 left the fit: it failed: "
                        r"RuntimeError: rank 1 gave up"):
         zero.enter("barrier()")
+
+
+def test_a_live_peer_that_never_enters_fails_at_the_process_groups_timeout():
+    store = dist.HashStore()
+    membership = FakeMembership(store, 0)
+    checks = CheckedCollectives(lambda: membership, lambda: "on_train_end (stage train)",
+                                timeout=timedelta(seconds=0.3), world_size=lambda: 2)
+    started = time.monotonic()
+    with pytest.raises(CollectiveMismatch, match=r"can never complete: rank 1 did not enter it within the process "
+                       r"group's timeout \(0.3 s\)"):
+        checks.enter("barrier()")
+    assert 0.3 <= time.monotonic() - started < 2.0
 
 
 def test_a_regroup_starts_the_count_again():
