@@ -189,6 +189,16 @@ class Session:
                 "of steps, so a peer may never reach the matching call. Do it at epoch end or in validation."
             )
 
+    def warn_rank_local_reduce(self, warn: Callable[[str], Any]) -> None:
+        """A reduce during training steps (a per-step ``sync_dist``) stays rank-local: say so once."""
+        if not self.warned_rank_local_reduce:
+            self.warned_rank_local_reduce = True
+            warn(
+                "ElCheStrategy: a per-step `self.log(..., sync_dist=True)` (or another reduce during "
+                "training steps) is rank-local under ElChe, since ranks take different numbers of steps. "
+                "Epoch-level values (on_epoch=True) are still reduced across ranks at the epoch end."
+            )
+
     @staticmethod
     def refuse_skipped_epoch(rank: int) -> None:
         """``on_train_batch_start`` returned -1 on ``rank``: one rank cannot leave an epoch alone."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import secrets
-import signal
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -45,7 +44,6 @@ from lightning_elche.coverage import EpochCoverage
 from lightning_elche.dispatch import ElCheSampler
 from lightning_elche.engine import ElCheEngine
 from lightning_elche.fit_view import ElCheFitView
-from lightning_elche.job_store import mark_exited
 from lightning_elche.loop_glue import (
     LightningPatches,
     LightningRankView,
@@ -58,7 +56,6 @@ from lightning_elche.loop_glue import (
     next_epoch,
     process_group_timeout,
     sampler_for,
-    stop_signal_requests,
     sync_module_states,
     train_dataloader_count,
     with_training_sampler,
@@ -72,10 +69,10 @@ from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import PlaneSetup, build_plane
 from lightning_elche.planes.collective import default_group_device
 from lightning_elche.round_driver import RoundDriver, RoundListener
-from lightning_elche.rounds import StopRequest
 from lightning_elche.session import Session
-from lightning_elche.stop_checkpoint import unsaved_note, written_whole
-from lightning_elche.stop_signals import StopWatchdog, grace_for, resolve_stop_grace
+from lightning_elche.stop_checkpoint import written_whole
+from lightning_elche.stop_guard import guard_stops
+from lightning_elche.stop_signals import StopWatchdog, resolve_stop_grace
 from lightning_elche.summary import format_summary
 from lightning_elche.trainer_checks import check_trainer
 
@@ -343,40 +340,13 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
 
     def _guard_fit(self, trainer: Trainer) -> None:
         """For the rest of the fit: stop signals become stop requests and always end the process
-        (:mod:`lightning_elche.stop_signals`); collectives outside the rounds are checked
+        (:mod:`lightning_elche.stop_guard`); collectives outside the rounds are checked
         (:mod:`lightning_elche.checked_collectives`), gathers of collections included."""
-        watchdog = StopWatchdog(lambda: grace_for(self.stop_grace, self._engine), lambda: self._stop_report(trainer),
-                                forward=self._forward_stop, on_exit=self._mark_stopped)
-        if not watchdog.listen({*stop_signal_requests(trainer), int(signal.SIGINT)}):
-            rank_zero_warn("ElCheStrategy: outside the main thread a stop signal is not bounded by stop_grace.")
-        self._stop_watchdog = watchdog
-        self._patches.route_stop_signals_for_the_fit(
-            trainer, self._on_stop_signal, on_restored=watchdog.stop_listening,
-            on_unroutable=lambda: rank_zero_warn(
-                "ElCheStrategy could not install its stop-signal handlers outside the main thread."))
+        self._stop_watchdog = guard_stops(self, trainer, self._patches, self._session.request_stop)
         self._collectives = CheckedCollectives(lambda: self._membership, lambda: lightning_phase(trainer),
                                                process_group_timeout(self) or default_pg_timeout)
         assert self.lightning_module is not None
         self._patches.check_gathered_collections(self.lightning_module, self._checked_gather)
-
-    def _on_stop_signal(self, request: StopRequest, signum: int) -> None:
-        # Only recorded: every rank saves and stops after the next round. The watchdog, woken by
-        # the same signal, passes it on to the ranks the launcher started and bounds the wait.
-        self._session.request_stop(request)
-
-    def _forward_stop(self, signum: int) -> None:
-        # As Lightning's handler does: its popen launcher passes a SIGTERM on to the ranks it started.
-        if signum == signal.SIGTERM and self.launcher is not None:
-            self.launcher.kill(signum)
-
-    def _mark_stopped(self, message: str) -> None:
-        link = self.job_store_link  # on a connection of its own: the main thread may hold the link's
-        if link is not None:
-            store = link.store.clone() if hasattr(link.store, "clone") else link.store
-            mark_exited(store, link.rank, message[:2000])
-
-    def _stop_report(self, trainer: Trainer) -> str:
-        return f"Rank {self.global_rank} was in {lightning_phase(trainer)}. {unsaved_note(trainer)}"
 
     def _stop_saving(self) -> contextlib.AbstractContextManager[None]:
         watchdog = self._stop_watchdog
@@ -435,13 +405,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         self._session.refuse_collective("reduce()", mid_window_too=False)
         if self._session.in_window:
-            if not self._session.warned_rank_local_reduce:
-                self._session.warned_rank_local_reduce = True
-                rank_zero_warn(
-                    "ElCheStrategy: a per-step `self.log(..., sync_dist=True)` (or another reduce during "
-                    "training steps) is rank-local under ElChe, since ranks take different numbers of steps. "
-                    "Epoch-level values (on_epoch=True) are still reduced across ranks at the epoch end."
-                )
+            self._session.warn_rank_local_reduce(rank_zero_warn)
             return tensor
         reduced = self._collectives.reduce(tensor, group, reduce_op) if self._collectives is not None else None
         return reduced if reduced is not None else super().reduce(tensor, group=group, reduce_op=reduce_op)
