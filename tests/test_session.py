@@ -164,7 +164,8 @@ def test_time_inside_a_sync_point_is_excluded_from_the_window():
     strategy = ElCheStrategy()
     engine = SimpleNamespace(last_outcome=consensus, steps_in_window=0, in_flight=False,
                              exclude_from_window=excluded.append)
-    strategy._rounds = RoundDriver(engine, strategy.session, lambda: None, [], 1, lambda: 0)  # type: ignore[arg-type]
+    strategy._rounds = RoundDriver(engine, strategy.session, lambda: None, [], 1, lambda: 0,  # type: ignore[arg-type]
+                                   lambda: SimpleNamespace())  # type: ignore[arg-type,return-value]
     with strategy.sync_point():
         assert strategy.session.at_sync_point_now
         time.sleep(0.05)
