@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_elche.checks import require_int
+from lightning_elche.cohort_callbacks import cohort_view
 from lightning_elche.engine import RoundOutcome
 from lightning_elche.loop_glue import monitor_candidates, save_checkpoint_now
 from lightning_elche.strategy import ElCheStrategy
@@ -135,8 +136,11 @@ class ElCheCheckpoint(ModelCheckpoint):
             return
         self._save_now = False
         assert self._strategy is not None
+        engine = self._strategy.engine
+        assert engine is not None
         with self._strategy.sync_point():
-            save_checkpoint_now(self, trainer)
+            # Every rank is at this round: the cohort step and rank 0's metrics name the file on each.
+            save_checkpoint_now(self, cohort_view(trainer, engine.state.cohort_step, share_metrics=True))
 
     def _monitor_candidates(self, trainer: Trainer) -> dict[str, Tensor]:
         # Overrides ModelCheckpoint's: adds ``{sync}`` for filenames.

@@ -240,6 +240,11 @@ class LightningPatches:
         while self._undo:
             self._undo.pop()()
 
+    def replace_hook(self, callback: Any, name: str, hook: Callable[..., Any]) -> None:
+        """Give one callback object its own ``name`` hook (Lightning calls ``getattr(callback, name)``)."""
+        setattr(callback, name, hook)
+        self._undo.append(lambda: vars(callback).pop(name, None))  # back to the class's method
+
     def take_over_max_steps(self, trainer: Trainer) -> None:
         """Hide ``max_steps`` from the epoch loop; the strategy enforces it as the cohort's budget.
 

@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader
 from lightning_elche.averaging import AveragedLayout
 from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checks import require_int
+from lightning_elche.cohort_callbacks import follow_the_cohort
 from lightning_elche.config import ElCheConfig, ElCheMode, Transport
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.data import ElCheSampler, LostWork
@@ -392,6 +393,8 @@ class ElCheStrategy(DDPStrategy):
             return
         self._patches.take_over_max_steps(trainer)
         check_trainer(trainer)
+        follow_the_cohort(trainer, lambda: self._engine.state.cohort_step if self._engine else 0,
+                          self._patches.replace_hook)
         if self._restored_state is not None:
             assert self._engine is not None
             self._engine.load_state_dict(self._restored_state)
