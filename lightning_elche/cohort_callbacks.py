@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch import Tensor
@@ -73,10 +74,14 @@ def rank_zero_metrics(trainer: Trainer) -> dict[str, Tensor]:
     Each value lands on the device of this rank's own value of that name (the root device if this
     rank has none)."""
     local = trainer.callback_metrics
-    sent = {name: value.detach().cpu() for name, value in local.items()} if trainer.is_global_zero else None
-    received: dict[str, Tensor] = trainer.strategy.broadcast(sent, src=0)
+    # Plain numbers on the wire: pickling a tensor goes through torch.save, which a test may mock.
+    sent = {name: (value.tolist(), value.dtype) for name, value in local.items()} if trainer.is_global_zero else None
+    received: dict[str, tuple[Any, torch.dtype]] = trainer.strategy.broadcast(sent, src=0)
     device = trainer.strategy.root_device
-    return {name: value.to(local[name].device if name in local else device) for name, value in received.items()}
+    return {
+        name: torch.tensor(values, dtype=dtype, device=local[name].device if name in local else device)
+        for name, (values, dtype) in received.items()
+    }
 
 
 def cohort_view(trainer: Trainer, cohort_step: int, share_metrics: bool) -> CohortTrainerView:

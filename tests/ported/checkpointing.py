@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -309,3 +310,360 @@ def test_checkpoint_repeated_strategy_extended(ctx: Context) -> None:
         assert trainer.current_epoch == epochs
         ctx.barrier("refit")
         assert len(list(ckpt_dir.iterdir())) == epochs
+
+
+@SUITE.case(MC + "test_ckpt_version_after_rerun_new_trainer")
+def test_ckpt_version_after_rerun_new_trainer(ctx: Context) -> None:
+    epochs = 2
+    for i in range(epochs):
+        mc = ModelCheckpoint(dirpath=ctx.tmp_path, save_top_k=-1, monitor="epoch", filename="{epoch}")
+        trainer = ctx.trainer(max_epochs=epochs, limit_val_batches=1, callbacks=[mc], logger=False)
+        trainer.fit(SizedBoringModel(train=2))
+        ctx.barrier(f"fit{i}")
+        expected = {"epoch=0-v1.ckpt", "epoch=1-v1.ckpt"} if i else {"epoch=0.ckpt", "epoch=1.ckpt"}
+        assert {Path(f).name for f in mc.best_k_models} == expected
+        check_agreed(ctx, mc)
+    assert listdir(ctx.tmp_path) == {"epoch=0.ckpt", "epoch=1.ckpt", "epoch=0-v1.ckpt", "epoch=1-v1.ckpt"}
+
+
+@SUITE.case(MC + "test_ckpt_version_after_rerun_same_trainer", modes=MODES)
+def test_ckpt_version_after_rerun_same_trainer(ctx: Context) -> None:
+    mc = ModelCheckpoint(dirpath=ctx.tmp_path, save_top_k=-1, monitor="epoch", filename="test")
+    mc.STARTING_VERSION = 9
+    trainer = ctx.trainer(max_epochs=2, limit_val_batches=1, callbacks=[mc], logger=False)
+    trainer.fit(SizedBoringModel(train=2))
+    trainer.fit_loop.max_epochs = 4
+    trainer.fit(SizedBoringModel(train=2))
+    ctx.barrier("fit")
+    ckpt_range = range(mc.STARTING_VERSION, trainer.max_epochs + mc.STARTING_VERSION - 1)
+    expected = {"test.ckpt", *(f"test-v{i}.ckpt" for i in ckpt_range)}
+    assert {Path(f).name for f in mc.best_k_models} == expected
+    assert listdir(ctx.tmp_path) == expected
+    check_agreed(ctx, mc)
+
+
+@SUITE.case(MC + "test_ckpt_version_counter_disabled_after_rerun_new_trainer")
+def test_ckpt_version_counter_disabled_after_rerun_new_trainer(ctx: Context) -> None:
+    for i in range(2):
+        mc = ModelCheckpoint(dirpath=ctx.tmp_path, save_top_k=-1, save_last=True, monitor="epoch", filename="{epoch}",
+                             enable_version_counter=False)
+        trainer = ctx.trainer(max_epochs=2, limit_val_batches=1, callbacks=[mc], logger=False)
+        trainer.fit(SizedBoringModel(train=2))
+        ctx.barrier(f"fit{i}")
+        assert {Path(f).name for f in mc.best_k_models} == {"epoch=0.ckpt", "epoch=1.ckpt"}
+        assert Path(mc.last_model_path).name == "last.ckpt"
+    assert listdir(ctx.tmp_path) == {"epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"}
+
+
+@SUITE.case(MC + "test_check_val_every_n_epochs_top_k_integration", modes=MODES)
+def test_check_val_every_n_epochs_top_k_integration(ctx: Context) -> None:
+    mc = ModelCheckpoint(dirpath=ctx.tmp_path, monitor="epoch", save_top_k=-1, filename="{epoch}")
+    trainer = ctx.trainer(limit_val_batches=1, num_sanity_val_steps=0, max_epochs=5, check_val_every_n_epoch=2,
+                          callbacks=mc, logger=False)
+    trainer.fit(SizedBoringModel(train=2))
+    ctx.barrier("fit")
+    assert listdir(ctx.tmp_path) == {"epoch=1.ckpt", "epoch=3.ckpt"}
+
+
+@SUITE.case(MC + "test_save_last_versioning")
+def test_save_last_versioning(ctx: Context) -> None:
+    for i in range(2):
+        mc = ModelCheckpoint(dirpath=ctx.tmp_path, save_top_k=0, save_last=True)
+        trainer = ctx.trainer(max_epochs=2, callbacks=mc, limit_val_batches=0, logger=False)
+        trainer.fit(SizedBoringModel(train=2))
+        ctx.barrier(f"fit{i}")
+    assert listdir(ctx.tmp_path) == {"last.ckpt", "last-v1.ckpt"}
+    assert all(not os.path.islink(ctx.tmp_path / path) for path in listdir(ctx.tmp_path))
+
+
+for save_every in (0, 5):
+
+    def save_last_every_n_epochs_case(ctx: Context, every_n_epochs=save_every) -> None:
+        mc = ModelCheckpoint(every_n_epochs=every_n_epochs, save_last=True, save_top_k=0, save_on_train_epoch_end=True)
+        trainer = ctx.trainer(max_epochs=2, callbacks=mc, limit_val_batches=0, logger=False)
+        with mock.patch.object(trainer, "save_checkpoint") as save_mock:
+            trainer.fit(SizedBoringModel(train=2))
+        assert mc.last_model_path
+        assert save_mock.call_count == trainer.max_epochs - 1
+
+    SUITE.add(f"test_save_last_every_n_epochs_interaction[{save_every}]",
+              MC + f"test_save_last_every_n_epochs_interaction[{save_every}]", "passes",
+              ("nccl_cadence", "cpu_async"), save_last_every_n_epochs_case)
+
+
+@SUITE.case("checkpointing/test_trainer_checkpoint.py::test_finetuning_with_ckpt_path", modes=MODES)
+def test_finetuning_with_ckpt_path(ctx: Context) -> None:
+    checkpoint_callback = ModelCheckpoint(monitor="val_loss", dirpath=ctx.tmp_path, filename="{epoch:02d}",
+                                          save_top_k=-1)
+
+    class ExtendedBoringModel(SizedBoringModel):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.layer.parameters(), lr=0.001)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", self.step(batch), on_epoch=True, prog_bar=True)  # rank-local: rank 0's is compared
+
+    model = ExtendedBoringModel(train=12)
+    trainer = ctx.trainer(max_epochs=1, limit_val_batches=6, limit_test_batches=12, callbacks=[checkpoint_callback],
+                          logger=False)
+    trainer.fit(model)
+    ctx.barrier("fit")
+    assert os.listdir(ctx.tmp_path) == ["epoch=00.ckpt"]
+    best_model_paths = [checkpoint_callback.best_model_path]
+    for idx in range(3, 6):
+        trainer = ctx.trainer(max_epochs=idx, limit_val_batches=12, limit_test_batches=12)
+        trainer.fit(model, ckpt_path=best_model_paths[-1])
+        trainer.test()
+        best_model_paths.append(trainer.checkpoint_callback.best_model_path)
+        check_agreed(ctx, trainer.checkpoint_callback)
+    for idx, best_model_path in enumerate(best_model_paths):
+        if idx == 0:
+            assert best_model_path.endswith(f"epoch=0{idx}.ckpt")
+        else:
+            assert f"epoch={idx + 1}" in best_model_path
+
+
+FREQ = "checkpointing/test_checkpoint_callback_frequency.py::"
+
+
+@SUITE.case(FREQ + "test_disabled_checkpointing")
+def test_disabled_checkpointing(ctx: Context) -> None:
+    trainer = ctx.trainer(logger=False, max_epochs=3, enable_checkpointing=False)
+    assert not trainer.checkpoint_callbacks
+    trainer.fit(SizedBoringModel(train=8))
+    assert not trainer.checkpoint_callbacks
+
+
+@SUITE.case(FREQ + "test_default_checkpoint_freq[2-1.0-2]", name="test_default_checkpoint_freq[2-1.0-2]")
+def test_default_checkpoint_freq(ctx: Context) -> None:
+    trainer = ctx.trainer(max_epochs=2, val_check_interval=1.0, limit_val_batches=1)
+    with mock.patch("torch.save") as save_mock:
+        trainer.fit(SizedBoringModel(train=16))
+    assert save_mock.call_count == (2 if ctx.is_global_zero else 0)  # rank 0 writes the files
+
+
+@SUITE.case(FREQ + "test_default_checkpoint_freq[1-0.25-4]", "refused", name="test_default_checkpoint_freq[1-0.25-4]",
+            note="val_check_interval other than 1.0 is refused in setup: use check_val_every_n_epoch")
+def test_default_checkpoint_freq_inside_epochs(ctx: Context) -> None:
+    trainer = ctx.trainer(max_epochs=1, val_check_interval=0.25, limit_val_batches=1)
+    with ctx.raises(MisconfigurationException, match=r"val_check_interval\)=0.25.*check_val_every_n_epoch"):
+        trainer.fit(SizedBoringModel(train=16))
+
+
+for k, epochs, expected in ((1, 1, 1), (2, 2, 2)):
+    for save_last in (False, True, "link"):
+
+        def top_k_case(ctx: Context, k=k, epochs=epochs, expected=expected, save_last=save_last) -> None:
+            class TestModel(SizedBoringModel):
+                def __init__(self) -> None:
+                    super().__init__(train=16)
+                    self.last_coeff = 10.0
+
+                def training_step(self, batch: Any, batch_idx: int) -> Any:
+                    loss = self.step(torch.ones(32, device=self.device))
+                    loss = loss / (loss + 0.0000001) + self.last_coeff
+                    self.log("my_loss", loss)  # rank-local (each rank's own step count): rank 0's is compared
+                    self.last_coeff *= 0.999
+                    return loss
+
+            callback = ModelCheckpoint(dirpath=ctx.tmp_path, monitor="my_loss", save_top_k=k, save_last=save_last)
+            trainer = ctx.trainer(callbacks=[callback], max_epochs=epochs, val_check_interval=1.0)
+            with mock.patch("torch.save") as save_mock:
+                trainer.fit(TestModel())
+            expected_calls = expected * 2 if save_last is True else expected
+            assert save_mock.call_count == (expected_calls if ctx.is_global_zero else 0)
+            same_on_every_rank(mc_state(callback), "ModelCheckpoint's state")
+
+        params = f"{save_last}-{k}-{epochs}-1.0-{expected}"
+        SUITE.add(f"test_top_k[{params}]", FREQ + f"test_top_k[{params}]", "passes",
+                  MODES if (k, save_last) == (2, "link") else ("nccl_cadence",), top_k_case)
+
+
+TT = "trainer/test_trainer.py::"
+
+
+class FooModel(SizedBoringModel):
+    """trainer/test_trainer.py's ``TestModel`` of the ``ckpt_path`` tests."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        self.log("foo", -batch_idx)
+        return super().validation_step(batch, batch_idx)
+
+    def test_step(self, *args: Any) -> Any:
+        return self.validation_step(*args)
+
+    def predict_step(self, batch: Any, *_: Any) -> Any:
+        return self(batch)
+
+
+for fn in ("validate", "test", "predict"):
+    for enable_checkpointing in (True, False):
+
+        def tested_best_case(ctx: Context, fn=fn, enable_checkpointing=enable_checkpointing) -> None:
+            model = FooModel(train=8)
+            trainer = ctx.trainer(max_epochs=2, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1,
+                                  enable_checkpointing=enable_checkpointing)
+            trainer.fit(model)
+            trainer_fn = getattr(trainer, fn)
+            assert trainer.ckpt_path is None
+            if enable_checkpointing:
+                trainer_fn(ckpt_path="best")
+                assert trainer.ckpt_path == trainer.checkpoint_callback.best_model_path
+                trainer_fn(model, ckpt_path="best")
+                assert trainer.ckpt_path == trainer.checkpoint_callback.best_model_path
+                same_on_every_rank(trainer.ckpt_path, "the checkpoint loaded as 'best'")
+            else:
+                with ctx.raises(ValueError, match="`ModelCheckpoint` is not configured."):
+                    trainer_fn(ckpt_path="best")
+                with ctx.raises(ValueError, match="`ModelCheckpoint` is not configured."):
+                    trainer_fn(model, ckpt_path="best")
+
+        params = f"{fn}-{enable_checkpointing}"
+        SUITE.add(f"test_tested_checkpoint_path_best[{params}]", TT + f"test_tested_checkpoint_path_best[{params}]",
+                  "passes", MODES if enable_checkpointing else ("nccl_cadence",), tested_best_case)
+
+
+for fn, save_top_k, ckpt_path in (("validate", 1, "best"), ("test", 2, "best"), ("predict", -1, "best"),
+                                  ("validate", 0, "best"), ("test", 1, "specific"), ("predict", 1, None)):
+
+    def checkpoint_path_input_case(ctx: Context, fn=fn, save_top_k=save_top_k, ckpt_path=ckpt_path) -> None:
+        model = FooModel(train=8)
+        trainer = ctx.trainer(max_epochs=2, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1,
+                              callbacks=[ModelCheckpoint(monitor="foo", save_top_k=save_top_k)])
+        trainer.fit(model)
+        trainer_fn = getattr(trainer, fn)
+        assert trainer.ckpt_path is None
+        if ckpt_path == "best":
+            if save_top_k == 0:
+                with ctx.raises(ValueError, match=".*is not configured to save the best.*"):
+                    trainer_fn(ckpt_path=ckpt_path)
+                with ctx.raises(ValueError, match=".*is not configured to save the best.*"):
+                    trainer_fn(model, ckpt_path=ckpt_path)
+            else:
+                trainer_fn(ckpt_path=ckpt_path)
+                assert trainer.ckpt_path == trainer.checkpoint_callback.best_model_path
+                trainer_fn(model, ckpt_path=ckpt_path)
+                assert trainer.ckpt_path == trainer.checkpoint_callback.best_model_path
+        elif ckpt_path is None:
+            trainer_fn(model, ckpt_path=ckpt_path)
+            assert trainer.ckpt_path is None
+            with ctx.warns(UserWarning, match="The best model of the previous `fit` call will be used"):
+                trainer_fn(ckpt_path=ckpt_path)
+            assert trainer.ckpt_path == trainer.checkpoint_callback.best_model_path
+        else:
+            folder = Path(ctx.tmp_path) / f"lightning_logs/version_{trainer.logger.version}/checkpoints"
+            path = str(sorted(folder.iterdir())[0].absolute())
+            trainer_fn(ckpt_path=path)
+            assert trainer.ckpt_path == path
+            trainer_fn(model, ckpt_path=path)
+            assert trainer.ckpt_path == path
+        same_on_every_rank(trainer.ckpt_path, "the checkpoint loaded")
+
+    params = f"{fn}-{save_top_k}-{ckpt_path}"
+    SUITE.add(f"test_checkpoint_path_input[{params}]", TT + f"test_checkpoint_path_input[{params}]", "passes",
+              MODES if save_top_k == 2 else ("nccl_cadence",), checkpoint_path_input_case)
+
+
+for ckpt_path, save_last in (("last", True), ("last", False), (None, True)):
+
+    def checkpoint_path_input_last_case(ctx: Context, ckpt_path=ckpt_path, save_last=save_last) -> None:
+        model = SizedBoringModel(train=2)
+        mc = ModelCheckpoint(save_last=save_last)
+        trainer = ctx.trainer(max_epochs=1, limit_val_batches=1, logger=False, callbacks=[mc])
+        assert trainer.ckpt_path is None
+        trainer.fit(model)
+        if ckpt_path is None:
+            final_path = mc.best_model_path
+            with ctx.warns(UserWarning, match=".*The best model of the previous `fit` call will be used"):
+                trainer.validate(ckpt_path=ckpt_path)
+        elif save_last:
+            final_path = mc.last_model_path
+            trainer.validate(ckpt_path=ckpt_path)
+        else:
+            final_path = None
+            with ctx.warns(UserWarning, match="No checkpoint will be loaded"):
+                trainer.validate(ckpt_path=ckpt_path)
+        assert trainer.ckpt_path == final_path
+
+    params = f"validate-{save_last}-{ckpt_path}"
+    SUITE.add(f"test_checkpoint_path_input_last[{params}]", TT + f"test_checkpoint_path_input_last[{params}]",
+              "passes", MODES if (ckpt_path, save_last) == ("last", True) else ("nccl_cadence",),
+              checkpoint_path_input_last_case)
+
+
+@SUITE.case(TT + "test_checkpoint_find_last", modes=MODES)
+def test_checkpoint_find_last(ctx: Context) -> None:
+    mc = ModelCheckpoint(save_last=True)
+    trainer = ctx.trainer(max_epochs=1, limit_val_batches=0, logger=False, callbacks=[mc])
+    assert trainer.ckpt_path is None
+    trainer.fit(SizedBoringModel(train=2))
+    mc = ModelCheckpoint()
+    trainer = ctx.trainer(max_epochs=1, limit_val_batches=0, logger=False, callbacks=[mc])
+    assert trainer.ckpt_path is None
+    trainer.fit(SizedBoringModel(train=2), ckpt_path="last")
+    assert trainer.ckpt_path == str(ctx.tmp_path / "checkpoints" / "last.ckpt")
+
+
+@SUITE.case(TT + "test_model_checkpoint_only_weights")
+def test_model_checkpoint_only_weights(ctx: Context) -> None:
+    model = SizedBoringModel(train=2)
+    trainer = ctx.trainer(max_epochs=1, limit_val_batches=1,
+                          callbacks=[ModelCheckpoint(dirpath=ctx.tmp_path, save_weights_only=True)])
+    trainer.fit(model)
+    assert trainer.state.finished, f"Training failed with {trainer.state}"
+    checkpoint_path = trainer.checkpoint_callback.best_model_path
+    checkpoint = torch.load(checkpoint_path, weights_only=True)
+    assert "optimizer_states" not in checkpoint and "lr_schedulers" not in checkpoint
+    assert SizedBoringModel.load_from_checkpoint(checkpoint_path=checkpoint_path)
+    new_weights_path = os.path.join(ctx.tmp_path, "save_test.ckpt")
+    trainer.save_checkpoint(new_weights_path, weights_only=True)
+    checkpoint = torch.load(new_weights_path, weights_only=True)
+    assert "optimizer_states" not in checkpoint and "lr_schedulers" not in checkpoint
+    with ctx.raises(KeyError, match="checkpoint contains only the model"):
+        trainer._checkpoint_connector.restore(new_weights_path)
+
+
+@SUITE.case(TT + "test_fit_ckpt_path_epoch_restored[False]", modes=MODES, kind="deviation",
+            note="the batches a rank sees and trainer.global_step are its own share; summed over the ranks they are "
+                 "Lightning's counts, and the cohort step continues from the checkpoint's")
+def test_fit_ckpt_path_epoch_restored(ctx: Context) -> None:
+    class TestModel(SizedBoringModel):
+        num_epochs_end_seen = 0
+        num_batches_seen = 0
+        num_on_load_checkpoint_called = 0
+
+        def on_train_epoch_end(self) -> None:
+            self.num_epochs_end_seen += 1
+
+        def on_train_batch_start(self, *_: Any) -> None:
+            self.num_batches_seen += 1
+
+        def on_load_checkpoint(self, _: Any) -> None:
+            self.num_on_load_checkpoint_called += 1
+
+    def cohort_sum(value: int) -> int:
+        gathered = [0, 0]
+        torch.distributed.all_gather_object(gathered, value)
+        return sum(gathered)
+
+    model = TestModel(train=41)  # Lightning: limit_train_batches=0.65 of 64
+    max_epochs = 2
+    trainer = ctx.trainer(max_epochs=max_epochs, limit_val_batches=1, val_check_interval=1.0, logger=False,
+                          callbacks=ModelCheckpoint(dirpath=ctx.tmp_path, save_top_k=-1))
+    trainer.fit(model)
+    assert model.num_epochs_end_seen == max_epochs
+    cohort = trainer.strategy.progress.cohort_step
+    assert cohort_sum(model.num_batches_seen) == trainer.num_training_batches * max_epochs == cohort
+    assert model.num_on_load_checkpoint_called == 0
+    ctx.barrier("fit")
+    checkpoints = sorted(Path(trainer.checkpoint_callback.dirpath).glob("*.ckpt"))
+    assert len(checkpoints) == max_epochs
+    for ckpt in checkpoints:
+        model = TestModel(train=41)
+        state = pl_load(ckpt)
+        trainer = ctx.trainer(max_epochs=2)
+        trainer.fit(model, ckpt_path=ckpt)
+        resumed_at = state["elche"]["cohort_step"]
+        assert resumed_at + cohort_sum(model.num_batches_seen) == trainer.strategy.progress.cohort_step
+        assert model.num_on_load_checkpoint_called == 1

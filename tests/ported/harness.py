@@ -102,12 +102,15 @@ class Context:
         raise AssertionError(f"expected {exception.__name__} matching {match!r}; nothing was raised")
 
     @contextmanager
-    def warns(self, category: type[Warning], match: str) -> Iterator[None]:
-        """``pytest.warns`` for a rank process (on this rank: rank-zero warnings only on rank 0)."""
+    def warns(self, category: type[Warning], match: str, every_rank: bool = False) -> Iterator[None]:
+        """``pytest.warns`` for a rank process. Lightning's warnings are rank-zero warnings, so by
+        default only rank 0 checks (every rank runs the block)."""
         import warnings
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield
+        if not (every_rank or self.is_global_zero):
+            return
         messages = [str(w.message) for w in caught if issubclass(w.category, category)]
         assert any(re.search(match, m) for m in messages), f"no {category.__name__} matching {match!r} in {messages}"

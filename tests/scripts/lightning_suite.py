@@ -73,6 +73,7 @@ class Launch:
 
 
 def run_rank(args: argparse.Namespace) -> None:
+    launched = time.perf_counter()
     rank = args.rank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), WORLD_SIZE=str(WORLD_SIZE),
                       NODE_RANK="0", LOCAL_RANK=str(rank), RANK=str(rank))
@@ -83,6 +84,7 @@ def run_rank(args: argparse.Namespace) -> None:
     out_dir = Path(args.out_dir)
     cases = [tuple(entry.split(":", 1)) for entry in args.cases]
     launch = Launch(rank, args.port, PG_TIMEOUT)
+    print(f"lightning_suite: rank {rank} set up in {time.perf_counter() - launched:.1f} s", flush=True)
     broken_after = None
     try:
         for suite_name, name in cases:
@@ -111,6 +113,8 @@ def run_rank(args: argparse.Namespace) -> None:
             except Exception:  # noqa: BLE001
                 broken_after = f"{suite_name}:{name}"
             write(out_dir, suite_name, name, rank, record)
+        print(f"lightning_suite: rank {rank} ran {len(cases)} cases in {time.perf_counter() - launched:.1f} s",
+              flush=True)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
