@@ -103,9 +103,18 @@ def can_stop_early(trainer: Trainer) -> bool:
     return bool(trainer.fit_loop._can_stop_early)
 
 
+def skip_validation_after_this_batch(trainer: Trainer) -> None:
+    """Let this batch end without the validation Lightning starts after a ``should_stop`` set mid-epoch.
+
+    ElChe stops a fit at its step budget with ``should_stop``; Lightning's own ``max_steps`` ends the
+    epoch loop without validating (unless the epoch ended too), and so must the budget's stop."""
+    trainer.fit_loop.epoch_loop._skip_next_val = True
+
+
 def timer_step_duration(timer: Timer) -> Optional[Any]:
-    """The duration of a ``Timer`` that checks after every training step (None otherwise)."""
-    return timer._duration if timer._interval == "step" and timer._duration else None
+    """The duration of a ``Timer`` that checks after every training step (None otherwise; a zero
+    duration checks, and broadcasts, after every step too)."""
+    return timer._duration if timer._interval == "step" and timer._duration is not None else None
 
 
 def checkpoint_step_triggers(callback: ModelCheckpoint) -> tuple[Optional[int], Optional[Any]]:

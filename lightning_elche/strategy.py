@@ -66,6 +66,7 @@ from lightning_elche.loop_glue import (
     reopen_training_epoch,
     sampler_for,
     save_and_requeue_slurm_job,
+    skip_validation_after_this_batch,
     slurm_requeue_signal,
     sync_module_states,
     train_dataloader_count,
@@ -697,6 +698,8 @@ class ElCheStrategy(DDPStrategy):
         # SAVE_AND_EXIT: no more steps in this batch; every rank saves at its next batch start.
         if action is RoundAction.STOP_FIT:
             trainer.should_stop = True
+            if outcome.budget_reached and not outcome.epoch_over and outcome.stop_level == StopRequest.NONE:
+                skip_validation_after_this_batch(trainer)  # as Lightning's max_steps inside an epoch
         self._session.saw_should_stop(trainer.should_stop)
 
     def _publish_round(self, trainer: Trainer, outcome: RoundOutcome) -> None:
