@@ -714,7 +714,7 @@ class ElCheStrategy(DDPStrategy):
             # One x-axis with Lightning's own metrics (rank 0's global_step); the cohort's step
             # count is a logged value, elche/cohort_step.
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics=metrics, step=trainer.global_step)
 
     def _follow_cohort_step(self, trainer: Trainer, outcome: RoundOutcome) -> None:
         # Lightning steps step-interval schedulers once per local optimizer step, so a fast rank
