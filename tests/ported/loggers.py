@@ -127,7 +127,8 @@ for logger_name, (logger_class, logger_args) in LOGGER_FIT_TEST.items():
 
     SUITE.add(f"test_loggers_fit_test_all[{logger_name}]",
               f"loggers/test_all.py::test_loggers_fit_test_all[{logger_name}]", "deviation", FEW_MODES,
-              fit_test_all_case, "rank 0 also logs ElChe's elche/* metrics at every sync (the other rows are Lightning's)")
+              fit_test_all_case,
+              "rank 0 also logs ElChe's elche/* metrics at every sync (the other rows are Lightning's)")
 
 
 @SUITE.case(LOGGING + "test_train_loop_logging.py::test__training_step__epoch_end__log")
