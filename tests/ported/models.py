@@ -80,10 +80,9 @@ class ClassificationData(Dataset):
     """A fixed, separable 3-class problem (Lightning's helpers build one with scikit-learn)."""
 
     def __init__(self, n: int, seed: int = 0, dim: int = 8, classes: int = 3) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        centers = 3.0 * torch.randn(classes, dim, generator=generator)
+        centers = 3.0 * torch.randn(classes, dim, generator=torch.Generator().manual_seed(1234))  # every split's
         self.y = torch.arange(n) % classes
-        self.x = centers[self.y] + torch.randn(n, dim, generator=generator)
+        self.x = centers[self.y] + torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
 
     def __len__(self) -> int:
         return len(self.y)
