@@ -347,27 +347,6 @@ def test_trainer_max_steps_and_epochs(ctx: Context) -> None:
     assert_stopped_at_the_budget(trainer, rounds, 3)
 
 
-class CountValidation(Callback):
-    def __init__(self) -> None:
-        self.runs: list[tuple[bool, int]] = []
-
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.runs.append((trainer.sanity_checking, trainer.current_epoch))
-
-
-@SUITE.case("(ElChe, issue 26) max_steps inside an epoch", modes=MODES,
-            name="max_steps_inside_an_epoch_skips_validation")
-def max_steps_inside_an_epoch_skips_validation(ctx: Context) -> None:
-    # Lightning's max_steps inside an epoch ends the epoch without validating; so must ElChe's budget.
-    counter, rounds = CountValidation(), LastRounds()
-    trainer = ctx.trainer(max_steps=100, max_epochs=5, callbacks=[counter, rounds], limit_val_batches=2)
-    trainer.fit(SizedBoringModel(train=64))
-    assert_stopped_at_the_budget(trainer, rounds, 100)
-    assert trainer.strategy.progress.cohort_step < 128  # inside epoch 1
-    assert counter.runs == [(True, 0), (False, 0)], counter.runs  # the sanity check and epoch 0's end only
-    same_on_every_rank(trainer.strategy.progress.cohort_step, "the cohort step")
-
-
 @SUITE.case(TT + "test_trainer_max_steps_accumulate_batches", kind="deviation",
             note="max_steps counts the cohort's optimizer steps (each rank accumulates its own batches)")
 def test_trainer_max_steps_accumulate_batches(ctx: Context) -> None:
