@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 from multirank_helpers import clean_environment, free_port, run_together
+from ported import SUITES
 from ported.harness import MODES
 
-SUITES = ("checkpointing", "stops", "loggers", "trainer", "callbacks", "hooks", "elche")
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "lightning_suite.py"
 LAUNCH_BASE_S = 60.0
 LAUNCH_PER_CASE_S = 45.0

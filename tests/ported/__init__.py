@@ -8,3 +8,6 @@ the Lightning test it comes from (``origin``) and what ElChe does with it (``kin
 with Lightning's assertions, or ElChe refuses the feature (the case asserts the message), or it is
 a documented deviation (``docs/compatibility.md``; the case asserts ElChe's behaviour).
 """
+
+SUITES = ("checkpointing", "stops", "loggers", "trainer", "callbacks", "hooks", "elche")
+"""The suites, in the order a launch runs them (``elche`` holds ElChe's own cases of issue 26)."""

@@ -462,3 +462,5 @@ def test_timer_resume_training(ctx: Context) -> None:
     trainer.fit(SizedBoringModel(train=16), ckpt_path=checkpoint_callback.best_model_path)
     assert timer._offset > 0
     assert trainer.strategy.progress.cohort_step == saved_cohort_step  # Lightning: global_step == saved_global_step
+    assert trainer.global_step == torch.load(checkpoint_callback.best_model_path, weights_only=True)["global_step"]
+    same_on_every_rank(trainer.global_step, "the resumed global_step (rank 0's saved count)")
