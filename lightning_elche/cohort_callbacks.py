@@ -28,7 +28,7 @@ The wrappers are installed when a fit starts and removed at its end, through
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -48,7 +48,7 @@ class CohortTrainerView:
     """The Trainer with the cohort step as ``global_step`` and (optionally) rank 0's
     ``callback_metrics``; every other attribute is the Trainer's own."""
 
-    def __init__(self, trainer: Trainer, cohort_step: int, metrics: dict[str, Tensor] | None = None) -> None:
+    def __init__(self, trainer: Trainer, cohort_step: int, metrics: Optional[dict[str, Tensor]] = None) -> None:
         object.__setattr__(self, "_view_of", trainer)
         object.__setattr__(self, "_view_step", cohort_step)
         object.__setattr__(self, "_view_metrics", metrics)
@@ -75,8 +75,11 @@ def rank_zero_metrics(trainer: Trainer) -> dict[str, Tensor]:
     rank has none)."""
     local = trainer.callback_metrics
     # Plain numbers on the wire: pickling a tensor goes through torch.save, which a test may mock.
-    sent = {name: (value.tolist(), value.dtype) for name, value in local.items()} if trainer.is_global_zero else None
-    received: dict[str, tuple[Any, torch.dtype]] = trainer.strategy.broadcast(sent, src=0)
+    sent: Optional[dict[str, tuple[Any, torch.dtype]]] = (
+        {name: (value.tolist(), value.dtype) for name, value in local.items()} if trainer.is_global_zero else None
+    )
+    received = trainer.strategy.broadcast(sent, src=0)
+    assert received is not None  # rank 0 sent a dict
     device = trainer.strategy.root_device
     return {
         name: torch.tensor(values, dtype=dtype, device=local[name].device if name in local else device)

@@ -137,8 +137,9 @@ def monitor_candidates(callback: ModelCheckpoint, trainer: Trainer) -> dict[str,
     return ModelCheckpoint._monitor_candidates(callback, trainer)
 
 
-def save_checkpoint_now(callback: ModelCheckpoint, trainer: Trainer) -> None:
-    """Save as ``ModelCheckpoint`` does at its own triggers: the top-k and the ``last`` file."""
+def save_checkpoint_now(callback: ModelCheckpoint, trainer: Any) -> None:
+    """Save as ``ModelCheckpoint`` does at its own triggers: the top-k and the ``last`` file.
+    ``trainer``: the Trainer or a view of it (``cohort_callbacks.CohortTrainerView``)."""
     candidates = callback._monitor_candidates(trainer)
     callback._save_topk_checkpoint(trainer, candidates)
     callback._save_last_checkpoint(trainer, candidates)

@@ -47,7 +47,7 @@ def check_determinism(config: ElCheConfig) -> None:
         return
     run_mode = config.run_mode
     if run_mode.window_growth:
-        cause = f"in mode={config.mode.value!r} the window and the data dispatch follow the ranks' measured speeds"
+        cause = f"in mode={run_mode.mode.value!r} the window and the data dispatch follow the ranks' measured speeds"
     elif run_mode.dispatch is Dispatch.FIXED:
         cause = "partition_ratios give the ranks unequal shares, whose ends fall in speed-dependent rounds"
     else:

@@ -53,7 +53,8 @@ def run_job(out: Path, tag: str, mode: str, devices: int, epochs: int, extra: tu
             proc.kill()
             proc.wait()
         assert not kill_tagged(launch)
-    results = {int(p.stem.rsplit("-rank", 1)[1]): json.loads(p.read_text()) for p in out.glob(f"result-{tag}-rank*.json")}
+    results = {int(p.stem.rsplit("-rank", 1)[1]): json.loads(p.read_text())
+               for p in out.glob(f"result-{tag}-rank*.json")}
     assert results, f"no rank of {tag} finished:\n{log.read_text()[-4000:]}"
     return results
 
