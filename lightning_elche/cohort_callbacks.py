@@ -23,6 +23,10 @@ among the Trainer's callbacks sees the Trainer through a :class:`CohortTrainerVi
 Everything else reads and writes through to the Trainer (``trainer.should_stop = ...`` included).
 The wrappers are installed when a fit starts and removed at its end, through
 :class:`~lightning_elche.loop_glue.LightningPatches`.
+
+As Lightning's ``global_step`` does, the cohort step continues over later fits of the same Trainer
+(:func:`continue_the_cohort`), unless a checkpoint restores its own; a fit whose ``max_steps`` is
+already spent trains nothing (:func:`stop_if_the_budget_is_spent`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,23 @@ _HOOKS: dict[type[Callback], dict[str, bool]] = {
                       "on_exception": False},
     EarlyStopping: {"on_train_epoch_end": True, "on_validation_end": True},
 }
+
+
+def continue_the_cohort(previous: Optional[Any], engine: Any) -> Any:
+    """``engine`` (this fit's) continuing the cohort step of ``previous`` (the last fit's engine of the
+    same strategy, or None): a second ``fit()`` on a Trainer continues counting, as Lightning's
+    ``global_step`` does, so ``max_steps`` and ``{step}`` mean the same over repeated fits. A checkpoint
+    loaded later in ``setup`` replaces it with its own."""
+    if previous is not None:
+        engine.state.cohort_step = previous.state.cohort_step
+    return engine
+
+
+def stop_if_the_budget_is_spent(trainer: Trainer, cohort_step: int, budget: Optional[int]) -> None:
+    """End the fit before its first batch when the cohort step already reached ``max_steps`` (a later
+    fit, or a resume from a checkpoint past it), as Lightning's fit loop does with its own ``max_steps``."""
+    if budget is not None and cohort_step >= budget:
+        trainer.should_stop = True
 
 
 class CohortTrainerView:

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader
 from lightning_elche.averaging import AveragedLayout
 from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checks import require_int
-from lightning_elche.cohort_callbacks import follow_the_cohort
+from lightning_elche.cohort_callbacks import continue_the_cohort, follow_the_cohort, stop_if_the_budget_is_spent
 from lightning_elche.config import ElCheConfig, ElCheMode, Transport
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.data import ElCheSampler, LostWork
@@ -401,6 +401,8 @@ class ElCheStrategy(DDPStrategy):
             self._engine.load_state_dict(self._restored_state)
             self._session.callback_role.load_state_dict(self._restored_state.get("callback_role", {}))
             self._restored_state = None
+        stop_if_the_budget_is_spent(trainer, self._engine.state.cohort_step if self._engine else 0,
+                                    self._session.step_budget)
         check_step_schedulers(trainer)
 
     def _join_membership(self, fit_prefix: str) -> Membership:
@@ -422,7 +424,7 @@ class ElCheStrategy(DDPStrategy):
         # place, before configure_optimizers (which may already set up the train dataloader).
         assert self.model is not None
         sync_module_states(self.model)
-        self._engine = self._build_engine()
+        self._engine = continue_the_cohort(self._engine, self._build_engine())
 
     def _build_engine(self) -> ElCheEngine:
         assert self.lightning_module is not None

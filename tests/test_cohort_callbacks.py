@@ -52,3 +52,20 @@ def test_checkpoint_and_early_stopping_hooks_see_the_view_until_the_patches_are_
     checkpoint.on_validation_end(trainer, None)
     assert seen[-1] == trainer.global_step == 0
     assert "on_validation_end" not in vars(checkpoint)
+
+
+def test_a_later_fit_continues_the_cohort_step_and_a_spent_budget_trains_nothing():
+    from lightning_elche.cohort_callbacks import continue_the_cohort, stop_if_the_budget_is_spent
+
+    def engine(step: int) -> SimpleNamespace:
+        return SimpleNamespace(state=SimpleNamespace(cohort_step=step))
+
+    assert continue_the_cohort(None, engine(0)).state.cohort_step == 0  # the first fit
+    assert continue_the_cohort(engine(42), engine(0)).state.cohort_step == 42  # as Lightning's global_step
+    trainer = SimpleNamespace(should_stop=False)
+    stop_if_the_budget_is_spent(trainer, 41, 42)
+    assert trainer.should_stop is False
+    stop_if_the_budget_is_spent(trainer, 41, None)
+    assert trainer.should_stop is False
+    stop_if_the_budget_is_spent(trainer, 42, 42)
+    assert trainer.should_stop is True
