@@ -24,8 +24,7 @@ from lightning_elche.meta import MetaController
 from lightning_elche.monitor import ElCheMonitor
 from lightning_elche.outer import DiLoCo, OuterAvg, OuterOptimizer, SlowMo
 from lightning_elche.strategy import ElCheStrategy
-
-__version__ = "0.1.0"
+from lightning_elche.version import __version__
 
 __all__ = [
     "AugmentedDataset",

@@ -36,7 +36,9 @@ def _mix64(value: int) -> int:
 class PickKey(NamedTuple):
     """One pick of an epoch: which sample, which repeat of it, in which epoch."""
 
-    index: int
+    # The public name shadows tuple.index on purpose: PickKey(index, repeat, epoch) is the documented
+    # key of a transform, and nothing searches a key with .index().
+    index: int  # type: ignore[assignment]  # NamedTuple field over the tuple.index method
     repeat: int
     epoch: int
 

@@ -32,7 +32,7 @@ already spent trains nothing (:func:`stop_if_the_budget_is_spent`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, cast
 
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -63,6 +63,12 @@ def stop_if_the_budget_is_spent(trainer: Trainer, cohort_step: int, budget: Opti
     fit, or a resume from a checkpoint past it), as Lightning's fit loop does with its own ``max_steps``."""
     if budget is not None and cohort_step >= budget:
         trainer.should_stop = True
+
+
+class _WithCallbacks(Protocol):
+    """The Trainer's callback list (set by Lightning's connector; its class does not declare it)."""
+
+    callbacks: list[Callback]
 
 
 class CohortTrainerView:
@@ -120,7 +126,7 @@ def follow_the_cohort(trainer: Trainer, cohort_step: Callable[[], int],
     hooks that read the step or the metrics; ``replace_hook(callback, name, fn)`` installs one
     (and undoes it when the fit ends). Returns how many callbacks follow the cohort."""
     followed = 0
-    for callback in trainer.callbacks:
+    for callback in cast(_WithCallbacks, trainer).callbacks:
         hooks = next((hooks for kind, hooks in _HOOKS.items() if isinstance(callback, kind)), None)
         if hooks is None:
             continue

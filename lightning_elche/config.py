@@ -11,11 +11,14 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Any, Optional, Union
 
 from lightning_elche.checks import as_real, invalid, require_bool, require_int, require_real
+from lightning_elche.membership.change import MaxFailure, check_max_failure
+from lightning_elche.outer import OuterOptimizer
 
 DEFAULT_ANCHOR = 10
 DEFAULT_MAX_ANCHOR = 1000
@@ -23,6 +26,18 @@ DEFAULT_OVERHEAD_TARGET = 0.05
 OVERHEAD_TARGET_RANGE = (0.01, 0.50)
 DEFAULT_ASYNC_EASGD_ALPHA = 0.5
 PARTITION_SUM_TOLERANCE = 1e-6
+EPOCH_CALLBACK_POLICIES: tuple[str, ...] = ("fastest", "rank0", "all")
+
+FIT_KNOBS = ("outer_optimizer", "chunk_batches", "max_failure", "epoch_callback_policy", "log_every_n_syncs", "summary")
+"""ElCheConfig's knobs of the fit around the controller (not in flodl's ElCheConfig); ElCheStrategy
+also takes each of them as a keyword argument of the same name."""
+
+
+class Transport(str, Enum):
+    """Where replicas are averaged."""
+
+    DEVICE = "device"  # the job's default process group (NCCL on GPUs, gloo on CPU)
+    HOST = "host"  # pinned host snapshots on a dedicated gloo group, reduced by a thread
 
 
 class ElCheMode(str, Enum):
@@ -51,9 +66,9 @@ class ElCheMode(str, Enum):
         return self is ElCheMode.cpu_async
 
     @property
-    def uses_cpu_plane(self) -> bool:
-        """Averaging goes through host snapshots and a dedicated gloo group."""
-        return self.value.startswith("cpu_")
+    def transport(self) -> Transport:
+        """Where this mode averages the replicas."""
+        return _MODE_TRANSPORTS[self]
 
     @property
     def progressive_dispatch(self) -> bool:
@@ -64,11 +79,13 @@ class ElCheMode(str, Enum):
         return self.value
 
 
-class Transport(str, Enum):
-    """Where replicas are averaged."""
-
-    DEVICE = "device"  # the job's default process group (NCCL on GPUs, gloo on CPU)
-    HOST = "host"  # pinned host snapshots on a dedicated gloo group, reduced by a thread
+_MODE_TRANSPORTS = {
+    ElCheMode.nccl_sync: Transport.DEVICE,
+    ElCheMode.nccl_cadence: Transport.DEVICE,
+    ElCheMode.cpu_sync: Transport.HOST,
+    ElCheMode.cpu_cadence: Transport.HOST,
+    ElCheMode.cpu_async: Transport.HOST,
+}
 
 
 class Dispatch(str, Enum):
@@ -109,6 +126,14 @@ def _check_int(knob: str, value: Any, minimum: int) -> int:
 
 def _check_real(knob: str, value: Any) -> float:
     return require_real(f"ElCheConfig.{knob}={value!r}", value)
+
+
+def _check_mode(value: Any) -> ElCheMode:
+    try:
+        return ElCheMode(value)
+    except ValueError:
+        allowed = ", ".join(m.value for m in ElCheMode)
+        raise _fail("mode", value, f"expected one of {allowed}") from None
 
 
 def clamp_overhead_target(value: Optional[float]) -> float:
@@ -152,6 +177,21 @@ class ElCheConfig:
         bf16_wire: ship each rank's parameter change since the last consensus as bfloat16; the
             weights, the reference and the sums stay f32 (``cpu_*`` modes only: the ``nccl_*``
             reduce never leaves the devices, so the knob is refused there).
+        outer_optimizer: applied to every realized parameter consensus, identically on every rank:
+            :class:`~lightning_elche.OuterAvg` (``None``, the default: plain averaging),
+            :class:`~lightning_elche.SlowMo` or :class:`~lightning_elche.DiLoCo` (which also resets
+            each rank's optimizer state after every sync).
+        chunk_batches: longest run of batches a rank claims at once from the shared data pool
+            (cadence/async modes, >= 1); chunks shrink to single batches near the end of an epoch.
+        max_failure: how many lost ranks end the fit: ``None`` (default) goes on as long as one rank
+            is left, an int ends it at that many lost ranks, a float ``p`` in (0, 1] at
+            ``ceil(p * world_size)`` of the fit's starting world size. At the limit every survivor
+            saves a consensus checkpoint (``last-ranks-lost.ckpt``) and raises ``RanksLost``.
+        epoch_callback_policy: which rank runs user epoch callbacks wrapped in
+            :class:`~lightning_elche.EpochCallbacks`: ``"fastest"`` (default, as flodl), ``"rank0"``
+            or ``"all"``. Callbacks that Lightning runs directly still run on every rank.
+        log_every_n_syncs: log the ``elche/*`` metrics every this many syncs (rank 0, >= 1).
+        summary: print a per-rank summary table at the end of ``fit``.
     """
 
     mode: Union[ElCheMode, str] = ElCheMode.nccl_cadence
@@ -170,15 +210,16 @@ class ElCheConfig:
     max_overshoot: Optional[int] = None
     gamma: float = 1.0
     bf16_wire: bool = False
+    outer_optimizer: Optional[OuterOptimizer] = None
+    chunk_batches: int = 4
+    max_failure: MaxFailure = None
+    epoch_callback_policy: str = "fastest"
+    log_every_n_syncs: int = 1
+    summary: bool = True
 
     def __post_init__(self) -> None:
-        try:
-            self.mode = ElCheMode(self.mode)
-        except ValueError:
-            allowed = ", ".join(m.value for m in ElCheMode)
-            raise _fail("mode", self.mode, f"expected one of {allowed}") from None
-        if self.anchor is None:
-            self.anchor = 1 if self.mode.is_sync else DEFAULT_ANCHOR
+        self.mode = _check_mode(self.mode)
+        self.anchor = self.resolved_anchor
         if self.easgd_alpha is None and self.mode.is_async:
             self.easgd_alpha = DEFAULT_ASYNC_EASGD_ALPHA
         self.validate()
@@ -231,12 +272,19 @@ class ElCheConfig:
     # -- resolved values -------------------------------------------------------------------
 
     @property
+    def resolved_anchor(self) -> int:
+        """``anchor``, or the mode's default (1 for the sync modes) when it is unset."""
+        if self.anchor is not None:
+            return self.anchor
+        return 1 if ElCheMode(self.mode).is_sync else DEFAULT_ANCHOR
+
+    @property
     def resolved_max_anchor(self) -> int:
         return DEFAULT_MAX_ANCHOR if self.max_anchor is None else self.max_anchor
 
     @property
     def resolved_min_anchor(self) -> int:
-        return self.anchor if self.min_anchor is None else self.min_anchor
+        return self.resolved_anchor if self.min_anchor is None else self.min_anchor
 
     @property
     def resolved_overhead_target(self) -> float:
@@ -252,19 +300,20 @@ class ElCheConfig:
             dispatch = Dispatch.POOL if mode.progressive_dispatch else Dispatch.EQUAL
         return RunMode(
             mode=mode,
-            transport=Transport.HOST if mode.uses_cpu_plane else Transport.DEVICE,
+            transport=mode.transport,
             blocking=not mode.is_async,
             window_growth=not mode.is_sync,
             dispatch=dispatch,
             blend_alpha=float(self.easgd_alpha) if mode.is_async and self.easgd_alpha else 1.0,
             relax_up=bool(self.relax_up and mode.is_async),
-            bf16_wire=bool(self.bf16_wire and mode.uses_cpu_plane),
+            bf16_wire=bool(self.bf16_wire and mode.transport is Transport.HOST),
         )
 
     # -- validation ------------------------------------------------------------------------
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid knob, its value and what is allowed."""
+        mode = self.mode = _check_mode(self.mode)
         # Integer knobs are stored as Python ints (numpy integers are accepted and converted).
         self.anchor = _check_int("anchor", self.anchor, 1)
         for knob in ("max_anchor", "min_anchor"):
@@ -292,10 +341,10 @@ class ElCheConfig:
             self.max_batch_diff = _check_int("max_batch_diff", self.max_batch_diff, 0)
         for knob in ("relax_up", "meta_controller", "no_divergence_guard", "bf16_wire"):
             require_bool(f"ElCheConfig.{knob}={getattr(self, knob)!r}", getattr(self, knob))
-        if self.bf16_wire and not self.mode.uses_cpu_plane:
+        if self.bf16_wire and mode.transport is not Transport.HOST:
             raise _fail(
                 "bf16_wire", True,
-                f"it applies to the cpu_* modes only (mode is {self.mode.value}, whose reduce never "
+                f"it applies to the cpu_* modes only (mode is {mode.value}, whose reduce never "
                 "leaves the devices); leave it unset",
             )
         if self.partition_ratios is not None:
@@ -312,11 +361,11 @@ class ElCheConfig:
             value = _check_real("easgd_alpha", self.easgd_alpha)
             if not 0.0 < value <= 1.0:
                 raise _fail("easgd_alpha", value, "expected a blend weight in (0, 1]")
-            if not self.mode.is_async:
+            if not mode.is_async:
                 raise _fail(
                     "easgd_alpha",
                     value,
-                    f"elastic blending applies to mode cpu_async only (mode is {self.mode.value}); "
+                    f"elastic blending applies to mode cpu_async only (mode is {mode.value}); "
                     "leave it unset",
                 )
         if self.divergence_threshold is not None:
@@ -325,18 +374,21 @@ class ElCheConfig:
                 raise _fail("divergence_threshold", value, "expected a number > 0")
         if self.max_overshoot is not None:
             self.max_overshoot = _check_int("max_overshoot", self.max_overshoot, 0)
-            if not self.mode.is_async:
+            if not mode.is_async:
                 raise _fail(
                     "max_overshoot",
                     self.max_overshoot,
-                    f"lookahead applies to mode cpu_async only (mode is {self.mode.value}); "
+                    f"lookahead applies to mode cpu_async only (mode is {mode.value}); "
                     "leave it unset",
                 )
-        if self.relax_up and not self.mode.is_async:
+        if self.relax_up and not mode.is_async:
             raise _fail(
-                "relax_up", True, f"applies to mode cpu_async only (mode is {self.mode.value})"
+                "relax_up", True, f"applies to mode cpu_async only (mode is {mode.value})"
             )
         _check_real("gamma", self.gamma)
+        for knob in FIT_KNOBS:
+            value = getattr(self, knob)
+            setattr(self, knob, check_fit_knob(knob, value, f"ElCheConfig.{knob}={value!r}"))
 
     def _validate_partition_ratios(self) -> None:
         ratios = self.partition_ratios
@@ -372,7 +424,64 @@ class ElCheConfig:
             value = getattr(self, f.name)
             if isinstance(value, ElCheMode):
                 value = value.value
-            elif f.name == "convergence_guard" and value is not None:
+            elif f.name in ("convergence_guard", "outer_optimizer") and value is not None:
                 value = type(value).__qualname__
             out[f.name] = value
         return out
+
+
+def check_policy(owner: str, policy: Any) -> str:
+    """An epoch callback policy, or ``ValueError`` naming ``owner``'s knob."""
+    return str(check_fit_knob("epoch_callback_policy", policy, f"{owner}(epoch_callback_policy={policy!r})"))
+
+
+def check_fit_knob(knob: str, value: Any, subject: str) -> Any:
+    """One of :data:`FIT_KNOBS`, checked; ``subject`` shows the knob and its value where the user
+    gave it (``ElCheConfig.chunk_batches=0``, ``ElCheStrategy(chunk_batches=0)``)."""
+    if knob in ("chunk_batches", "log_every_n_syncs"):
+        return require_int(subject, value, 1)
+    if knob == "max_failure":
+        return check_max_failure(value, subject)
+    if knob == "epoch_callback_policy":
+        if value not in EPOCH_CALLBACK_POLICIES:
+            raise invalid(subject, "expected 'fastest', 'rank0' or 'all'")
+        return str(value)
+    if knob == "summary":
+        return require_bool(subject, value)
+    if value is not None and not isinstance(value, OuterOptimizer):
+        raise TypeError(f"{subject} is invalid: expected an OuterOptimizer (OuterAvg, SlowMo or DiLoCo).")
+    return value
+
+
+def resolve_config(
+    mode: Optional[Union[ElCheMode, str]], elche: Optional[ElCheConfig], knobs: Optional[Mapping[str, Any]] = None
+) -> ElCheConfig:
+    """The effective config from the strategy's ``mode``, ``elche`` and ElChe knob arguments
+    (``knobs``: the :data:`~lightning_elche.config.FIT_KNOBS` as given to the strategy, where a
+    value equal to ElCheConfig's default means "not given")."""
+    if elche is not None and not isinstance(elche, ElCheConfig):
+        raise TypeError(f"ElCheStrategy(elche={elche!r}) is invalid: expected an ElCheConfig.")
+    if elche is not None and mode is not None:
+        try:
+            requested = ElCheMode(mode)
+        except ValueError:
+            allowed = ", ".join(m.value for m in ElCheMode)
+            raise ValueError(f"ElCheStrategy(mode={mode!r}) is invalid: expected one of {allowed}.") from None
+        configured = ElCheMode(elche.mode)  # checked when elche was built
+        if requested is not configured:
+            raise ValueError(
+                f"ElCheStrategy(mode={requested.value!r}) conflicts with elche.mode={configured.value!r}: "
+                "give the mode once (either argument), or the same value in both."
+            )
+    config = elche if elche is not None else ElCheConfig.preset(ElCheMode.nccl_cadence if mode is None else mode)
+    defaults = ElCheConfig()
+    checked = {k: check_fit_knob(k, v, f"ElCheStrategy({k}={v!r})") for k, v in (knobs or {}).items()}
+    given = {k: v for k, v in checked.items() if v is not getattr(defaults, k) and v != getattr(defaults, k)}
+    for knob, value in given.items():
+        ours = getattr(config, knob)
+        if elche is not None and ours != getattr(defaults, knob) and ours != value:
+            raise ValueError(
+                f"ElCheStrategy({knob}={value!r}) conflicts with elche.{knob}={ours!r}: give the knob once "
+                "(either argument), or the same value in both."
+            )
+    return replace(config, **given) if given else config

@@ -11,48 +11,31 @@ large fraction of the window, stages a proposal to grow the anchor. Only a conve
 
 This is flodl 0.7.0's window-pressure controller (``elche-spec.md`` §3). It is pure and
 deterministic: the strategy runs one copy on every rank and feeds each copy the same all-gathered
-numbers, so every copy reaches the same decisions without further communication.
+numbers, so every copy reaches the same decisions without further communication. The plan's
+arithmetic is :mod:`lightning_elche.window_plan`, the checkpoint format
+:mod:`lightning_elche.controller_state`; a change of the fit's ranks arrives through
+:meth:`ElCheController.apply_change`.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lightning_elche import window_plan as plan
 from lightning_elche.checks import as_real, require_int
 from lightning_elche.config import DEFAULT_MAX_ANCHOR, Dispatch, clamp_overhead_target
+from lightning_elche.controller_state import Phase, SavedState
 from lightning_elche.guard import NudgeDown, Stable, SuppressGrowth, Verdict
+from lightning_elche.membership.change import Change
+from lightning_elche.speed_readings import SpeedReadings
 
 if TYPE_CHECKING:
     from lightning_elche.config import ElCheConfig
 
-COHORT_BAND = 0.15
-"""A rank is an anchor candidate when its ms/batch is at least (1 - band) x the slowest rank's."""
-
-DOMINANCE_MARGIN = 0.10
-"""A challenger replaces the current anchor rank only when it is this fraction slower."""
-
-TRUST_WINDOW_CAP = 5
-"""Readings kept per rank; also the number of consecutive missing readings that clears them."""
-
-MAX_SPEED_RATIO = 64
-"""Largest slow/fast speed ratio used for batch counts (guards against a degenerate reading)."""
-
 GROWTH_REARM_STABLE = 5
 """Consecutive ``Stable`` verdicts that re-arm window growth after a non-``Stable`` one."""
-
-GROWTH_STEP_CAP = 2.0
-"""Largest multiplicative anchor growth in one proposal."""
-
-WARMUP_GROWTH_MARGIN = 2.0
-"""During Warmup, growth fires only above this multiple of the overhead target."""
-
-DEAD_ZONE = 0.05
-"""A rank's batch count changes only when the new target differs by more than this fraction."""
 
 CALIBRATION_WINDOWS = 2
 """The fit's first windows are short: the first, planned from no reading, and the second, planned
@@ -65,34 +48,6 @@ CALIBRATION_ANCHOR = 2
 
 STABLE_AFTER_CALIBRATIONS = 5
 MATURE_AFTER_CALIBRATIONS = 20
-SAME_SPEED_EPS_MS = 1e-6
-
-
-class Phase(enum.IntEnum):
-    """Lifecycle of the controller; it only ever moves forward.
-
-    PROBE: no successful report yet. WARMUP: after the first one; the anchor-rank pin holds and
-    only unambiguous window pressure may propose growth. STABLE: after 5; the anchor rank may be
-    re-elected and growth fires at the plain target. MATURE: after 20; same as STABLE inside the
-    controller (the meta-controller reads it).
-    """
-
-    PROBE = 0
-    WARMUP = 1
-    STABLE = 2
-    MATURE = 3
-
-
-def _round_half_away(value: float) -> int:
-    """Round a non-negative number to the nearest integer, halves up (Python's round() is
-    banker's rounding, which would turn a ratio of 22.5 into 22 instead of 23)."""
-    floor = math.floor(value)
-    return int(floor) + 1 if value - floor >= 0.5 else int(floor)
-
-
-def _finite_non_negative(value: float) -> float:
-    """``value`` when it is a finite number > 0, else 0.0 (no signal)."""
-    return value if math.isfinite(value) and value > 0.0 else 0.0
 
 
 class ElCheController:
@@ -151,15 +106,7 @@ class ElCheController:
         self._epoch_batches_left: int | None = None
 
         self.batch_counts: list[int] = [self.anchor] * world_size
-        self._ms_windows: list[deque[float]] = [
-            deque(maxlen=TRUST_WINDOW_CAP) for _ in range(world_size)
-        ]
-        self._zero_reports: list[int] = [0] * world_size
-        # A rank's first reading (of the fit, or after its readings were cleared) covers its
-        # warm-up (lazy initialization, allocator and kernel caches, the first batches' data
-        # loading): it plans the next window, then the rank's second reading replaces it. Averaged
-        # in instead, it made a fast rank look slower than it is for a whole trust window.
-        self._warmup_reading: list[bool] = [False] * world_size
+        self._readings = SpeedReadings(world_size)
 
         self.anchor_rank: int | None = None
         self.phase: Phase = Phase.PROBE
@@ -190,7 +137,7 @@ class ElCheController:
             initial_anchor_rank = min(range(len(ratios)), key=lambda rank: ratios[rank])
         return cls(
             world_size,
-            config.anchor,
+            config.resolved_anchor,
             min_anchor=config.resolved_min_anchor,
             max_anchor=config.resolved_max_anchor,
             overhead_target=config.resolved_overhead_target,
@@ -259,7 +206,7 @@ class ElCheController:
         counts = list(self.batch_counts)
         if self._calibration_windows_left <= 0 or self.anchor <= CALIBRATION_ANCHOR:
             return counts
-        return [max(1, _round_half_away(count * CALIBRATION_ANCHOR / self.anchor)) for count in counts]
+        return [max(1, plan.round_half_away(count * CALIBRATION_ANCHOR / self.anchor)) for count in counts]
 
     @property
     def window_reaches_epoch_end(self) -> bool:
@@ -323,7 +270,7 @@ class ElCheController:
             self._require_per_rank("fill_ms", fill_ms)
         self.last_overhead = 0.0
         ran_to_epoch_end = self.window_reaches_epoch_end
-        self._ingest_readings(wall_ms, batches)
+        self._readings.ingest(wall_ms, batches)
         if self.anchor_rank is None or self.phase >= Phase.STABLE:
             elected = self._elect_anchor_rank()
             if elected is not None:
@@ -337,7 +284,7 @@ class ElCheController:
         fill_b = 0.0
         if fill_ms is not None:
             fill_b = _finite_non_negative(float(fill_ms[self.anchor_rank]))
-        overhead = self._window_overhead(slow_ms, _finite_non_negative(float(sync_ms)), fill_b)
+        overhead = plan.window_overhead(self.anchor, slow_ms, _finite_non_negative(float(sync_ms)), fill_b)
         self.last_overhead = 0.0 if overhead is None else overhead
         self.proposed_anchor = None
         if self.phase >= Phase.STABLE or (
@@ -352,31 +299,11 @@ class ElCheController:
         self._calibration_windows_left = 0 if ran_to_epoch_end else self._calibration_windows_left - 1
         self._advance_phase()
 
-    def _ingest_readings(self, wall_ms: Sequence[float], batches: Sequence[int]) -> None:
-        for rank in range(self.world_size):
-            wall = float(wall_ms[rank])
-            count = batches[rank]
-            if count > 0 and wall > 0.0 and math.isfinite(wall):
-                window = self._ms_windows[rank]
-                if self._warmup_reading[rank]:
-                    window.clear()
-                    self._warmup_reading[rank] = False
-                elif not window:
-                    self._warmup_reading[rank] = True
-                window.append(wall / count)
-                self._zero_reports[rank] = 0
-                continue
-            self._zero_reports[rank] += 1
-            # A rank silent for a whole trust window re-learns from scratch when it returns.
-            if self._zero_reports[rank] >= TRUST_WINDOW_CAP:
-                self._ms_windows[rank].clear()
-                self._warmup_reading[rank] = False
-
     def _resolve_slow_ms(self, anchor_rank: int) -> float:
         """The anchor rank's ms/batch; re-elects among ranks with data when a pinned anchor rank
         has been silent for a whole trust window (else the controller would never calibrate)."""
         slow_ms = self.smoothed_ms(anchor_rank)
-        if slow_ms > 0.0 or self._zero_reports[anchor_rank] < TRUST_WINDOW_CAP:
+        if slow_ms > 0.0 or not self._readings.silent_for_trust_window(anchor_rank):
             return slow_ms
         elected = self._elect_anchor_rank()
         if elected is None:
@@ -386,41 +313,10 @@ class ElCheController:
 
     # -- anchor-rank election -------------------------------------------------------------
 
-    def _slow_cohort(self) -> list[int]:
-        speeds = [self.smoothed_ms(rank) for rank in range(self.world_size)]
-        slowest = max(speeds)
-        if slowest <= 0.0:
-            return []
-        threshold = slowest * (1.0 - COHORT_BAND)
-        return [rank for rank, ms in enumerate(speeds) if ms >= threshold]
-
     def _elect_anchor_rank(self) -> int | None:
-        """The slow cohort's anchor: the sticky current one unless a member is clearly slower."""
-        cohort = self._slow_cohort()
-        if not cohort:
-            return None
-        if len(cohort) == 1:
-            return cohort[0]
-        current = self.anchor_rank
-        if current is None or current not in cohort:
-            return cohort[0]
-        challengers = [rank for rank in cohort if rank != current]
-        # max() keeps the first of equals, so exact ties go to the lowest index.
-        challenger = max(challengers, key=self.smoothed_ms)
-        if self.smoothed_ms(challenger) > self.smoothed_ms(current) * (1.0 + DOMINANCE_MARGIN):
-            return challenger
-        return current
+        return plan.elect_anchor_rank(self._speeds_ms(), self.anchor_rank)
 
     # -- window-pressure growth -----------------------------------------------------------
-
-    def _window_overhead(self, slow_ms: float, sync_ms: float, fill_ms: float) -> float | None:
-        """Fixed per-window cost as a fraction of the anchor rank's window wall, or None when
-        there is no fixed cost to measure."""
-        fixed = sync_ms + fill_ms
-        denominator = self.anchor * slow_ms + fixed
-        if fixed <= 0.0 or denominator <= 0.0:
-            return None
-        return fixed / denominator
 
     def _propose_growth(self, overhead: float | None) -> int | None:
         """The grown anchor that ``overhead`` calls for, or None. Grow-only by design."""
@@ -429,56 +325,16 @@ class ElCheController:
         # At the cap a larger anchor would not enlarge the window, only detach it from the anchor.
         if self.window_cap_binding or overhead is None:
             return None
-        fire_at = self._overhead_target
-        if self.phase < Phase.STABLE:
-            fire_at *= WARMUP_GROWTH_MARGIN
-        if overhead <= fire_at:
-            return None
-        scale = min(overhead / self._overhead_target, GROWTH_STEP_CAP)
-        grown = math.ceil(self.anchor * scale)
-        grown = min(max(grown, self._min_anchor), self._max_anchor)
-        return grown if grown > self.anchor else None
+        return plan.grown_anchor(self.anchor, overhead, self._overhead_target, self.phase < Phase.STABLE,
+                                 self._min_anchor, self._max_anchor)
 
     # -- batch counts ---------------------------------------------------------------------
 
     def _recompute_batch_counts(self, slow_ms: float) -> None:
         """Counts proportional to speed relative to the anchor rank, then the window cap."""
-        for rank in range(self.world_size):
-            target = self._rank_target(self.smoothed_ms(rank), slow_ms)
-            current = self.batch_counts[rank]
-            if abs(target - current) > current * DEAD_ZONE or not self.calibrated:
-                self.batch_counts[rank] = self._limit_step(current, target)
-        self._apply_window_cap()
-
-    def _rank_target(self, ms: float, slow_ms: float) -> int:
-        """The count of a rank at ``ms`` per batch when the anchor rank takes ``slow_ms``."""
-        if ms <= 0.0 or abs(ms - slow_ms) < SAME_SPEED_EPS_MS:
-            return self.anchor
-        return max(1, _round_half_away(self.anchor * min(slow_ms / ms, MAX_SPEED_RATIO)))
-
-    def _limit_step(self, current: int, target: int) -> int:
-        """``target``, moved at most ``max_batch_diff`` away from ``current`` once calibrated."""
-        step = self._max_batch_diff
-        if step is None or not self.calibrated:
-            return target
-        if target > current:
-            return min(current + step, target)
-        return max(current - step, target, 1)
-
-    def _apply_window_cap(self) -> None:
-        """Scale counts down to ``max_total_batches``; the floor of 1 per rank wins over the cap."""
-        self.window_cap_binding = False
-        cap = self._max_total_batches
-        total = sum(self.batch_counts)
-        if cap <= 0 or total <= cap:
-            return
-        self.window_cap_binding = True
-        scale = cap / total
-        self.batch_counts = [max(1, math.floor(count * scale)) for count in self.batch_counts]
-        remainder = cap - sum(self.batch_counts)
-        if remainder > 0:
-            largest = max(range(self.world_size), key=lambda rank: self.batch_counts[rank])
-            self.batch_counts[largest] += remainder
+        counts = plan.follow_speeds(self.batch_counts, self._speeds_ms(), slow_ms, self.anchor,
+                                    self._max_batch_diff, self.calibrated)
+        self.batch_counts, self.window_cap_binding = plan.capped(counts, self._max_total_batches)
 
     # -- verdicts -------------------------------------------------------------------------
 
@@ -542,19 +398,11 @@ class ElCheController:
             return False
         grown = self.anchor + 1
         limit = self._max_batch_diff
-        if limit is not None and self._projected_spread(grown) > limit:
+        if limit is not None and plan.projected_spread(grown, self._speeds_ms()) > limit:
             return False
         self.anchor = grown
         self._recompute_if_timed()
         return True
-
-    def _projected_spread(self, anchor: int) -> int:
-        """Fastest rank's count minus ``anchor`` at the current speeds (0 without data)."""
-        speeds = [ms for ms in map(self.smoothed_ms, range(self.world_size)) if ms > 0.0]
-        if not speeds:
-            return 0
-        fastest = max(1, _round_half_away(anchor * max(speeds) / min(speeds)))
-        return max(0, fastest - anchor)
 
     def _recompute_if_timed(self) -> None:
         slow_ms = self._slow_ms()
@@ -575,70 +423,75 @@ class ElCheController:
 
     def smoothed_ms(self, rank: int) -> float:
         """Mean ms/batch of ``rank``'s recent readings; 0.0 when it has none."""
-        window = self._ms_windows[self._checked_rank("rank", rank)]
-        if not window:
-            return 0.0
-        return sum(window) / len(window)
+        mean = self._readings.mean(self._checked_rank("rank", rank))
+        return 0.0 if mean is None else mean
 
     def speed_shares(self) -> list[float] | None:
         """Each rank's share of the cohort's measured speed (batches per second, summing to 1),
         or None until every rank has a reading. Unlike ``batch_counts`` it is not rounded to whole
         batches of a window: the pooled dispatch shares out the epoch with it."""
-        speeds = [self.smoothed_ms(rank) for rank in range(self.world_size)]
+        speeds = self._speeds_ms()
         if any(ms <= 0.0 for ms in speeds):
             return None
         rates = [1.0 / ms for ms in speeds]
         return [rate / sum(rates) for rate in rates]
 
+    def _speeds_ms(self) -> list[float]:
+        return [self.smoothed_ms(rank) for rank in range(self.world_size)]
+
     def smoothed_ms_or_none(self, rank: int) -> float | None:
         """Like :meth:`smoothed_ms`, but None when ``rank`` has no reading."""
-        if not self._ms_windows[self._checked_rank("rank", rank)]:
-            return None
-        return self.smoothed_ms(rank)
+        return self._readings.mean(self._checked_rank("rank", rank))
 
     def _slow_ms(self) -> float:
         return 0.0 if self.anchor_rank is None else self.smoothed_ms(self.anchor_rank)
 
-    # -- lost ranks -----------------------------------------------------------------------
+    # -- membership -----------------------------------------------------------------------
 
-    def retain(self, ranks: Sequence[int]) -> None:
-        """Go on with ``ranks`` only (the others were lost mid-fit), renumbered in that order.
+    def apply_change(self, change: Change) -> None:
+        """Follow a change of the fit's ranks (:class:`~lightning_elche.membership.Change`).
 
-        Their speed readings and counts carry over, so the next report re-plans the survivors
-        from what was measured; an anchor rank that was lost is elected again from that report.
-        A single survivor is allowed here (it averages with nobody, but keeps its cadence).
+        The survivors keep their speed readings and counts, renumbered in their new order, so the
+        next report re-plans them from what was measured; an anchor rank that was lost is elected
+        again from that report. A joiner starts as a rank whose reading is unknown: no reading, the
+        anchor's count, and the fit's short calibration windows again, so that its first measured
+        window soon replaces the guess. A single survivor is allowed here (it averages with
+        nobody, but keeps its cadence).
         """
-        kept = [self._checked_rank("retained rank", rank) for rank in ranks]
-        if not kept or len(set(kept)) != len(kept):
-            raise ValueError(f"retained ranks {list(ranks)!r} are invalid: expected distinct ranks, at least one.")
-        self.batch_counts = [self.batch_counts[rank] for rank in kept]
-        self._ms_windows = [self._ms_windows[rank] for rank in kept]
-        self._zero_reports = [self._zero_reports[rank] for rank in kept]
-        self._warmup_reading = [self._warmup_reading[rank] for rank in kept]
-        # The lost ranks' untrained batches come back to the epoch: what is left is unknown until
-        # the next round.
+        if change.world_size_before != self.world_size:
+            raise ValueError(
+                f"ElCheController.apply_change(change=Change(before={list(change.before)}, ...)) is invalid: expected "
+                f"a change of this controller's {self.world_size} ranks; pass the change agreed for the fit's current "
+                "ranks (the retained ranks are numbered as before it, the joiners after them)."
+            )
+        self.batch_counts = change.carry(self.batch_counts, lambda: self.anchor)
+        self._readings.apply_change(change)
+        # The lost ranks' untrained batches come back to the epoch and joiners take a share: what
+        # is left is unknown until the next round.
         self._epoch_batches_left = None
-        self.anchor_rank = kept.index(self.anchor_rank) if self.anchor_rank in kept else None
+        self.anchor_rank = change.new_rank(self.anchor_rank) if self.anchor_rank is not None else None
         initial = self._initial_anchor_rank
-        self._initial_anchor_rank = kept.index(initial) if initial in kept else None
-        self.world_size = len(kept)
+        self._initial_anchor_rank = change.new_rank(initial) if initial is not None else None
+        self.world_size = change.world_size_after
         self.proposed_anchor = None
+        if change.joined:
+            self._calibration_windows_left = CALIBRATION_WINDOWS
 
     # -- checkpointing --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The trajectory state, as JSON-ready plain values (no user knobs, no pending proposal)."""
-        return {
-            "world_size": self.world_size,
-            "anchor": self.anchor,
-            "anchor_rank": self.anchor_rank,
-            "smoothed_ms": [self.smoothed_ms_or_none(rank) for rank in range(self.world_size)],
-            "phase": int(self.phase),
-            "calibration_count": self.calibration_count,
-            "batch_counts": list(self.batch_counts),
-            "growth_enabled": self.growth_enabled,
-            "consecutive_stable": self.consecutive_stable,
-        }
+        return SavedState(
+            world_size=self.world_size,
+            anchor=self.anchor,
+            anchor_rank=self.anchor_rank,
+            smoothed_ms=tuple(self.smoothed_ms_or_none(rank) for rank in range(self.world_size)),
+            phase=self.phase,
+            calibration_count=self.calibration_count,
+            batch_counts=tuple(self.batch_counts),
+            growth_enabled=self.growth_enabled,
+            consecutive_stable=self.consecutive_stable,
+        ).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; knobs stay as constructed.
@@ -654,20 +507,17 @@ class ElCheController:
         Raises:
             ValueError: on a malformed entry, naming the key.
         """
-        saved = _SavedState.parse(state)
+        saved = SavedState.parse(state)
         self.anchor = saved.anchor
         self.phase = saved.phase
         self.calibration_count = saved.calibration_count
         self.growth_enabled = saved.growth_enabled
         self.consecutive_stable = saved.consecutive_stable
         self.proposed_anchor = None
-        self._zero_reports = [0] * self.world_size
-        self._warmup_reading = [False] * self.world_size  # a saved mean is a steady reading
         self._epoch_batches_left = None  # the resumed epoch's first round tells
         self._calibration_windows_left = 0  # recalibrated below when the world size changed
-        for window in self._ms_windows:
-            window.clear()
         if saved.world_size != self.world_size:
+            self._readings.restart([None] * self.world_size)
             self.anchor_rank = self._initial_anchor_rank
             self.batch_counts = [self.anchor] * self.world_size
             self.window_cap_binding = False
@@ -676,10 +526,8 @@ class ElCheController:
             return
         self.anchor_rank = saved.anchor_rank
         self.batch_counts = list(saved.batch_counts)
-        for window, mean in zip(self._ms_windows, saved.smoothed_ms, strict=True):
-            if mean is not None and mean > 0.0:
-                window.append(mean)
-        self.calibrated = any(self._ms_windows)
+        self._readings.restart(saved.smoothed_ms)
+        self.calibrated = self._readings.any()
 
     # -- argument checks ------------------------------------------------------------------
 
@@ -701,6 +549,11 @@ def _require_int(name: str, value: Any, minimum: int, allowed: str) -> int:
     return require_int(f"{name}={value!r}", value, minimum, allowed)
 
 
+def _finite_non_negative(value: float) -> float:
+    """``value`` when it is a finite number > 0, else 0.0 (no signal)."""
+    return value if math.isfinite(value) and value > 0.0 else 0.0
+
+
 def _is_finite_number(value: Any) -> bool:
     return as_real(value) is not None
 
@@ -716,85 +569,3 @@ def _clamp_target(target: float | None) -> float:
         raise ValueError(f"overhead_target={target!r} is invalid: expected a finite number.")
     return clamp_overhead_target(target)
 
-
-@dataclass(frozen=True)
-class _SavedState:
-    """A checked :meth:`ElCheController.state_dict`: per-rank entries fit its own ``world_size``."""
-
-    world_size: int
-    anchor: int
-    anchor_rank: int | None
-    smoothed_ms: tuple[float | None, ...]
-    phase: Phase
-    calibration_count: int
-    batch_counts: tuple[int, ...]
-    growth_enabled: bool
-    consecutive_stable: int
-
-    @classmethod
-    def parse(cls, state: dict[str, Any]) -> _SavedState:
-        """Raise ValueError naming the first entry that is malformed or disagrees with the state's
-        own ``world_size``."""
-        # 1: saved by the last survivor of lost ranks (ElChe itself needs 2 ranks to start).
-        world_size = _require_int("state['world_size']", state.get("world_size"), 1, "expected an integer >= 1")
-        smoothed = state.get("smoothed_ms")
-        if not isinstance(smoothed, list) or len(smoothed) != world_size:
-            raise ValueError(
-                f"state['smoothed_ms']={smoothed!r} is invalid: expected one entry per saved rank ({world_size})."
-            )
-        anchor_rank = state.get("anchor_rank")
-        if anchor_rank is not None:
-            anchor_rank = _require_int(
-                "state['anchor_rank']", anchor_rank, 0, f"expected None or 0..{world_size - 1}"
-            )
-            if anchor_rank >= world_size:
-                raise ValueError(
-                    f"state['anchor_rank']={anchor_rank} is invalid: expected None or "
-                    f"0..{world_size - 1}."
-                )
-        counts = state.get("batch_counts")
-        if not isinstance(counts, list) or len(counts) != world_size:
-            raise ValueError(
-                f"state['batch_counts']={counts!r} is invalid: expected {world_size} integers >= 1."
-            )
-        return cls(
-            world_size=world_size,
-            anchor=_require_int("state['anchor']", state.get("anchor"), 1, "expected an int >= 1"),
-            anchor_rank=anchor_rank,
-            smoothed_ms=tuple(_saved_mean(value) for value in smoothed),
-            phase=_saved_phase(state.get("phase")),
-            calibration_count=_require_int(
-                "state['calibration_count']", state.get("calibration_count"), 0, "expected >= 0"
-            ),
-            batch_counts=tuple(
-                _require_int("state['batch_counts']", count, 1, "expected integers >= 1")
-                for count in counts
-            ),
-            growth_enabled=bool(state.get("growth_enabled", True)),
-            consecutive_stable=_require_int(
-                "state['consecutive_stable']",
-                state.get("consecutive_stable", 0),
-                0,
-                "expected >= 0",
-            ),
-        )
-
-
-def _saved_mean(value: Any) -> float | None:
-    if value is None:
-        return None
-    if not _is_finite_number(value) or value < 0.0:
-        raise ValueError(
-            f"state['smoothed_ms'] entry {value!r} is invalid: expected None or a finite ms >= 0."
-        )
-    return float(value)
-
-
-def _saved_phase(value: Any) -> Phase:
-    try:
-        return Phase(value)
-    except ValueError:
-        allowed = ", ".join(str(int(p)) for p in Phase)
-        raise ValueError(
-            f"state['phase']={value!r} is invalid: expected one of {allowed}."
-        ) from None

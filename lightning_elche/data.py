@@ -45,6 +45,7 @@ from torch.utils.data import Sampler
 from lightning_elche.augment import PickKey
 from lightning_elche.checks import require_int
 from lightning_elche.coverage import EpochCoverage, Range, compress, expand, merge, runs, size, subtract
+from lightning_elche.membership.change import Change
 
 CHUNK_KEY_PREFIX = "lightning_elche/dispatch"
 
@@ -352,6 +353,12 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         self._membership += 1
         self.rank = survivors.index(self.rank)
         self.world_size = len(survivors)
+
+    def apply_change(self, change: Change) -> None:
+        """The members changed: hand the lost ranks' untrained work to the others (see :meth:`regroup`)."""
+        if change.is_join:
+            raise NotImplementedError("ElCheSampler cannot take a join yet.")
+        self.regroup(change.survivors, [LostWork(k, n) for k, n in sorted(change.trained_by_old_rank().items())])
 
     @property
     def wants_reopen(self) -> bool:

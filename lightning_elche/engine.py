@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -26,7 +25,7 @@ from lightning_elche.config import ElCheConfig
 from lightning_elche.controller import ElCheController
 from lightning_elche.convergence import ConvergenceControl, Feedback
 from lightning_elche.guard import DivergenceReport, NudgeDown, Stable
-from lightning_elche.membership.change import PeerFailure
+from lightning_elche.membership.change import Change, PeerFailure
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes.base import AveragingPlane, RoundResult
 from lightning_elche.rounds import META_SIZE, Meta, RankReport, StopRequest
@@ -113,20 +112,11 @@ class EngineState:
     """The totals of ranks lost during the fit, in the order they were lost."""
 
 
-@dataclass(frozen=True)
-class Regroup:
-    """The survivors of a lost rank, after the process groups were rebuilt (what the engine needs)."""
+class FailedRoundHandler(Protocol):
+    """Carries the fit on after a round failed on a lost peer (the survival module): agrees on the
+    change and hands it to every holder, this engine included, before the round runs again."""
 
-    survivors: list[int]  # ranks in the numbering before the loss; new rank k is survivors[k]
-    rank: int  # this rank's new number
-    group: Optional[Any]  # the averaging plane's new group (None: the new default group)
-    stop: StopRequest = StopRequest.NONE  # RANKS_LOST when max_failure is reached
-    epoch_continues: bool = False
-    """The lost ranks left untrained work in the epoch: the retried round must not end it, even
-    if every survivor had run out of its own data."""
-
-
-PeerFailureHandler = Callable[[PeerFailure], Regroup]
+    def after_failed_round(self, failure: PeerFailure, last: Optional[RoundOutcome]) -> Change: ...
 
 
 class ElCheEngine:
@@ -141,6 +131,8 @@ class ElCheEngine:
         signature: a number identifying the averaged layout (same on every rank).
         step_budget: stop once the cohort has taken this many optimizer steps (None: no budget).
         outer: the outer optimizer applied to each realized consensus (default: plain averaging).
+        failures: what carries the fit on when a round fails on a lost peer (None: the failure
+            ends the fit).
     """
 
     def __init__(
@@ -154,6 +146,7 @@ class ElCheEngine:
         signature: float,
         step_budget: Optional[int] = None,
         outer: Optional[OuterOptimizer] = None,
+        failures: Optional[FailedRoundHandler] = None,
     ) -> None:
         self.config = config
         self.plane = plane
@@ -184,9 +177,7 @@ class ElCheEngine:
         self._lr = 0.0
         self._forced_stop = StopRequest.NONE
         self._epoch_continues = False
-        self.on_peer_failure: Optional[PeerFailureHandler] = None
-        """Called when a round's collective fails: agrees on the lost ranks and rebuilds the groups.
-        None: the failure ends the fit."""
+        self.failures = failures
 
     # -- per step: no collective, no host sync --------------------------------------------
 
@@ -301,9 +292,9 @@ class ElCheEngine:
                 result = self.plane.collect()
                 break
             except PeerFailure as failure:
-                if self.on_peer_failure is None:
+                if self.failures is None:
                     raise
-                self._regroup(self.on_peer_failure(failure))
+                self.failures.after_failed_round(failure, self.last_outcome)  # applies the change here too
                 self.plane.retry()
         self._in_flight = False
         if result.divergence is not None:
@@ -466,21 +457,27 @@ class ElCheEngine:
         self._samples = 0
         self._loss_sum.zero_()
 
-    # -- lost ranks ------------------------------------------------------------------------
+    # -- membership ------------------------------------------------------------------------
 
-    def _regroup(self, regroup: Regroup) -> None:
-        """Continue with the survivors: renumber the per-rank state, re-plan from the survivors'
-        measured speeds, and move the plane to the new group (it keeps the failed round)."""
-        survivors = regroup.survivors
-        lost = [k for k in range(self.world_size) if k not in survivors]
-        self.state.lost_totals.extend(self.state.totals[k] for k in lost)
-        self.state.totals = [self.state.totals[k] for k in survivors]
-        self.controller.retain(survivors)
-        self.rank, self.world_size = regroup.rank, len(survivors)
-        self.plane.regroup(regroup.group, regroup.rank, len(survivors))
-        # Every survivor learns the same limit at the same round: that round acts on it.
-        self._forced_stop = max(self._forced_stop, regroup.stop)
-        self._epoch_continues = self._epoch_continues or regroup.epoch_continues
+    def apply_change(self, change: Change) -> None:
+        """Continue with the new members: renumber the per-rank state, re-plan from the measured
+        speeds (a joiner is measured from its first window), and move the plane to the new group
+        (it keeps a failed round, which runs again). Every member learns ``max_failure`` at the
+        same round: that round acts on it."""
+        self.state.lost_totals.extend(self.state.totals[k] for k in change.lost)
+        self.state.totals = change.carry(self.state.totals, RankTotals)
+        self.controller.apply_change(change)
+        rank = change.new_rank(self.rank)
+        assert rank is not None, "a lost rank does not take the change"
+        self.rank, self.world_size = rank, change.world_size_after
+        self.plane.apply_change(change)
+        if change.ends_fit:
+            self._forced_stop = max(self._forced_stop, StopRequest.RANKS_LOST)
+
+    def keep_epoch_open(self) -> None:
+        """Lost ranks left untrained work in the epoch: the next round must not end it, even if
+        every member had run out of its own data."""
+        self._epoch_continues = True
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -505,7 +502,7 @@ class ElCheEngine:
 
     def progress(self) -> FitProgress:
         return FitProgress(
-            mode=self.config.mode.value,
+            mode=self.run_mode.mode.value,
             rounds=self.state.rounds,
             cohort_step=self.state.cohort_step,
             anchor=self.controller.anchor,

@@ -23,13 +23,11 @@ from typing import Optional
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_elche.session import (  # noqa: F401  (CallbackRole and the policies are public here too)
-    EPOCH_CALLBACK_POLICIES,
-    CallbackRole,
-    EpochCallbackPolicy,
-    check_policy,
-)
+from lightning_elche.config import EPOCH_CALLBACK_POLICIES, check_policy
+from lightning_elche.session import CallbackRole, EpochCallbackPolicy
 from lightning_elche.strategy import ElCheStrategy
+
+__all__ = ["EPOCH_CALLBACK_POLICIES", "CallbackRole", "EpochCallbackPolicy", "EpochCallbacks"]
 
 
 class EpochCallbacks(Callback):
@@ -73,7 +71,8 @@ class EpochCallbacks(Callback):
 
     def _forward(self, trainer: Trainer, pl_module: LightningModule, hook: str) -> None:
         strategy = trainer.strategy
-        policy = self.policy or strategy.epoch_callback_policy
+        assert isinstance(strategy, ElCheStrategy)  # setup refused any other strategy
+        policy = self.policy or strategy.elche.epoch_callback_policy
         rank = strategy.epoch_callback_rank(policy)
         if rank is None:
             for callback in self.callbacks:

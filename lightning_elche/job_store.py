@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import IO, Optional
 
 import torch.distributed as dist
 
@@ -88,14 +88,8 @@ def process_alive(host: str, pid: int) -> Optional[bool]:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return False
-    except OSError:  # no /proc (not Linux): ask the kernel, which cannot tell a zombie
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+    except OSError:  # no /proc (not Linux): nothing is known; a lost peer is then found by its silence
+        return None
     # The state follows the command name, which may itself hold spaces and parentheses.
     state = stat.rsplit(")", 1)[1].split()[0]
     return state not in ("Z", "X")
@@ -167,7 +161,7 @@ def start_host(address: str, port: int, world_size: int, connect_timeout: timede
 _BOOTSTRAP = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
-def _read_line(stream: TextIO, timeout_s: float) -> Optional[str]:
+def _read_line(stream: IO[str], timeout_s: float) -> Optional[str]:
     """The next line of ``stream`` ("" at its end), or None when none came within ``timeout_s``."""
     ready, _, _ = select.select([stream], [], [], timeout_s)
     return stream.readline() if ready else None

@@ -95,7 +95,13 @@ def with_training_sampler(dataloader: DataLoader, sampler: ElCheSampler) -> Data
 
 def train_dataloader_count(trainer: Trainer) -> int:
     """How many training DataLoaders the fit loop combined."""
-    return len(trainer.fit_loop._combined_loader.flattened)
+    loader = trainer.fit_loop._combined_loader
+    return len(loader.flattened) if loader is not None else 0
+
+
+def next_epoch(trainer: Trainer) -> int:
+    """The epoch the fit loop runs next (the counter ``set_epoch`` uses)."""
+    return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]  # a _StartedTracker
 
 
 def can_stop_early(trainer: Trainer) -> bool:
@@ -308,13 +314,13 @@ class LightningPatches:
 
         def advance_watching_for_skip(data_fetcher: Any) -> None:
             current = epoch_loop.batch_progress.current
-            unstarted = current.ready - current.started
+            unstarted = current.ready - current.started  # type: ignore[attr-defined]  # a _ProcessedTracker
             try:
                 advance(data_fetcher)
             except StopIteration:
                 # Lightning's -1 path marks this batch ready but never starts it; a plain end of
                 # data raises before the batch is ready.
-                if current.ready - current.started > unstarted:
+                if current.ready - current.started > unstarted:  # type: ignore[attr-defined]
                     on_epoch_skipped()
                 raise
 
@@ -343,7 +349,7 @@ class LightningPatches:
                 "This Lightning version has no TrainingEpochLoop._broadcast_sigterm_tensor; "
                 f"lightning-elche supports lightning{SUPPORTED_LIGHTNING}."
             )
-        epoch_loop._broadcast_sigterm_tensor = lambda: None
+        epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
         self._undo.append(lambda: vars(epoch_loop).pop("_broadcast_sigterm_tensor", None))
 
     def route_stop_signals(self, trainer: Trainer, on_stop: Callable[[StopRequest, int], None]) -> bool:
@@ -557,7 +563,7 @@ def _chained_handler(
         original = getattr(connector, "_original_handlers", {}).get(signum)
         return original if callable(original) and not isinstance(original, _HandlersCompose) else None
     if callable(current) and current is not signal.default_int_handler:
-        return current  # type: ignore[return-value]
+        return current
     return None
 
 
@@ -573,10 +579,10 @@ def reopen_training_epoch(trainer: Trainer, before: Callable[[], None]) -> bool:
     Lightning's fetcher looks one batch ahead to find the last batch; it is rewound to the new
     iterator with that look-ahead refilled, and the epoch loop's last-batch flag is cleared so
     that the loop runs on."""
-    from lightning.pytorch.loops.fetchers import _DataFetcher
+    from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 
     fetcher = trainer.fit_loop._data_fetcher
-    if fetcher is None or fetcher.batches:
+    if not isinstance(fetcher, _PrefetchDataFetcher) or fetcher.batches:
         return False
     before()
     fetcher.iterator = iter(fetcher.combined_loader)
@@ -590,6 +596,19 @@ def reopen_training_epoch(trainer: Trainer, before: Callable[[], None]) -> bool:
     return True
 
 
+class LightningRankView:
+    """Lightning's rank-dependent state as a holder of a membership change: rank-zero-only logging,
+    the progress bar and the evaluation loaders follow the rank's new number (``rank()``; the
+    strategy's ``global_rank`` and ``world_size`` already answer it)."""
+
+    def __init__(self, trainer: Trainer, rank: Callable[[], int]) -> None:
+        self.trainer = trainer
+        self.rank = rank
+
+    def apply_change(self, change: Any) -> None:
+        renumber_lightning_ranks(self.trainer, self.rank())
+
+
 def renumber_lightning_ranks(trainer: Trainer, global_rank: int) -> None:
     """After a regroup: rank-zero-only logging, the progress bar and the evaluation loaders follow
     the rank's new number (``strategy.global_rank``/``world_size`` already answer it)."""
@@ -597,9 +616,10 @@ def renumber_lightning_ranks(trainer: Trainer, global_rank: int) -> None:
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
     from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-    rank_zero_only.rank = fabric_rank_zero_only.rank = utils_rank_zero_only.rank = global_rank
+    for rank_zero_only_fn in (rank_zero_only, fabric_rank_zero_only, utils_rank_zero_only):
+        rank_zero_only_fn.rank = global_rank  # type: ignore[attr-defined]  # set by Lightning, read by every rank_zero_*
     bar = trainer.progress_bar_callback
-    if global_rank == 0 and bar is not None and bar.is_disabled:
+    if global_rank == 0 and isinstance(bar, (RichProgressBar, TQDMProgressBar)) and bar.is_disabled:
         # Lightning disabled it at setup on every rank but 0: the new rank 0 shows it from here on,
         # with the display the bar builds when training starts.
         bar.enable()

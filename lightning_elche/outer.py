@@ -171,9 +171,9 @@ class _MomentumOuter(OuterOptimizer):
                     # Same precision: the consensus tensor itself serves as scratch.
                     work.append(c)
                     continue
-                if self._scratch[i] is None:
-                    self._scratch[i] = torch.empty_like(p)
                 scratch = self._scratch[i]
+                if scratch is None:
+                    scratch = self._scratch[i] = torch.empty_like(p)
                 scratch.copy_(c)
                 work.append(scratch)
             assert self._velocity is not None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.readers
 import re
 import sys
 from collections.abc import Sequence
@@ -83,8 +84,13 @@ class _MirrorLoader(importlib.abc.Loader):
     module and could hand one namespace's code to the other.
     """
 
-    def __init__(self, origin: str) -> None:
-        self.origin = origin
+    def __init__(self, file_loader: importlib.machinery.SourceFileLoader) -> None:
+        self.file_loader = file_loader  # the path finder's loader of the original file, under the mirrored name
+        self.origin = file_loader.path
+
+    def get_resource_reader(self, fullname: str) -> importlib.readers.FileReader:
+        # A mirrored package's data files are the original package's (importlib.resources.files).
+        return self.file_loader.get_resource_reader(fullname)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
         return None  # the default module object
@@ -116,8 +122,10 @@ class MirrorFinder(importlib.abc.MetaPathFinder):
         original = importlib.machinery.PathFinder.find_spec(fullname, path)
         if original is None or original.origin is None or not original.origin.endswith(".py"):
             return None
+        if not isinstance(original.loader, importlib.machinery.SourceFileLoader):
+            return None
         spec = importlib.machinery.ModuleSpec(
-            fullname, _MirrorLoader(original.origin), origin=original.origin,
+            fullname, _MirrorLoader(original.loader), origin=original.origin,
             is_package=original.submodule_search_locations is not None,
         )
         if original.submodule_search_locations is not None:

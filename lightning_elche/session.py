@@ -19,8 +19,8 @@ this one file:
   when the round ended an epoch), where every rank reaches the same code with the same weights,
   then the fit ends;
 * **a checkpoint inside an epoch** (:meth:`Session.at_sync_point`): every rank is at the same round;
-* **ranks were lost** (:meth:`Session.regroup`): the survivors go on, renumbered; the callback role
-  follows its rank or is chosen again.
+* **the members changed** (:meth:`Session.apply_change`): ranks were lost or joined and the fit goes
+  on, renumbered; the callback role follows its rank or is chosen again.
 """
 
 from __future__ import annotations
@@ -31,18 +31,10 @@ from contextlib import contextmanager
 from typing import Any, Literal, Optional
 
 from lightning_elche.engine import RoundOutcome
+from lightning_elche.membership.change import Change
 from lightning_elche.rounds import StopRequest
 
 EpochCallbackPolicy = Literal["fastest", "rank0", "all"]
-EPOCH_CALLBACK_POLICIES: tuple[str, ...] = ("fastest", "rank0", "all")
-
-
-def check_policy(owner: str, policy: Any) -> str:
-    if policy not in EPOCH_CALLBACK_POLICIES:
-        raise ValueError(
-            f"{owner}(epoch_callback_policy={policy!r}) is invalid: expected 'fastest', 'rank0' or 'all'."
-        )
-    return str(policy)
 
 
 class CallbackRole:
@@ -61,10 +53,11 @@ class CallbackRole:
             return
         self.fastest = min(range(self.world_size), key=lambda rank: (speeds[rank], rank))
 
-    def retain(self, survivors: list[int]) -> None:
-        """Ranks were lost: renumber the role; if its rank was lost, choose again from the next timings."""
-        self.world_size = len(survivors)
-        self.fastest = survivors.index(self.fastest) if self.fastest in survivors else None
+    def apply_change(self, change: Change) -> None:
+        """The members changed: renumber the role; if its rank was lost, choose again from the next
+        timings (a joiner has none yet, so a lost role waits until it has)."""
+        self.world_size = change.world_size_after
+        self.fastest = change.new_rank(self.fastest) if self.fastest is not None else None
 
     def rank_for(self, policy: str) -> Optional[int]:
         """The rank that runs epoch callbacks under ``policy``; None means every rank."""
@@ -179,6 +172,34 @@ class Session:
     def end_training(self) -> None:
         self.phase = Phase.IDLE
 
+    def refuse_collective(self, what: str, mid_window_too: bool = True) -> None:
+        """Refuse a collective outside the rounds that a peer may never reach: inside an epoch
+        callback running on one rank, or (``mid_window_too``) during training steps."""
+        policy = self.single_rank_policy
+        if policy is not None:
+            raise RuntimeError(
+                f"ElCheStrategy: {what} inside an epoch callback that runs on one rank "
+                f"(epoch_callback_policy={policy!r}) would wait forever for the other ranks. "
+                "Run callbacks with collectives under epoch_callback_policy='all' (or register them with the "
+                "Trainer directly)."
+            )
+        if mid_window_too and self.in_window:
+            raise RuntimeError(
+                f"ElCheStrategy: {what} during training steps cannot work: ranks take different numbers "
+                "of steps, so a peer may never reach the matching call. Do it at epoch end or in validation."
+            )
+
+    @staticmethod
+    def refuse_skipped_epoch(rank: int) -> None:
+        """``on_train_batch_start`` returned -1 on ``rank``: one rank cannot leave an epoch alone."""
+        raise RuntimeError(
+            f"ElCheStrategy: on_train_batch_start returned -1 (skip the rest of the epoch) on rank {rank}. "
+            "Under ElChe the ranks hold different, speed-dependent shares of the epoch, so one rank cannot leave "
+            "it alone: its peers would wait for it in the next sync, and the samples it already claimed would "
+            "never be trained. To end training early, set trainer.should_stop = True (every rank stops at the "
+            "next sync); to train on part of the data, fit on a torch.utils.data.Subset."
+        )
+
     # -- stop requests -------------------------------------------------------------------------
 
     @property
@@ -244,7 +265,7 @@ class Session:
 
     # -- failures ------------------------------------------------------------------------------
 
-    def regroup(self, survivors: list[int]) -> None:
-        """Ranks were lost mid-fit and the survivors (old numbers, in new-rank order) went on."""
-        self.world_size = len(survivors)
-        self.callback_role.retain(survivors)
+    def apply_change(self, change: Change) -> None:
+        """Ranks were lost or joined mid-fit and the members went on, renumbered."""
+        self.world_size = change.world_size_after
+        self.callback_role.apply_change(change)

@@ -1,13 +1,42 @@
-"""The console table printed at the end of ``fit``."""
+"""The console table printed at the end of ``fit``, and who each of its rows is."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from lightning_elche.engine import FitProgress, RankTotals
+from lightning_elche.membership.change import Change
 
 
-def format_summary(progress: FitProgress, lost_ranks: Sequence[int] = ()) -> str:
+class FitMembers:
+    """Who each rank of a fit is, following its membership changes (a ``ChangeHolder``).
+
+    ``members[k]`` is the member id of current rank ``k`` (its launch rank, or the id it joined
+    under); ``lost`` and ``joined`` are member ids, in the order the changes named them.
+    """
+
+    def __init__(self, members: Sequence[int]) -> None:
+        self.members: list[int] = list(members)
+        self.lost: list[int] = []
+        self.joined: list[int] = []
+
+    def apply_change(self, change: Change) -> None:
+        if list(change.before) != self.members:
+            raise ValueError(
+                f"FitMembers.apply_change(change=Change(before={list(change.before)}, ...)) is invalid: expected a "
+                f"change of the current members {self.members} (a change was missed or applied twice)."
+            )
+        self.lost.extend(change.lost_ids)  # old rank order: the order the engine keeps their totals in
+        self.joined.extend(change.joined_ids)
+        self.members = list(change.after)
+
+    @property
+    def joined_ranks(self) -> list[int]:
+        """Current ranks of the members that joined during the fit."""
+        return [k for k, member in enumerate(self.members) if member in self.joined]
+
+
+def format_summary(progress: FitProgress, lost_ranks: Sequence[int] = (), joined_ranks: Sequence[int] = ()) -> str:
     """Per-rank work, throughput and idle share of this fit, plus the controller's state.
 
     The syncs and cohort steps in the header count the whole training run (a resumed fit
@@ -15,6 +44,8 @@ def format_summary(progress: FitProgress, lost_ranks: Sequence[int] = ()) -> str
     the header says how many of the run's steps this fit took, so the two never disagree silently.
     Ranks lost during the fit (``lost_ranks``: their original numbers, in the order they were lost)
     get a row each below the survivors, labelled ``lost<rank>``; the survivors are numbered anew.
+    Ranks that joined during the fit (``joined_ranks``: their current numbers, as
+    :attr:`FitMembers.joined_ranks` gives them) are marked ``<rank>+``: their rows count from their join.
     """
     fit_steps = sum(t.steps for t in progress.totals) + sum(t.steps for t in progress.lost_totals)
     total_steps = fit_steps or 1
@@ -31,12 +62,15 @@ def format_summary(progress: FitProgress, lost_ranks: Sequence[int] = ()) -> str
         f"{'rank':>6} {'steps':>8} {'share':>7} {'samples':>9} {'samples/s':>10} {'idle':>6}"
         f"   (rows: {rows}; samples/s over compute time; idle = time in syncs / (compute + syncs))",
     ]
-    labels = [str(rank) for rank in range(len(progress.totals))]
+    labels = [f"{rank}+" if rank in joined_ranks else str(rank) for rank in range(len(progress.totals))]
     labels += [f"lost{rank}" for rank in lost_ranks] or [f"lost{k}" for k in range(len(progress.lost_totals))]
     for label, totals in zip(labels, (*progress.totals, *progress.lost_totals), strict=False):
         lines.append(_row(label, totals, total_steps))
     if progress.lost_totals:
         lines.append(f"{len(progress.lost_totals)} rank(s) lost during the fit; the survivors were renumbered.")
+    joined = [rank for rank in joined_ranks if rank < len(progress.totals)]
+    if joined:
+        lines.append(f"{len(joined)} rank(s) joined during the fit (marked +); their rows count from their join.")
     return "\n".join(lines)
 
 

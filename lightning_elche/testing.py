@@ -120,7 +120,7 @@ class Throttle(Callback):
         try:
             self._green = GreenContext.create(num_sms=self.sms, device_id=index)
         except TypeError:  # older signature: create(num_sms, device_id)
-            self._green = GreenContext.create(self.sms, index)
+            self._green = GreenContext.create(self.sms, index)  # type: ignore[call-arg, arg-type]  # older torch
         stream = self._green.Stream()
         self._previous_stream = torch.cuda.current_stream(device)
         stream.wait_stream(self._previous_stream)

@@ -8,7 +8,7 @@ training step runs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -18,6 +18,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_elche.config import Dispatch, ElCheConfig
 from lightning_elche.loop_glue import checkpoint_step_triggers, timer_step_duration, uses_sync_batchnorm
+
+
+class _ConnectorSettings(Protocol):
+    """Trainer attributes that Lightning's connectors set at construction (its class does not
+    declare them, so a type checker cannot see them on ``Trainer``)."""
+
+    callbacks: list[pl.Callback]
+    fast_dev_run: Union[int, bool]
+    overfit_batches: Union[int, float]
 
 
 def _refuse(setting: str, value: Any, why: str, instead: str) -> MisconfigurationException:
@@ -63,7 +72,8 @@ def check_determinism(config: ElCheConfig) -> None:
 def check_trainer(trainer: pl.Trainer) -> None:
     """Raise ``MisconfigurationException`` for the first unsupported setting found."""
     uneven = "ranks take different numbers of steps under ElChe"
-    for callback in trainer.callbacks:
+    settings = cast(_ConnectorSettings, trainer)
+    for callback in settings.callbacks:
         # Tuner(trainer).lr_find / scale_batch_size add these callbacks and run a short fit of their own.
         if isinstance(callback, (LearningRateFinder, BatchSizeFinder)):
             tuner = "Tuner.lr_find / LearningRateFinder" if isinstance(callback, LearningRateFinder) else (
@@ -75,9 +85,9 @@ def check_trainer(trainer: pl.Trainer) -> None:
                 "Tune with a single-device Trainer first (Trainer(devices=1), Tuner(trainer).lr_find(model)), "
                 "then pass the value it suggests to the model you fit with ElCheStrategy.",
             )
-    if trainer.fast_dev_run:
+    if settings.fast_dev_run:
         raise _refuse(
-            "Trainer(fast_dev_run)", trainer.fast_dev_run,
+            "Trainer(fast_dev_run)", settings.fast_dev_run,
             "it limits every rank to the same number of batches, and " + uneven,
             "For a smoke test, run fast_dev_run with a single-device Trainer, or fit ElChe for max_epochs=1 on "
             "a small torch.utils.data.Subset of the training set.",
@@ -88,7 +98,7 @@ def check_trainer(trainer: pl.Trainer) -> None:
             f"it is checked against each rank's own step count, and {uneven}",
             "Use min_epochs instead.",
         )
-    for callback in trainer.callbacks:
+    for callback in settings.callbacks:
         duration = timer_step_duration(callback) if isinstance(callback, Timer) else None
         if duration is not None:
             raise _refuse(
@@ -117,9 +127,9 @@ def check_trainer(trainer: pl.Trainer) -> None:
             "validation inside an epoch would start on each rank after its own batch count, and " + uneven,
             "Leave val_check_interval=1.0 and use check_val_every_n_epoch.",
         )
-    if trainer.overfit_batches:
+    if settings.overfit_batches:
         raise _refuse(
-            "Trainer(overfit_batches)", trainer.overfit_batches,
+            "Trainer(overfit_batches)", settings.overfit_batches,
             "it fixes a per-rank batch count", "Pass a small Subset of the training set instead.",
         )
     limit = trainer.limit_train_batches

@@ -61,7 +61,7 @@ def fit_and_report_leftovers(rank: int, out_dir: str, port: int, scenario: str) 
         "message": message,
         "rounds": strategy.engine.state.rounds if strategy.engine is not None else -1,
         "threads": [t.name for t in threading.enumerate() if t.name.startswith("elche-cpu-plane")],
-        "side_group_released": strategy._side_group is None,
+        "side_group_released": getattr(plane, "group", None) is None,
         "plane_closed": bool(plane is not None and plane.closed),
     }))
     # Leave as a well-behaved script does: a process that exits with its default group alive can

@@ -137,33 +137,52 @@ def test_the_private_name_scan_finds_each_kind_of_use(tmp_path):
     ]
 
 
-def _imports_of(path: Path) -> set[str]:
-    """Modules of the package that ``path`` imports, at module level or inside functions."""
-    package = PACKAGE.name
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    if path.name == "__init__.py":
-        module = module.rsplit(".", 1)[0]
+def _module_name(path: Path, root: Path) -> str:
+    return ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imported_modules(path: Path, module: str, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` whose body an import statement of ``path`` needs, each named as the
+    statement names it: ``from a.b import c`` needs ``a.b.c`` when that is a module, else ``a.b``
+    (its ``__init__`` defines ``c``). At module level or inside functions."""
+    is_package = path.name == "__init__.py"
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = module.split(".")[: len(module.split(".")) - node.level + (path.name == "__init__.py")]
+                parts = module.split(".")
+                anchor = parts[: len(parts) - node.level + is_package]
                 base = ".".join(anchor + ([base] if base else []))
-            if base.startswith(package):
-                found.add(base)
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
         elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith(package))
-    return found
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name in modules}
 
 
-def _module_graph() -> dict[str, set[str]]:
+def module_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """What runs before what at import: ``m -> d`` when executing ``m`` needs ``d`` executed.
+
+    Importing ``a.b.c`` executes ``a/__init__``, ``a/b/__init__`` and ``a/b/c``: each is an edge, and
+    a package's ``__init__`` is a node with its own imports. The packages above ``m`` itself are
+    skipped on the way down (Python runs them before ``m``), but not as the module an import
+    names: ``from a import x`` in ``a/b.py`` needs ``a/__init__`` to have defined ``x``.
+    """
+    modules = {_module_name(path, root): path for path in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
-    for path in PACKAGE.rglob("*.py"):
-        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-        graph[name] = _imports_of(path)
-    # An import of a package means its __init__; keep only edges to modules that exist.
-    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+    for module, path in modules.items():
+        parts = module.split(".")
+        above = {".".join(parts[:i]) for i in range(1, len(parts))}
+        deps: set[str] = set()
+        for target in _imported_modules(path, module, set(modules)):
+            names = target.split(".")
+            for i in range(1, len(names) + 1):
+                step = ".".join(names[:i])
+                if step in modules and not (i < len(names) and step in above):
+                    deps.add(step)
+        graph[module] = deps - {module}
+    return graph
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -194,16 +213,50 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_package_modules_import_no_cycle():
-    # Packages (__init__) re-export their modules; edges into a package's own __init__ from its
-    # submodules are not cycles of meaning, so only module-to-module edges are checked.
-    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in _module_graph().items()}
+    graph = module_graph()
     assert "lightning_elche.strategy" in graph and graph["lightning_elche.strategy"]
+    # The edges into packages' __init__ are seen: the root runs the monitor, the monitor its callback.
+    assert "lightning_elche.monitor" in graph["lightning_elche"]
+    assert "lightning_elche.monitor.callback" in graph["lightning_elche.monitor"]
     assert find_cycle(graph) == []
 
 
 def test_find_cycle_reports_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    for name, source in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(source, encoding="utf-8")
+    return root / "pkg"
+
+
+def test_the_cycle_scan_sees_imports_into_a_package_init(tmp_path):
+    # Two cycles that run only through an __init__, each one the scan must find.
+    pkg = _write_package(tmp_path, {
+        # the root re-exports a module that reads a name back from the root
+        "pkg/__init__.py": "from pkg.sub.reader import thing\nVERSION = '1'\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/reader.py": "def thing():\n    from pkg import VERSION\n    return VERSION\n",
+        # importing pkg.tool.leaf runs pkg/tool/__init__, which imports the importer back
+        "pkg/user.py": "import pkg.tool.leaf\n",
+        "pkg/tool/__init__.py": "from pkg.user import *\n",
+        "pkg/tool/leaf.py": "from pkg.sub import reader\n",
+    })
+    graph = module_graph(pkg)
+    assert graph["pkg.sub.reader"] == {"pkg"}, "a name read from the root is an edge into its __init__"
+    assert graph["pkg.user"] == {"pkg.tool", "pkg.tool.leaf"}, "the __init__ on the way to a module is an edge"
+    assert graph["pkg.tool.leaf"] == {"pkg.sub.reader", "pkg.sub"}, "a package above the module is not"
+    assert find_cycle(graph) == ["pkg", "pkg.sub.reader", "pkg"]
+    del graph["pkg.sub.reader"]
+    assert find_cycle(graph) == ["pkg.tool", "pkg.user", "pkg.tool"]
+    # The same package with the name in a module of its own (what lightning_elche.version is): no cycle.
+    (pkg / "version.py").write_text("VERSION = '1'\n", encoding="utf-8")
+    (pkg / "sub" / "reader.py").write_text("def thing():\n    from pkg.version import VERSION\n    return VERSION\n")
+    (pkg / "tool" / "__init__.py").write_text("")
+    assert find_cycle(module_graph(pkg)) == []
 
 
 def test_supported_lightning_range_is_the_one_pyproject_declares():
@@ -217,3 +270,40 @@ def test_lightning_outside_the_supported_range_is_refused(version):
     expected = rf"supports lightning>=2\.6,<2\.7; this environment has lightning {version}"
     with pytest.raises(RuntimeError, match=expected):
         loop_glue.check_lightning_version(version)
+
+
+# -- survival has one home -----------------------------------------------------------------------
+
+SURVIVAL_CALLS = ("shrink_group", "destroy_process_group", "init_process_group")  # and os.kill
+SURVIVAL_HOME = PACKAGE / "membership"
+# The benchmark starts its own worker processes and groups for its comparison arms; no fit runs it.
+NOT_A_FIT = PACKAGE / "bench"
+
+
+def survival_calls_in(path: Path) -> list[str]:
+    """``line: call`` for every call of a process-killing or process-group-rebuilding function."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+            if name in SURVIVAL_CALLS or ast.unparse(node.func) == "os.kill":
+                found.append(f"{node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_fencing_and_process_group_surgery_live_in_the_membership_package_only():
+    calls = [
+        f"{path.relative_to(PACKAGE.parent)}:{call}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not (path.is_relative_to(SURVIVAL_HOME) or path == DOOR or path.is_relative_to(NOT_A_FIT))
+        for call in survival_calls_in(path)
+    ]
+    assert calls == [], "fencing or process-group surgery outside lightning_elche/membership/:\n" + "\n".join(calls)
+
+
+def test_the_survival_scan_finds_each_kind_of_call(tmp_path):
+    module = tmp_path / "module.py"
+    module.write_text("import os, torch.distributed as dist\nos.kill(1, 9)\ndist.destroy_process_group()\n"
+                      "dist.init_process_group('gloo')\ndist.distributed_c10d.shrink_group([1])\n")
+    assert [c.split(": ", 1)[1] for c in survival_calls_in(module)] == [
+        "os.kill", "dist.destroy_process_group", "dist.init_process_group", "dist.distributed_c10d.shrink_group"]

@@ -10,9 +10,11 @@ from collections.abc import Sequence
 import pytest
 
 from lightning_elche import controller as ctl
+from lightning_elche import speed_readings, window_plan
 from lightning_elche.config import ElCheConfig
 from lightning_elche.controller import ElCheController, Phase
 from lightning_elche.guard import NudgeDown, Stable, SuppressGrowth
+from lightning_elche.membership import Change
 
 
 def feed(
@@ -29,7 +31,7 @@ def feed(
 def seed_plan(c: ElCheController, slow_rank: int, ratio: float) -> None:
     """A plan before any timing: ``slow_rank`` pinned as the anchor rank at ``anchor`` batches,
     every other rank at ``round(anchor * ratio)``."""
-    faster = max(1, ctl._round_half_away(c.anchor * ratio))
+    faster = max(1, window_plan.round_half_away(c.anchor * ratio))
     c.batch_counts = [c.anchor if rank == slow_rank else faster for rank in range(c.world_size)]
     c.anchor_rank = slow_rank
 
@@ -136,7 +138,8 @@ def test_constants_match_the_spec() -> None:
         "WARMUP_GROWTH_MARGIN": 2.0,
         "DEAD_ZONE": 0.05,
     }
-    assert {name: getattr(ctl, name) for name in expected} == expected
+    defined = {**vars(window_plan), **vars(speed_readings), **vars(ctl)}  # where each constant lives
+    assert {name: defined[name] for name in expected} == expected
     assert [int(p) for p in Phase] == [0, 1, 2, 3]
 
 
@@ -1040,12 +1043,41 @@ def test_losing_ranks_or_loading_a_state_forgets_what_is_left_of_the_epoch() -> 
     c = calibrated(world_size=3, pooled_dispatch=True)
     c.set_epoch_batches_left(30)
     assert c.window_reaches_epoch_end
-    c.retain([0, 2])  # the lost rank's untrained batches come back: unknown until the next round
+    # The lost rank's untrained batches come back: unknown until the next round.
+    c.apply_change(Change(generation=1, before=(0, 1, 2), after=(0, 2)))
     assert not c.window_reaches_epoch_end
     resumed = calibrated(pooled_dispatch=True)
     resumed.set_epoch_batches_left(30)
     resumed.load_state_dict(c.state_dict())
     assert not resumed.window_reaches_epoch_end
+
+
+def test_a_joiner_starts_with_no_reading_and_is_planned_from_its_first_window() -> None:
+    c = calibrated()  # plan [40, 10]: rank 0 at 50 ms/batch, rank 1 (the anchor rank) at 200
+    c.set_epoch_batches_left(500)
+    c.apply_change(Change(generation=1, before=(0, 1), after=(0, 1, 7)))  # member 7 joins as rank 2
+    assert c.world_size == 3 and c.anchor_rank == 1
+    assert c.batch_counts == [40, 10, 10], "a rank without a reading plans the anchor's count"
+    assert [c.smoothed_ms_or_none(r) for r in range(3)] == [50.0, 200.0, None]
+    assert c.speed_shares() is None, "no speed shares until the joiner has a reading"
+    # The short calibration windows again, so that the guessed plan is soon a measured one.
+    assert [c.planned_batches(r) for r in range(3)] == [8, 2, 2]
+    assert c.state_dict()["world_size"] == 3 and c.state_dict()["smoothed_ms"][2] is None
+    feed(c, [50.0 * 8, 200.0 * 2, 100.0 * 2], 1.0, batches=[8, 2, 2])  # the joiner: 100 ms/batch
+    assert c.batch_counts == [40, 10, 20], "re-planned from the joiner's first reading"
+    assert c.speed_shares() is not None
+    with pytest.raises(ValueError, match=r"apply_change.*expected a change of this controller's 3 ranks"):
+        c.apply_change(Change(generation=2, before=(0, 1), after=(0,)))
+
+
+def test_a_loss_and_a_join_in_one_change_renumber_the_survivors_first() -> None:
+    c = calibrated(world_size=3)  # rank 0 at 50 ms/batch, ranks 1 and 2 at 200; anchor rank 1
+    assert c.anchor_rank == 1
+    c.apply_change(Change(generation=1, before=(0, 1, 2), after=(0, 2, 3)))  # rank 1 lost, member 3 joins
+    assert c.world_size == 3 and c.anchor_rank is None, "the lost anchor rank is elected again"
+    assert [c.smoothed_ms_or_none(r) for r in range(3)] == [50.0, 200.0, None]
+    feed(c, [50.0 * 8, 200.0 * 2, 400.0 * 2], 1.0, batches=[8, 2, 2])
+    assert c.anchor_rank == 2, "the slow joiner is the anchor rank now"
 
 
 def test_speed_shares_follow_the_measured_speeds_once_every_rank_has_a_reading() -> None:

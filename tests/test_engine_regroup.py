@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import pytest
 import torch
@@ -10,8 +10,8 @@ import torch
 from lightning_elche import ElCheConfig
 from lightning_elche.averaging import round_weights
 from lightning_elche.controller import ElCheController
-from lightning_elche.engine import ElCheEngine, Regroup
-from lightning_elche.membership.change import PeerFailure
+from lightning_elche.engine import ElCheEngine, RoundOutcome
+from lightning_elche.membership.change import Change, PeerFailure
 from lightning_elche.planes.base import AveragingPlane, RoundResult
 from lightning_elche.rounds import META_SIZE, Meta, StopRequest
 
@@ -22,7 +22,7 @@ class FailingPeers(AveragingPlane):
     def __init__(self, world_size: int, failures: int = 1) -> None:
         self.world_size, self.failures = world_size, failures
         self.peer_out_of_data = False
-        self.regroups: list[tuple[Optional[Any], int, int]] = []
+        self.regroups: list[tuple[int, int]] = []
         self.retries = 0
         self._local: Optional[torch.Tensor] = None
 
@@ -44,12 +44,30 @@ class FailingPeers(AveragingPlane):
             rows.append(peer.tolist())
         return RoundResult(rows, round_weights([int(r[Meta.STEPS]) for r in rows], 1.0), None)
 
-    def regroup(self, group: Optional[Any], rank: int, world_size: int) -> None:
-        self.regroups.append((group, rank, world_size))
-        self.world_size = world_size
+    def apply_change(self, change: Change) -> None:
+        rank = change.new_rank(0)
+        assert rank is not None
+        self.regroups.append((rank, change.world_size_after))
+        self.world_size = change.world_size_after
 
     def retry(self) -> None:
         self.retries += 1
+
+
+class Survivors:
+    """Stands in for the survival module: each failure becomes ``change``, applied to the engine."""
+
+    def __init__(self, engine: ElCheEngine, change: Change, keep_epoch_open: bool = False) -> None:
+        self.engine, self.change, self.keep_epoch_open = engine, change, keep_epoch_open
+        self.seen: list[PeerFailure] = []
+        engine.failures = self
+
+    def after_failed_round(self, failure: PeerFailure, last: Optional[RoundOutcome]) -> Change:
+        self.seen.append(failure)
+        self.engine.apply_change(self.change)
+        if self.keep_epoch_open:
+            self.engine.keep_epoch_open()
+        return self.change
 
 
 def engine_for(plane: FailingPeers, world_size: int) -> ElCheEngine:
@@ -62,16 +80,10 @@ def engine_for(plane: FailingPeers, world_size: int) -> ElCheEngine:
 def test_the_failed_round_runs_again_on_the_survivors() -> None:
     plane = FailingPeers(world_size=3)
     engine = engine_for(plane, 3)
-    seen: list[PeerFailure] = []
-
-    def regroup(failure: PeerFailure) -> Regroup:
-        seen.append(failure)
-        return Regroup(survivors=[0, 2], rank=0, group="new-group")
-
-    engine.on_peer_failure = regroup
+    survivors = Survivors(engine, Change(generation=1, before=(0, 1, 2), after=(0, 2)))
     (outcome,) = engine.run_round(epoch=0, out_of_data=False, epoch_batches=5)
-    assert len(seen) == 1 and plane.retries == 1
-    assert plane.regroups == [("new-group", 0, 2)]
+    assert len(survivors.seen) == 1 and plane.retries == 1
+    assert plane.regroups == [(0, 2)]
     assert len(outcome.reports) == 2 and engine.world_size == 2
     assert engine.controller.world_size == 2 and len(engine.controller.batch_counts) == 2
     assert len(engine.state.totals) == 2 and len(engine.state.lost_totals) == 1
@@ -89,7 +101,7 @@ def test_handed_over_work_keeps_the_epoch_open_for_one_round() -> None:
     plane = FailingPeers(world_size=3)
     plane.peer_out_of_data = True
     engine = engine_for(plane, 3)
-    engine.on_peer_failure = lambda failure: Regroup([0, 1], 0, None, epoch_continues=True)
+    Survivors(engine, Change(generation=1, before=(0, 1, 2), after=(0, 1)), keep_epoch_open=True)
     (retried,) = engine.run_round(epoch=0, out_of_data=True)
     assert not retried.epoch_over, "the survivors still have the lost rank's batches to train"
     (next_round,) = engine.run_round(epoch=0, out_of_data=True)
@@ -99,7 +111,7 @@ def test_handed_over_work_keeps_the_epoch_open_for_one_round() -> None:
 def test_reaching_max_failure_stops_at_the_retried_round() -> None:
     plane = FailingPeers(world_size=3)
     engine = engine_for(plane, 3)
-    engine.on_peer_failure = lambda failure: Regroup([0, 1], 0, None, stop=StopRequest.RANKS_LOST)
+    Survivors(engine, Change(generation=1, before=(0, 1, 2), after=(0, 1), ends_fit=True))
     (outcome,) = engine.run_round(epoch=0, out_of_data=False)
     assert outcome.stop_level is StopRequest.RANKS_LOST and outcome.stop_level.saves
 
@@ -108,20 +120,20 @@ def test_the_controller_keeps_the_survivors_speeds() -> None:
     controller = ElCheController(world_size=3, anchor=4)
     controller.report_timing([10.0, 40.0, 20.0], [4, 1, 2], 1.0)
     speeds = [controller.smoothed_ms(r) for r in range(3)]
-    controller.retain([0, 2])
+    controller.apply_change(Change(generation=1, before=(0, 1, 2), after=(0, 2)))
     assert controller.world_size == 2
     assert [controller.smoothed_ms(r) for r in range(2)] == [speeds[0], speeds[2]]
     controller.report_timing([10.0, 20.0], [4, 2], 1.0)
     assert controller.batch_counts[0] > controller.batch_counts[1], "the faster survivor plans more batches"
     with pytest.raises(ValueError, match="retained"):
-        controller.retain([0, 0])
+        controller.apply_change(Change(generation=2, before=(0, 1, 2), after=(0,)))  # names 3 ranks of 2
 
 
 def test_a_lone_survivors_controller_state_resumes_on_more_ranks() -> None:
     # torchrun restarts every worker after a loss; the newest checkpoint may come from the last survivor.
     survivor = ElCheController(world_size=2, anchor=4)
     survivor.report_timing([10.0, 30.0], [4, 2], 1.0)
-    survivor.retain([0])
+    survivor.apply_change(Change(generation=1, before=(0, 1), after=(0,)))
     saved = survivor.state_dict()
     assert saved["world_size"] == 1
     resumed = ElCheController(world_size=2, anchor=4)

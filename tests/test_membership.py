@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 from lightning_elche import ElCheStrategy
 from lightning_elche.job_store import heartbeat_key, proc_key
-from lightning_elche.membership.agreement import Membership, check_liveness_timeout
+from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import PeerFailure, RanksLost, check_max_failure, failure_limit
+from lightning_elche.membership.liveness import check_liveness_timeout
 
 LIVENESS = timedelta(seconds=1)
 
@@ -61,7 +62,7 @@ def test_bad_liveness_timeout_names_the_knob(value: Any) -> None:
 def test_liveness_must_come_before_the_transport_timeout() -> None:
     with pytest.raises(ValueError, match="liveness_timeout.*timeout"):
         ElCheStrategy(liveness_timeout=timedelta(seconds=60), timeout=timedelta(seconds=60))
-    assert ElCheStrategy(liveness_timeout=timedelta(seconds=5), timeout=timedelta(seconds=60)).max_failure is None
+    assert ElCheStrategy(liveness_timeout=timedelta(seconds=5), timeout=timedelta(seconds=60)).elche.max_failure is None
     # The default follows a short transport timeout instead of refusing it.
     assert ElCheStrategy(timeout=timedelta(seconds=30)).liveness_timeout == timedelta(seconds=15)
     assert ElCheStrategy().liveness_timeout == timedelta(seconds=30)
@@ -228,7 +229,7 @@ def test_lightning_cli_reads_max_failure_and_liveness_timeout(tmp_path: Any, mon
                        args=["--config", str(config)])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, ElCheStrategy)
-    assert strategy.max_failure == 0.5 and strategy.liveness_timeout == timedelta(seconds=10)
+    assert strategy.elche.max_failure == 0.5 and strategy.liveness_timeout == timedelta(seconds=10)
     config.write_text(config.read_text().replace("max_failure: 0.5", "max_failure: 0"))
     with pytest.raises((SystemExit, ValueError)):
         LightningCLI(BoringModel, run=False, save_config_callback=None, seed_everything_default=False,

@@ -18,27 +18,27 @@ from test_monitor import run_chromium
 from test_rank_loss import run_job
 
 from lightning_elche import ElCheConfig
-from lightning_elche.membership.agreement import Loss
+from lightning_elche.membership.change import Change
 from lightning_elche.monitor import ElCheMonitor, Timeline, dashboard_data, read_records, render_dashboard
-from lightning_elche.monitor.callback import rank_lost_record
+from lightning_elche.monitor.changes import rank_lost_record
 from lightning_elche.monitor.reports import ReportAccumulator
 
 # -- the event record ---------------------------------------------------------------------------
 
 
-def a_loss(lost: list[int], world: int, ranks_before: Optional[list[int]] = None, generation: int = 1) -> Loss:
-    """The Loss the strategy hands its listeners; ``lost`` in the numbering before the loss."""
+def a_loss(lost: list[int], world: int, ranks_before: Optional[list[int]] = None, generation: int = 1) -> Change:
+    """The change the strategy hands its listeners; ``lost`` in the numbering before the loss."""
     ranks_before = ranks_before if ranks_before is not None else list(range(world))
-    return Loss(generation=generation, lost=list(lost), lost_original=sorted(ranks_before[k] for k in lost),
-                survivors=[k for k in range(world) if k not in lost],
-                reasons={ranks_before[k]: f"its process (pid {100 + k}) is gone" for k in lost},
-                trained_batches={ranks_before[k]: 7 for k in lost}, detected_at=1234.5)
+    return Change(generation=generation, before=tuple(ranks_before),
+                  after=tuple(r for k, r in enumerate(ranks_before) if k not in lost),
+                  reasons={ranks_before[k]: f"its process (pid {100 + k}) is gone" for k in lost},
+                  trained_batches={ranks_before[k]: 7 for k in lost}, detected_at=1234.5)
 
 
 def test_rank_lost_record_names_the_lost_ranks_by_launch_number_and_the_survivors():
     # A second loss: launch ranks [0, 2, 3] are ranks 0, 1, 2 now; rank 1 (launch rank 2) leaves.
     loss = a_loss([1], 3, ranks_before=[0, 2, 3], generation=2)
-    record = rank_lost_record(loss, [0, 2, 3], t=12.5, ts=99.0, sync=41, epoch=3)
+    record = rank_lost_record(loss, t=12.5, ts=99.0, sync=41, epoch=3)
     assert record == {
         "kind": "event", "label": "rank_lost", "ts": 99.0, "t": 12.5, "sync": 41, "epoch": 3, "generation": 2,
         "lost": [2], "reasons": {"2": "its process (pid 101) is gone"}, "survivors": 2, "survivor_ranks": [0, 3],
@@ -70,7 +70,7 @@ def test_timeline_keeps_each_rank_on_its_launch_track_and_marks_the_loss(tmp_pat
 def test_report_accumulator_keeps_the_survivors_rows_under_their_launch_numbers():
     acc = ReportAccumulator(3)
     acc.add([2, 4, 6], [16, 32, 48], [1.0, 1.0, 1.0], [2.0, 8.0, 18.0], [0.1, 0.1, 0.1])
-    acc.retain([0, 2])
+    acc.apply_change(Change(generation=1, before=(0, 1, 2), after=(0, 2)))
     acc.add([1, 3], [8, 24], [0.5, 0.5], [1.0, 3.0], [0.1, 0.1])
     payload = acc.payload()
     assert acc.ranks == [0, 2] and acc.world_size == 2
@@ -184,7 +184,7 @@ def drive(tmp_path: Path, me: int, lost: int) -> tuple[ElCheMonitor, FakeStrateg
                 strategy.peer_payloads.pop(lost, None)
                 strategy.global_rank, strategy.world_size = strategy.members.index(me), 2
                 trainer.global_rank, trainer.world_size = strategy.global_rank, 2
-                monitor._on_rank_loss(a_loss([before], 3))
+                monitor.apply_change(a_loss([before], 3))
         monitor.on_validation_start(trainer, None)
         clock[0] += 0.3
         trainer._logger_connector.metrics["callback"] = {"val_loss": torch.tensor(1.0 / (epoch + 1))}
@@ -291,7 +291,7 @@ def test_a_loss_before_the_first_round_names_round_1(tmp_path):
     monitor._strategy, monitor._trainer = strategy, trainer
     monitor.on_train_start(trainer, None)
     strategy.global_rank, strategy.world_size = 1, 2
-    monitor._on_rank_loss(a_loss([0], 3))
+    monitor.apply_change(a_loss([0], 3))
     (event,) = events_of(read_records(tmp_path / "log" / "rank2.jsonl"))
     assert event["sync"] == 1 and event["rank"] == 1 and event["survivor_ranks"] == [1, 2]
     assert monitor._rank == 1 and monitor._world == 2 and monitor._ranks == [1, 2]
@@ -305,11 +305,11 @@ def test_a_loss_the_monitor_cannot_follow_warns_and_never_fails_training(tmp_pat
     monitor._strategy, monitor._trainer = strategy, trainer
     monitor.on_train_start(trainer, None)
     with pytest.warns(RuntimeWarning, match="recording a lost rank failed"):
-        monitor._on_rank_loss(a_loss([1], 3))  # names three ranks; the monitor knows two
+        monitor.apply_change(a_loss([1], 3))  # names three ranks; the monitor knows two
     monitor._active = False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        monitor._on_rank_loss(a_loss([1], 2))  # after the fit: ignored
+        monitor.apply_change(a_loss([1], 2))  # after the fit: ignored
 
 
 # -- the dashboard's markers ----------------------------------------------------------------------
@@ -448,6 +448,143 @@ def test_every_time_axis_of_the_dashboard_marks_the_loss_in_headless_chromium(tm
     plain = DomMarkers()
     plain.feed(dump_dom(tmp_path, no_loss))
     assert all(c["events"] == 0 and c["lines"] == 0 for c in plain.charts.values() if c["points"] > 0)
+
+
+# -- joins (a synthetic Change: no processes) ------------------------------------------------------
+
+
+def drive_a_join(tmp_path: Path, change: Change) -> tuple[ElCheMonitor, FakeLogger]:
+    """Launch rank 0 of ``change.before`` through one epoch of 4 syncs; ``change`` comes after sync 2."""
+    logger = FakeLogger()
+    monitor = ElCheMonitor(record_log_dir=str(tmp_path / "log"), dashboard_html=str(tmp_path / "dash.html"),
+                           timeline=str(tmp_path / "trace.json"), reports_per_epoch=4)
+    strategy = FakeStrategy(0, len(change.before))
+    strategy.members = list(change.before)
+    strategy.progress.epoch_batches = 28  # a report at every sync
+    trainer = SimpleNamespace(
+        strategy=strategy, global_rank=0, world_size=len(change.before), current_epoch=0, global_step=0,
+        loggers=[logger], sanity_checking=False, callback_metrics={}, num_training_batches=20,
+        accumulate_grad_batches=1, _logger_connector=SimpleNamespace(metrics={"callback": {}}),
+    )
+    monitor._strategy, monitor._trainer = strategy, trainer
+    clock = [0.0]
+    monitor._now = lambda: clock[0]
+    monitor.on_train_start(trainer, None)
+    monitor.on_train_epoch_start(trainer, None)
+    cohort = 0
+    for index in range(1, 5):
+        steps = [3 + k for k in range(len(strategy.members))]
+        cohort += sum(steps)
+        clock[0] += 0.5
+        monitor._on_round(outcome(index, steps, cohort, epoch_over=index == 4), {"elche/anchor": 10.0})
+        strategy.progress.rounds = index
+        if index == 2:
+            clock[0] += 0.1
+            strategy.members = list(change.after)
+            strategy.world_size = trainer.world_size = len(change.after)
+            strategy.global_rank = trainer.global_rank = change.new_rank(0)
+            monitor.apply_change(change)
+    monitor.on_train_epoch_end(trainer, None)
+    strategy.progress.totals = [SimpleNamespace(steps=9, samples=72, compute_s=1.0, sync_s=0.1)] * len(change.after)
+    strategy.progress.lost_totals = [SimpleNamespace(steps=5, samples=40, compute_s=0.5, sync_s=0.1)] * len(
+        change.lost)
+    monitor.on_fit_end(trainer, None)
+    return monitor, logger
+
+
+def test_a_joined_rank_is_an_event_in_the_logs_and_a_track_and_a_row(tmp_path):
+    join = Change(generation=1, before=(0, 1), after=(0, 1, 5), detected_at=77.0)  # member 5 joins as rank 2
+    monitor, logger = drive_a_join(tmp_path, join)
+    for path, node in ((tmp_path / "log" / "rank0.jsonl", "rank0"), (tmp_path / "log" / "root.jsonl", "root")):
+        records = read_records(path)
+        (event,) = events_of(records)
+        assert {k: v for k, v in event.items() if k not in ("ts", "rank", "v")} == {
+            "kind": "event", "label": "rank_joined", "t": 1.1, "sync": 3, "epoch": 0, "generation": 1,
+            "joined": [5], "joined_as": [2], "world_size": 3, "member_ranks": [0, 1, 5], "detected_at": 77.0,
+            "node": node,
+        }
+        assert [r["ranks"] for r in records if r["kind"] == "sync"] == [[0, 1]] * 2 + [[0, 1, 5]] * 2
+        end = records[-1]
+        assert [(r["rank"], r["original_rank"], r.get("joined", False)) for r in end["ranks"]] == \
+            [(0, 0, False), (1, 1, False), (2, 5, True)]
+    assert monitor._ranks == [0, 1, 5] and monitor._world == 3 and monitor.is_root
+    reports = [c for c in logger.calls if "elche/report/loss" in c]
+    assert "elche/report/loss/rank5" not in reports[0] and "elche/report/loss/rank5" in reports[-1]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    marks = [e for e in trace["traceEvents"] if e.get("cat") == "rank_joined"]
+    assert {(e["s"], e["pid"]) for e in marks} == {("g", 0), ("p", 5)} and trace["otherData"]["joined_ranks"] == [5]
+    assert {e["pid"] for e in trace["traceEvents"] if e["name"] == "sync" and e["args"]["sync"] == 3} == {0, 1, 5}
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1", 5: "rank 5 (joined)"}
+    data = dashboard_page_data(tmp_path / "dash.html")
+    assert data["events"] == [{"t": 1.1, "label": "rank_joined", "sync": 3, "epoch": 0, "generation": 1,
+                               "joined": [5], "world_size": 3, "text": "rank 5 joined"}]
+    assert data["title"] == "ElChe run · nccl_cadence · 2 ranks · 1 joined"  # the world at launch
+
+
+def test_a_loss_and_a_join_in_one_change_are_two_events(tmp_path):
+    both = Change(generation=2, before=(0, 1), after=(0, 4), reasons={1: "its process is gone"})
+    monitor, _ = drive_a_join(tmp_path, both)
+    root = read_records(tmp_path / "log" / "root.jsonl")
+    lost, joined = events_of(root)
+    assert (lost["label"], lost["lost"], lost["survivor_ranks"]) == ("rank_lost", [1], [0])
+    assert (joined["label"], joined["joined"], joined["member_ranks"]) == ("rank_joined", [4], [0, 4])
+    assert [(r["rank"], r["original_rank"], r.get("joined", False), r.get("lost", False)) for r in root[-1]["ranks"]] \
+        == [(0, 0, False, False), (1, 4, True, False), (None, 1, False, True)]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert trace["otherData"]["lost_ranks"] == [1] and trace["otherData"]["joined_ranks"] == [4]
+    markers = dashboard_page_data(tmp_path / "dash.html")["events"]
+    assert [m["text"] for m in markers] == ["rank 1 lost", "rank 4 joined"]
+
+
+def test_a_change_the_monitor_cannot_follow_warns_naming_the_join(tmp_path):
+    monitor = ElCheMonitor(record_log_dir=str(tmp_path / "log"))
+    strategy = FakeStrategy(0, 2)
+    trainer = SimpleNamespace(strategy=strategy, global_rank=0, world_size=2, current_epoch=0)
+    monitor._strategy, monitor._trainer = strategy, trainer
+    monitor.on_train_start(trainer, None)
+    with pytest.warns(RuntimeWarning, match="recording a joined rank failed.*current members"):
+        monitor.apply_change(Change(generation=1, before=(0, 3), after=(0, 3, 4)))  # member 3 is not in this fit
+    assert monitor._ranks == [0, 1]
+
+
+def test_every_time_axis_of_the_dashboard_marks_the_join_in_headless_chromium(tmp_path):
+    records = [r for r in synthetic_root_records() if r["kind"] != "event"]
+    records.insert(12, {"kind": "event", "label": "rank_joined", "t": 5.25, "sync": 11, "epoch": 1, "generation": 1,
+                        "joined": [3], "world_size": 3, "member_ranks": [0, 2, 3]})
+    records[-1]["ranks"].insert(2, {"rank": 2, "original_rank": 3, "joined": True, "steps": 10, "samples": 80,
+                                    "compute_s": 1.0, "sync_s": 0.1})
+    page = tmp_path / "dash.html"
+    page.write_text(render_dashboard(dashboard_data(records)))
+    dom = DomMarkers()
+    dom.feed(dump_dom(tmp_path, page))
+    assert dom.body.get("data-ready") == "1", "the page's script did not finish"
+    drawn = {name: c for name, c in dom.charts.items() if c["points"] > 0}
+    assert {"loss", "batch_share", "samples_per_s", "anchor", "syncs"} <= set(drawn)
+    for name, chart in drawn.items():
+        assert chart["events"] == 1 and chart["lines"] == 1 and chart["data_event"] == "rank_joined", name
+        assert any("rank 3 joined at 5.3 s, sync 11, epoch 1; 3 ranks from then on" in title
+                   for title in chart["titles"]), f"chart {name!r}: {chart['titles']}"
+    assert "2 (joined as 3)" in dom.rows and "1 (was 2)" in dom.rows
+
+
+def test_the_summary_marks_the_joined_ranks_that_fit_members_follow():
+    from lightning_elche.engine import FitProgress, RankTotals
+    from lightning_elche.summary import FitMembers, format_summary
+
+    members = FitMembers([0, 1, 2])
+    members.apply_change(Change(generation=1, before=(0, 1, 2), after=(0, 2, 3)))  # 1 lost, 3 joins
+    assert (members.members, members.lost, members.joined, members.joined_ranks) == ([0, 2, 3], [1], [3], [2])
+    with pytest.raises(ValueError, match=r"FitMembers.apply_change.*current members \[0, 2, 3\]"):
+        members.apply_change(Change(generation=1, before=(0, 1, 2), after=(0, 2)))  # applied twice
+    progress = FitProgress(mode="cpu_async", rounds=9, cohort_step=75, anchor=3, plan=(3, 2, 2), epoch_batches=32,
+                           totals=(RankTotals(steps=40), RankTotals(steps=20), RankTotals(steps=5)),
+                           lost_totals=(RankTotals(steps=10),))
+    text = format_summary(progress, lost_ranks=members.lost, joined_ranks=members.joined_ranks)
+    rows = [line.split() for line in text.splitlines()[2:6]]
+    assert [r[0] for r in rows] == ["0", "1", "2+", "lost1"] and [int(r[1]) for r in rows] == [40, 20, 5, 10]
+    assert "1 rank(s) joined during the fit (marked +)" in text and "1 rank(s) lost" in text
+    assert "joined" not in format_summary(progress, lost_ranks=members.lost)
 
 
 # -- real 3-rank fits: rank 1, then rank 0, killed ------------------------------------------------

@@ -92,6 +92,20 @@ def test_mirror_classes_are_pytorch_lightning_classes() -> None:
         assert hasattr(elche_pl, name), name
 
 
+def test_the_mirrored_dashboard_reads_the_package_data() -> None:
+    # The page's HTML, CSS and JavaScript are package data of lightning_elche.monitor; the mirrored
+    # package must find them through importlib.resources too.
+    from lightning_elche.pytorch_lightning.monitor import dashboard as mirrored
+
+    from lightning_elche.monitor import dashboard
+
+    data = dashboard.dashboard_data([{"kind": "meta", "world_size": 2, "config": {"mode": "cpu_cadence"}}])
+    page = mirrored.render_dashboard(data, "dark")
+    assert page == dashboard.render_dashboard(data, "dark")
+    assert '<html lang="en" data-theme="dark">' in page and ":root[data-theme=dark]{" in page
+    assert 'document.body.setAttribute("data-ready", "1")' in page
+
+
 def test_registered_names_resolve_to_the_namespace_of_the_trainer() -> None:
     assert "elche" in pl.strategies.StrategyRegistry and "elche_cpu_cadence" in pl.strategies.StrategyRegistry
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="elche_cpu_cadence", logger=False,

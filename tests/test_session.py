@@ -11,6 +11,7 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_elche.loop_glue import LightningPatches
+from lightning_elche.membership.change import Change
 from lightning_elche.rounds import StopRequest
 from lightning_elche.session import Phase, RoundAction, Session
 
@@ -89,9 +90,9 @@ def test_sync_point_is_a_phase_that_restores_the_previous_one():
 def test_a_regroup_renumbers_the_callback_role():
     session = Session(world_size=4)
     session.callback_role.fastest = 3
-    session.regroup([0, 1, 3])
+    session.apply_change(Change(generation=1, before=(0, 1, 2, 3), after=(0, 1, 3)))
     assert session.world_size == 3 and session.callback_role.fastest == 2
-    session.regroup([0, 1])  # the role's rank is lost: chosen again from the next timings
+    session.apply_change(Change(generation=2, before=(0, 1, 3), after=(0, 1)))  # the role's rank is lost
     assert session.callback_role.fastest is None and session.callback_role.rank_for("fastest") == 0
 
 
@@ -158,9 +159,12 @@ def test_time_inside_a_sync_point_is_excluded_from_the_window():
     excluded: list[float] = []
     consensus = SimpleNamespace(consensus=True, ends_window_sequence=False,
                                 reports=(SimpleNamespace(out_of_data=False),))
+    from lightning_elche.round_driver import RoundDriver
+
     strategy = ElCheStrategy()
-    strategy._engine = SimpleNamespace(last_outcome=consensus, steps_in_window=0, in_flight=False,
-                                       exclude_from_window=excluded.append)
+    engine = SimpleNamespace(last_outcome=consensus, steps_in_window=0, in_flight=False,
+                             exclude_from_window=excluded.append)
+    strategy._rounds = RoundDriver(engine, strategy.session, lambda: None, [], 1, lambda: 0)  # type: ignore[arg-type]
     with strategy.sync_point():
         assert strategy.session.at_sync_point_now
         time.sleep(0.05)

@@ -386,10 +386,10 @@ def settings_for(rig: Rig, slowdowns: Optional[str], rank_slowdowns: Optional[st
     if rig.accelerator != "cpu" or rig.world_size != 2:
         raise ValueError(f"--slowdowns={slowdowns!r} applies to the cpu2 rig only (rank 1's k); GPU rigs throttle "
                          "by SM count and the N-rank CPU rigs take --rank-slowdowns")
-    values = [float(v) for v in slowdowns.split(",") if v.strip()]
-    if not values or any(not math.isfinite(v) or v < 1 for v in values):
+    ks = [float(v) for v in slowdowns.split(",") if v.strip()]
+    if not ks or any(not math.isfinite(v) or v < 1 for v in ks):
         raise ValueError(f"--slowdowns={slowdowns!r}: expected numbers >= 1")
-    return tuple(Setting(f"k{v:g}", slowdown=v) for v in values)
+    return tuple(Setting(f"k{v:g}", slowdown=v) for v in ks)
 
 
 def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped: dict[str, str]) -> BenchConfig:

@@ -101,9 +101,10 @@ def spread(values: Iterable[Optional[float]], missing_is_worst: bool = False) ->
     finite = [v for v in values if v is not None and math.isfinite(v)]
     if not finite:
         return {"median": None, "min": None, "max": None, "values": values}
+    median: Optional[float]
     if missing_is_worst:
-        median = statistics.median([math.inf if v is None else v for v in values])
-        median = median if math.isfinite(median) else None
+        middle = statistics.median([math.inf if v is None else v for v in values])
+        median = middle if math.isfinite(middle) else None
     else:
         median = statistics.median(finite)
     return {"median": median, "min": min(finite), "max": max(finite), "values": values}
@@ -416,12 +417,18 @@ def microbenchmark(per_rank: Sequence[dict[str, Any]], world: int) -> dict[str, 
 MEMORY_NOT_MEASURED = "n/a (CPU)"
 
 
+def _every(records: Sequence[dict[str, Any]], key: str) -> Optional[list[float]]:
+    """``record[key]`` of every record, or None when a record lacks it."""
+    values = [r.get(key) for r in records]
+    return None if any(v is None for v in values) else [float(v) for v in values if v is not None]
+
+
 def memory_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per rank: peak accelerator bytes allocated and reserved during the fit, the allocated bytes
     when it started, and the pinned host bytes held by the averaging plane. ``measured`` is False
     on CPU devices, where nothing is measured."""
-    memory = [r.get("memory") for r in records]
-    if not memory or any(m is None for m in memory):
+    memory = [r["memory"] for r in records if r.get("memory") is not None]
+    if not memory or len(memory) != len(records):
         return {"measured": False, "reason": MEMORY_NOT_MEASURED}
     return {
         "measured": True,
@@ -485,11 +492,11 @@ def loss_breakdown(records: Sequence[dict[str, Any]], solo_rates: Sequence[float
     round stays ``sync_host``. The round's other small kernels (pack, norms, unpack) stay in rest.
     """
     rounds = sorted(records[0].get("rounds") or [], key=lambda p: p["index"])
-    final_sync = [r.get("final_sync_s") for r in records]
-    starts = [r.get("t_start") for r in records]
-    ends = [r.get("t_end") for r in records]
+    final_sync = _every(records, "final_sync_s")
+    starts = _every(records, "t_start")
+    ends = _every(records, "t_end")
     world = len(records)
-    if (not rounds or any(v is None for v in (*final_sync, *starts, *ends)) or len(solo_rates) != world
+    if (not rounds or final_sync is None or starts is None or ends is None or len(solo_rates) != world
             or any(len(p["steps"]) != world for p in rounds)
             or [p["index"] for p in rounds] != list(range(rounds[0]["index"], rounds[0]["index"] + len(rounds)))):
         return None

@@ -165,9 +165,9 @@ def _init_process_group(rank: int, port: int, config: BenchConfig) -> tuple[torc
         torch.set_num_threads(max(1, (os.cpu_count() or world) // world))  # as Lightning's DDP would
         torch.backends.cudnn.benchmark = True
         torch.set_float32_matmul_precision("high")
-        bound = {"device_id": device} if config.rig.backend == "nccl" else {}
         dist.init_process_group(config.rig.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timeout, **bound)
+                                world_size=world, timeout=timeout,
+                                device_id=device if config.rig.backend == "nccl" else None)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)

@@ -347,7 +347,7 @@ class Workload:
     def make_module(self) -> LightningModule:
         raise NotImplementedError
 
-    def train_set(self, share: float = 1.0) -> Dataset:
+    def train_set(self, share: float = 1.0) -> DeviceTensors:
         """The training set; ``share`` < 1 keeps its first part (the solo fits of a throughput pass)."""
         raise NotImplementedError
 
@@ -378,7 +378,7 @@ class ImagesWorkload(Workload):
     def make_module(self) -> LightningModule:
         return Classifier(throughput_net(self.model), lr=0.05, momentum=0.9)
 
-    def train_set(self, share: float = 1.0) -> Dataset:
+    def train_set(self, share: float = 1.0) -> DeviceTensors:
         return _first(self.data, share)
 
 
@@ -395,7 +395,7 @@ class DigitsWorkload(Workload):
     def make_module(self) -> LightningModule:
         return Classifier(mlp(64, 256, 2), lr=0.05, momentum=0.9)
 
-    def train_set(self, share: float = 1.0) -> Dataset:
+    def train_set(self, share: float = 1.0) -> DeviceTensors:
         return _first(self.data, share)
 
     @torch.no_grad()
@@ -429,7 +429,7 @@ class CharWorkload(Workload):
     def make_module(self) -> LightningModule:
         return LanguageModel(self.spec)
 
-    def train_set(self, share: float = 1.0) -> Dataset:
+    def train_set(self, share: float = 1.0) -> DeviceTensors:
         return _first(self.data, share)
 
     @torch.no_grad()

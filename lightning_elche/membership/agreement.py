@@ -1,136 +1,85 @@
-"""Who is still in the fit: liveness, agreement on lost ranks, and the watched wait of a collective.
+"""The fit's members as one rank sees them, and the one place where a change of members is decided.
 
-Every rank keeps a heartbeat counter in the job's store (a background thread bumps it), and a rank
-that fails with an exception leaves a notice there before it exits. A survivor decides that a peer
-is lost from three signals, the fastest first:
+A collective of a round is never waited on blindly: :meth:`Membership.wait` waits for it in slices
+and checks the peers (:class:`~lightning_elche.membership.liveness.PeerSignals`) between slices,
+so a dead peer is noticed in about a second on one host and after ``liveness_timeout`` across
+hosts, never at the transport's own timeout.
 
-* the peer left a notice (an exception in its training step, a clean exit);
-* the peer's process is gone (same host only: ``kill -9``, a crash, the OOM killer);
-* the peer's heartbeat did not move for ``liveness_timeout`` (a stopped or hung process, a
-  remote host that vanished).
-
-A collective of a round is never waited on blindly: :meth:`Membership.wait` waits for it in
-slices and checks the signals between slices, so a dead peer is noticed in about a second on one
-host and after ``liveness_timeout`` across hosts, never at the transport's own timeout.
-
-Survivors agree on the lost ranks through the store: the first proposal for the next generation
-wins (``compare_set``), every rank adopts it, and the ranks it names are out for good (membership
-only shrinks). Ranks are numbered densely after each loss, in the order of their original ranks.
+After a failed round the members agree on the change through the store: the first proposal for
+the next generation wins (``compare_set``), every member adopts it, and the ranks it names are out
+for good. Every member then announces itself in the new generation and waits for the others; a
+member that vanishes meanwhile is dropped by the generation after, and the generations of one
+agreement reach the caller as one :class:`~lightning_elche.membership.change.Change`. Losses are
+counted here, and so is ``max_failure``: the change that reaches the limit says so
+(:attr:`Change.ends_fit`).
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Optional
 
-from lightning_elche.job_store import heartbeat_key, parse_process, proc_key, process_alive
-from lightning_elche.membership.change import PeerFailure, RanksLost
+from lightning_elche.membership.change import (
+    Change,
+    MaxFailure,
+    PeerFailure,
+    RanksLost,
+    combined,
+    failure_limit,
+)
+from lightning_elche.membership.liveness import Heartbeat, PeerSignals
 
-DEFAULT_LIVENESS_TIMEOUT = timedelta(seconds=30)
-_CHECK_INTERVAL_S = 0.5
+CHECK_INTERVAL_S = 0.5
+"""How often a wait on a collective looks at the peers."""
 _SPIN_S = 0.005  # how long a wait on a device collective polls without sleeping
 _TIMED_OUT = "timed out"
 
-def resolve_liveness_timeout(value: Any, transport_timeout: Optional[timedelta]) -> timedelta:
-    """The liveness timeout to use: ``value`` (checked), or by default 30 s, or half the transport's
-    timeout when that is shorter (a lost rank must be found before the transport gives up)."""
-    if value is not None:
-        return check_liveness_timeout(value)
-    if transport_timeout is None or transport_timeout >= 2 * DEFAULT_LIVENESS_TIMEOUT:
-        return DEFAULT_LIVENESS_TIMEOUT
-    return max(timedelta(seconds=1), transport_timeout / 2)
-
-
-def check_liveness_timeout(value: Any) -> timedelta:
-    if not isinstance(value, timedelta) or value.total_seconds() < 1.0:
-        raise ValueError(
-            f"ElCheStrategy(liveness_timeout={value!r}) is invalid: expected a timedelta of at least 1 second "
-            "(a peer silent for that long is declared lost)."
-        )
-    return value
-
-
-@dataclass
-class Loss:
-    """One agreed loss: the ranks that left, in the numbering before it, and why."""
-
-    generation: int
-    lost: list[int]  # numbering before this loss
-    lost_original: list[int]  # ranks at process-group set-up
-    survivors: list[int]  # numbering before this loss; new rank k is survivors[k]
-    reasons: dict[int, str] = field(default_factory=dict)  # by original rank
-    trained_batches: dict[int, int] = field(default_factory=dict)
-    """By original rank: batches of the current epoch in the consensus (the rest went to the survivors)."""
-    detected_at: float = 0.0  # time.time()
-    regrouped_with: str = ""
-    """How the survivors' process group was built: ``"shrink_group"`` or ``"new group"``."""
-
-
-class Heartbeat:
-    """A daemon thread bumping this rank's heartbeat counter in the store (its own connection)."""
-
-    def __init__(self, store: Any, rank: int, interval_s: float) -> None:
-        self._store = store.clone() if hasattr(store, "clone") else store
-        self._key = heartbeat_key(rank)
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"elche-heartbeat-rank{rank}", daemon=True)
-        self._store.add(self._key, 1)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self._store.add(self._key, 1)
-            except Exception:  # the store is gone: the job is ending; peers see this rank silent
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self._interval_s + 5.0)
-
 
 class Membership:
-    """The ranks of one fit as seen from one rank, and the agreement protocol after a loss.
+    """The members of one fit as seen from one rank: who they are, who is lost, and the agreement.
 
     Args:
         store: the job's store (outliving any one rank when the job has a store host).
         fit_prefix: a key prefix unique to this fit, identical on every rank.
-        rank: this process's rank in the job's registry (:mod:`lightning_elche.job_store`).
-        members: the registry ranks of the fit's ranks, in rank order (the same on every rank).
-        liveness_timeout: how long a heartbeat may stand still before its rank is declared lost.
-        join_timeout: how long survivors wait for a live but absent peer to join a regroup.
-        renumbered: an earlier fit of the job lost ranks (``members`` are its survivors).
+        member: this process's member id (its rank in the job's registry, :mod:`lightning_elche.job_store`).
+        members: the member ids of the fit's ranks, in rank order (the same on every rank).
+        liveness_timeout: how long a heartbeat may stand still before its member is declared lost.
+        join_timeout: how long members wait for a live but absent member to join a new generation.
+        max_failure: how many lost ranks end the fit (see :func:`~lightning_elche.membership.change.failure_limit`),
+            counted against the fit's starting world size.
+        renumbered: an earlier fit of the job changed its members (``members`` are its last ones).
     """
 
     def __init__(
         self,
         store: Any,
         fit_prefix: str,
-        rank: int,
-        members: list[int],
+        member: int,
+        members: Sequence[int],
         liveness_timeout: timedelta,
         join_timeout: timedelta,
+        max_failure: MaxFailure = None,
         renumbered: bool = False,
     ) -> None:
         self.store = store
         self.fit_prefix = fit_prefix
-        self.original_rank = rank
-        self.members = list(members)  # registry ranks, in the current numbering
+        self.original_rank = member
+        self.members = list(members)  # member ids, in the current rank order
+        self.max_failure = max_failure
+        self.limit = failure_limit(max_failure, len(self.members))
         self._inherited_renumbering = renumbered
         self.abandoned: list[Any] = []
         self.generation = 0
-        self.losses: list[Loss] = []
+        self.changes: list[Change] = []
         self.liveness_timeout_s = liveness_timeout.total_seconds()
         self.join_timeout_s = join_timeout.total_seconds()
-        self._procs: dict[int, tuple[str, int]] = {}
-        self._beats: dict[int, tuple[int, float]] = {}  # original rank -> (counter, local time it last moved)
+        self.signals = PeerSignals(store, f"{fit_prefix}/membership/left", self.liveness_timeout_s)
         self._next_check = 0.0
-        self.heartbeat = Heartbeat(store, rank, min(1.0, self.liveness_timeout_s / 10.0))
+        self.heartbeat = Heartbeat(store, member, min(1.0, self.liveness_timeout_s / 10.0))
         self.active = True
         """Between set-up and the end of the fit: a peer that leaves is survived."""
 
@@ -146,16 +95,22 @@ class Membership:
 
     @property
     def renumbered(self) -> bool:
-        """Whether the ranks no longer carry their launch numbers (a rank was lost in this job)."""
-        return self._inherited_renumbering or bool(self.losses)
+        """Whether the ranks no longer carry their launch numbers (members changed in this job)."""
+        return self._inherited_renumbering or bool(self.changes)
+
+    @property
+    def losses(self) -> list[Change]:
+        """The changes of this fit that lost ranks, in order."""
+        return [change for change in self.changes if change.is_loss]
 
     @property
     def lost_count(self) -> int:
-        return sum(len(loss.lost) for loss in self.losses)
+        return sum(len(change.lost_ids) for change in self.changes)
 
     @property
     def lost_original(self) -> list[int]:
-        return [r for loss in self.losses for r in loss.lost_original]
+        """Member ids lost during the fit, in the order they were lost."""
+        return [m for change in self.changes for m in change.lost_original]
 
     def close(self) -> None:
         self.active = False
@@ -164,34 +119,34 @@ class Membership:
     def leave(self, reason: str) -> None:
         """Tell the peers that this rank is leaving the fit (an exception): they stop waiting for it."""
         self.active = False
-        try:
-            self.store.set(self._notice_key(self.original_rank), reason[:2000])
-        except Exception:  # the store may be gone; the peers then notice the process is gone
-            pass
+        self.signals.leave(self.original_rank, reason)
 
-    def left_a_notice(self, rank: int) -> bool:
-        """Whether ``rank`` said it was leaving (an exception): it is winding down by itself."""
-        return bool(self.store.check([self._notice_key(rank)]))
+    def left_a_notice(self, member: int) -> bool:
+        return self.signals.left_a_notice(member)
 
-    def _notice_key(self, rank: int) -> str:
-        return f"{self.fit_prefix}/membership/left/{rank}"
+    def process_of(self, member: int) -> Optional[tuple[str, int]]:
+        return self.signals.process_of(member)
+
+    def record(self, change: Change) -> None:
+        """Replace the record of ``change``'s generation (the survival module adds how it regrouped)."""
+        self.changes = [change if c.generation == change.generation else c for c in self.changes]
 
     # -- waiting on a collective --------------------------------------------------------------------
 
     def wait(self, work: Any, host_blocking: bool = True) -> None:
-        """Wait for an async collective, checking the peers' liveness every half second.
+        """Wait for an async collective, checking the peers every half second.
 
         ``host_blocking``: the work's ``wait(timeout)`` blocks the host (gloo); False polls
         ``is_completed()`` instead (NCCL, whose ``wait`` only orders streams).
 
         Raises:
-            PeerFailure: the collective failed, a peer is lost, or survivors already started a regroup.
+            PeerFailure: the collective failed, a peer is lost, or members already started a regroup.
         """
         spin_until = time.monotonic() + _SPIN_S
         while True:
             try:
                 if host_blocking:
-                    work.wait(timeout=timedelta(seconds=_CHECK_INTERVAL_S))
+                    work.wait(timeout=timedelta(seconds=CHECK_INTERVAL_S))
                     return
                 if work.is_completed():
                     work.wait()
@@ -218,73 +173,40 @@ class Membership:
         now = time.monotonic()
         if now < self._next_check:
             return
-        self._next_check = now + _CHECK_INTERVAL_S
+        self._next_check = now + CHECK_INTERVAL_S
         if self.store.check([self._proposal_key(self.generation + 1)]):
             raise PeerFailure("survivors are regrouping after a lost rank")
         lost = self.detect_lost()
         if lost:
             raise PeerFailure(f"rank(s) {sorted(lost)} (original numbering) stopped answering")
 
-    # -- detection -------------------------------------------------------------------------------------
-
     def detect_lost(self) -> dict[int, str]:
-        """Peers (original ranks) this rank can tell are lost, with the reason."""
-        lost: dict[int, str] = {}
-        now = time.monotonic()
-        for peer in self.members:
-            if peer == self.original_rank:
-                continue
-            reason = self._lost_reason(peer, now)
-            if reason is not None:
-                lost[peer] = reason
-        return lost
-
-    def _lost_reason(self, peer: int, now: float) -> Optional[str]:
-        notice = self._notice_key(peer)
-        if self.store.check([notice]):
-            return f"it failed: {self.store.get(notice).decode(errors='replace')}"
-        proc = self.process_of(peer)
-        if proc is not None and process_alive(*proc) is False:
-            return f"its process (pid {proc[1]}) is gone"
-        count = self.store.add(heartbeat_key(peer), 0)
-        seen = self._beats.get(peer)
-        if seen is None or seen[0] != count:
-            self._beats[peer] = (count, now)
-            return None
-        silent = now - seen[1]
-        if silent >= self.liveness_timeout_s:
-            return f"silent for {silent:.0f} s (liveness_timeout={self.liveness_timeout_s:.0f} s)"
-        return None
-
-    def process_of(self, peer: int) -> Optional[tuple[str, int]]:
-        """``(host, pid)`` of an original rank, when it registered."""
-        if peer not in self._procs:
-            key = proc_key(peer)
-            if not self.store.check([key]):
-                return None
-            self._procs[peer] = parse_process(self.store.get(key).decode())
-        return self._procs[peer]
-
+        """Peers (member ids) this rank can tell are lost, with the reason."""
+        return self.signals.lost(m for m in self.members if m != self.original_rank)
 
     # -- agreement -----------------------------------------------------------------------------------
 
     def _proposal_key(self, generation: int) -> str:
         return f"{self.fit_prefix}/membership/gen{generation}/lost"
 
-    def _joined_key(self, generation: int, rank: int) -> str:
-        return f"{self.fit_prefix}/membership/gen{generation}/joined/{rank}"
+    def _joined_key(self, generation: int, member: int) -> str:
+        return f"{self.fit_prefix}/membership/gen{generation}/joined/{member}"
 
-    def agree(self, cause: BaseException) -> Loss:
-        """After a failed round: agree with the other survivors on who is lost, and wait until every
-        survivor has joined the next generation. Returns the loss (already applied).
+    def agree(self, cause: BaseException, epoch_batches: Sequence[int] = ()) -> Change:
+        """After a failed round: agree with the other members on who is lost, and wait until every
+        member has joined the next generation. Returns the change (already applied here).
+
+        ``epoch_batches``: by current rank, the batches of the current epoch each rank had trained
+        at the last completed round (the lost ranks' part of the consensus).
 
         Raises:
             RanksLost: this rank was declared lost by the others (it must leave the fit).
             PeerFailure: nobody could be found lost within the liveness timeout (``cause`` was
                 something else).
         """
-        deadline = time.monotonic() + self.liveness_timeout_s + 2 * _CHECK_INTERVAL_S
-        applied: list[Loss] = []
+        before = tuple(self.members)
+        deadline = time.monotonic() + self.liveness_timeout_s + 2 * CHECK_INTERVAL_S
+        applied: list[Change] = []
         while True:
             proposal = self._read_proposal(self.generation + 1)
             if proposal is None:
@@ -301,11 +223,21 @@ class Membership:
             applied.append(self._apply(proposal))
             missing = self._join(applied[-1].generation)
             if missing is None:
-                loss = _combined(applied)
-                self.losses[-len(applied):] = [loss]  # the record holds what the caller acts on
-                return loss
-            if missing:  # a survivor vanished before it joined: the next generation drops it too
+                return self._settle(combined(applied), len(applied), before, epoch_batches)
+            if missing:  # a member vanished before it joined: the next generation drops it too
                 self._propose(self.generation + 1, missing)
+
+    def _settle(self, change: Change, generations: int, before: tuple[int, ...],
+                epoch_batches: Sequence[int]) -> Change:
+        """The agreed change as the caller acts on it: the lost ranks' trained batches, and whether
+        it reaches ``max_failure``; the record holds it in place of its generations."""
+        lost_ids = change.lost_ids
+        trained = {m: int(epoch_batches[k]) for k, m in enumerate(before) if m in lost_ids and k < len(epoch_batches)}
+        del self.changes[-generations:]
+        lost = self.lost_count + len(change.lost_ids)
+        change = replace(change, trained_batches=trained, ends_fit=self.limit is not None and lost >= self.limit)
+        self.changes.append(change)
+        return change
 
     def _read_proposal(self, generation: int) -> Optional[dict[int, str]]:
         key = self._proposal_key(generation)
@@ -319,26 +251,24 @@ class Membership:
         winner = self.store.compare_set(key, "", mine)
         return {int(k): v for k, v in json.loads(winner).items()}
 
-    def _apply(self, proposal: dict[int, str]) -> Loss:
+    def _apply(self, proposal: dict[int, str]) -> Change:
         if self.original_rank in proposal:
             raise RanksLost(
                 f"ElChe: the other ranks declared this rank (original rank {self.original_rank}) lost "
                 f"({proposal[self.original_rank]}) and went on without it; it leaves the fit."
             )
-        before = list(self.members)
-        survivors = [k for k, r in enumerate(before) if r not in proposal]
-        loss = Loss(
+        before = tuple(self.members)
+        change = Change(
             generation=self.generation + 1,
-            lost=[k for k, r in enumerate(before) if r in proposal],
-            lost_original=sorted(r for r in before if r in proposal),
-            survivors=survivors,
-            reasons={r: proposal[r] for r in before if r in proposal},
+            before=before,
+            after=tuple(m for m in before if m not in proposal),
+            reasons={m: proposal[m] for m in before if m in proposal},
             detected_at=time.time(),
         )
-        self.members = [before[k] for k in survivors]
-        self.generation = loss.generation
-        self.losses.append(loss)
-        return loss
+        self.members = list(change.after)
+        self.generation = change.generation
+        self.changes.append(change)
+        return change
 
     def _join(self, generation: int) -> Optional[dict[int, str]]:
         """Announce this rank in ``generation`` and wait for every member. None when all joined;
@@ -346,36 +276,15 @@ class Membership:
         self.store.set(self._joined_key(generation, self.original_rank), "1")
         deadline = time.monotonic() + self.join_timeout_s
         while True:
-            absent = [r for r in self.members if not self.store.check([self._joined_key(generation, r)])]
+            absent = [m for m in self.members if not self.store.check([self._joined_key(generation, m)])]
             if not absent:
                 return None
             if self.store.check([self._proposal_key(generation + 1)]):
                 return {}
             now = time.monotonic()
-            lost = {r: why for r, why in self.detect_lost().items() if r in absent}
+            lost = {m: why for m, why in self.detect_lost().items() if m in absent}
             if lost:
                 return lost
             if now > deadline:
-                return {r: f"did not join the regroup within {self.join_timeout_s:.0f} s" for r in absent}
+                return {m: f"did not join the regroup within {self.join_timeout_s:.0f} s" for m in absent}
             time.sleep(0.02)
-
-
-def _combined(losses: list[Loss]) -> Loss:
-    """Generations applied one after the other within one agreement (a survivor vanished before
-    it joined), as one loss in the numbering the caller had before the first of them."""
-    first, last = losses[0], losses[-1]
-    if len(losses) == 1:
-        return first
-    survivors = first.survivors  # positions in the caller's numbering, narrowed generation by generation
-    for loss in losses[1:]:
-        survivors = [survivors[k] for k in loss.survivors]
-    lost = sorted(k for k in range(len(first.survivors) + len(first.lost)) if k not in survivors)
-    reasons = {r: why for loss in losses for r, why in loss.reasons.items()}
-    return Loss(
-        generation=last.generation,
-        lost=lost,
-        lost_original=sorted(r for loss in losses for r in loss.lost_original),
-        survivors=survivors,
-        reasons=reasons,
-        detected_at=first.detected_at,
-    )

@@ -192,17 +192,19 @@ _MAX_FAILURE_ALLOWED = (
 )
 
 
-def check_max_failure(value: Any) -> MaxFailure:
-    """``max_failure`` as flodl reads it: None, an int >= 1, or a float fraction in (0, 1]."""
+def check_max_failure(value: Any, subject: Optional[str] = None) -> MaxFailure:
+    """``max_failure`` as flodl reads it: None, an int >= 1, or a float fraction in (0, 1].
+    ``subject`` names the knob and its value in an error (default ``ElCheStrategy(max_failure=v)``)."""
+    subject = subject or f"ElCheStrategy(max_failure={value!r})"
     if value is None:
         return None
     if isinstance(value, bool):
-        raise ValueError(f"ElCheStrategy(max_failure={value!r}) is invalid: {_MAX_FAILURE_ALLOWED}.")
+        raise ValueError(f"{subject} is invalid: {_MAX_FAILURE_ALLOWED}.")
     if isinstance(value, float):
         if not (math.isfinite(value) and 0.0 < value <= 1.0):
-            raise ValueError(f"ElCheStrategy(max_failure={value!r}) is invalid: {_MAX_FAILURE_ALLOWED}.")
+            raise ValueError(f"{subject} is invalid: {_MAX_FAILURE_ALLOWED}.")
         return value
-    return require_int(f"ElCheStrategy(max_failure={value!r})", value, 1, _MAX_FAILURE_ALLOWED)
+    return require_int(subject, value, 1, _MAX_FAILURE_ALLOWED)
 
 
 def failure_limit(max_failure: MaxFailure, world_size: int) -> Optional[int]:

@@ -6,12 +6,13 @@ compute time and loss) and its ``elche/*`` metrics. Nothing here runs a collecti
 training steps: user scalars, which only the rank that logged them knows, are gathered once per
 epoch in ``on_train_epoch_end``, where every rank has left the epoch after the same round.
 
-Lost ranks: a rank-loss listener (``ElCheStrategy.add_rank_loss_listener``) records each loss as
-an ``event`` record (``label: "rank_lost"``) and follows the survivors' new numbering. Because
-the round outcomes carry every rank's numbers, every rank keeps the root's view (the dashboard
-history, the timeline, the report accumulator) and only the current rank 0 writes it out; when
-rank 0 is lost, the new rank 0 takes over the root log (rewritten from its copy) and writes the
-dashboard and the timeline at the end of fit. Rank-log files keep the rank's original number.
+Membership changes: :meth:`ElCheMonitor.apply_change` (the strategy's membership listener)
+records each change as ``event`` records (``label: "rank_lost"`` and ``"rank_joined"``,
+:mod:`~lightning_elche.monitor.changes`) and follows the new numbering. Because the round
+outcomes carry every rank's numbers, every rank keeps the root's view (the dashboard history,
+the timeline, the report accumulator) and only the current rank 0 writes it out; when rank 0 is
+lost, the new rank 0 takes over the root log (rewritten from its copy) and writes the dashboard
+and the timeline at the end of fit. Rank-log files keep the rank's original number.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import os
 import platform
 import time
 import warnings
-from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 import torch
@@ -31,8 +31,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_elche.checks import require_int
 from lightning_elche.engine import RoundOutcome
 from lightning_elche.loop_glue import logged_callback_metrics
-from lightning_elche.membership.agreement import Loss
+from lightning_elche.membership.change import Change
+from lightning_elche.monitor.changes import change_records
 from lightning_elche.monitor.dashboard import dashboard_data, validate_theme, write_dashboard
+from lightning_elche.monitor.gather import gather_entries
 from lightning_elche.monitor.record import (
     CORE_REDUCTIONS,
     DEFAULT_MAX_LOG_BYTES,
@@ -45,47 +47,16 @@ from lightning_elche.monitor.record import (
     validate_reductions,
 )
 from lightning_elche.monitor.reports import ReportAccumulator, ReportScheduler
+from lightning_elche.monitor.round_columns import RoundColumns, logged_scalar
 from lightning_elche.monitor.timeline import Timeline
 from lightning_elche.strategy import ElCheStrategy
+from lightning_elche.summary import FitMembers
+from lightning_elche.version import __version__
 
 ReductionName = Literal["mean", "sum", "max", "min", "last"]
 
 MAX_PENDING = 8192
 """Syncs per epoch whose user scalars are kept for the epoch-end roll-up (thinned evenly beyond)."""
-
-
-def rank_lost_record(loss: Loss, ranks_before: list[int], t: float, ts: float, sync: Optional[int],
-                     epoch: int) -> dict[str, Any]:
-    """The ``event`` record of one agreed loss (without ``node``): who left, why, and who goes on.
-
-    ``ranks_before``: the original rank of each rank in the numbering before the loss. ``sync``:
-    the index of the round that failed (it runs again on the survivors).
-    """
-    survivors = [ranks_before[k] for k in loss.survivors]
-    return {
-        "kind": "event", "label": "rank_lost", "ts": ts, "t": t, "sync": sync, "epoch": epoch,
-        "generation": loss.generation, "lost": list(loss.lost_original),
-        "reasons": {str(rank): why for rank, why in loss.reasons.items()},
-        "survivors": len(survivors), "survivor_ranks": survivors,
-        "trained_batches": {str(rank): n for rank, n in loss.trained_batches.items()},
-        "detected_at": loss.detected_at,
-    }
-
-
-def _scalar(value: Any) -> Optional[float]:
-    """A finite float from a logged value (0-d or 1-element tensor, number), else None."""
-    try:
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                return None
-            out = float(value.detach().reshape(()).to("cpu", torch.float64))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out = float(value)
-        else:
-            return None
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    return out if math.isfinite(out) else None
 
 
 class ElCheMonitor(Callback):
@@ -95,12 +66,12 @@ class ElCheMonitor(Callback):
         record_log_dir: write the record log here: ``rank<r>.jsonl`` per rank (every sync's
             metrics, user scalars and per-rank work; a first ``meta`` record; ``r`` is the rank's
             number at launch) and, on rank 0, ``root.jsonl`` (the cross-rank roll-up). A lost rank
-            is an ``event`` record (``label: "rank_lost"``) in every survivor's file and the root's.
-            ``None``: no files.
+            is an ``event`` record (``label: "rank_lost"``) in every survivor's file and the root's,
+            a joined rank one labelled ``"rank_joined"``. ``None``: no files.
         max_log_size: byte cap of each record-log file (drop-oldest ring; the meta record
             stays). ``None`` or ``0``: 32 MiB. Also caps the in-memory history each rank keeps.
         dashboard_html: at the end of fit, rank 0 (after a lost rank 0: the new rank 0) writes a
-            self-contained HTML dashboard here; lost ranks are markers on its time axes.
+            self-contained HTML dashboard here; lost and joined ranks are markers on its time axes.
         dashboard_theme: ``"light"`` or ``"dark"`` pins the dashboard's theme; ``"auto"`` or
             ``None`` follows the reader's ``prefers-color-scheme``.
         reports_per_epoch: log at most this many ``elche/report/*`` points per epoch, at sync
@@ -157,9 +128,8 @@ class ElCheMonitor(Callback):
         self._active = False
         self._rank = 0
         self._world = 1
-        self._ranks: list[int] = [0]  # the original rank of each current rank
+        self._members = FitMembers([0])  # the original rank (member id) of each current rank
         self._original_rank = 0
-        self._lost_ranks: list[int] = []  # original ranks, in the order they were lost
         self._last_sync: Optional[int] = None
         self._t0 = 0.0
         self._rank_log: Optional[RecordLog] = None
@@ -188,6 +158,10 @@ class ElCheMonitor(Callback):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset_runtime()
+
+    @property
+    def _ranks(self) -> list[int]:
+        return self._members.members
 
     @property
     def is_root(self) -> bool:
@@ -223,8 +197,8 @@ class ElCheMonitor(Callback):
         self._trainer = trainer
         strategy.remove_round_listener(self._on_round)
         strategy.add_round_listener(self._on_round)
-        strategy.remove_rank_loss_listener(self._on_rank_loss)
-        strategy.add_rank_loss_listener(self._on_rank_loss)
+        strategy.remove_rank_loss_listener(self.apply_change)  # also the membership listeners
+        strategy.add_membership_listener(self.apply_change)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = self._strategy
@@ -234,7 +208,7 @@ class ElCheMonitor(Callback):
         self._t0 = time.perf_counter()
         self._rank = int(trainer.global_rank)
         self._world = int(trainer.world_size)
-        self._ranks = strategy.launch_ranks
+        self._members = FitMembers(strategy.launch_ranks)
         self._original_rank = self._ranks[self._rank]
         self._meta = self._build_meta(trainer, strategy)
         if self.record_log_dir is not None:
@@ -269,23 +243,20 @@ class ElCheMonitor(Callback):
     def _build_meta(self, trainer: Trainer, strategy: ElCheStrategy) -> dict[str, Any]:
         import lightning
 
-        try:
-            from lightning_elche import __version__ as elche_version
-        except ImportError:  # pragma: no cover
-            elche_version = "unknown"
         return {
             "ts": time.time(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "world_size": self._world,
             "ranks": list(self._ranks),
             "config": strategy.elche.describe(),
-            "strategy": {"chunk_batches": strategy.chunk_batches, "log_every_n_syncs": strategy.log_every_n_syncs},
+            "strategy": {"chunk_batches": strategy.elche.chunk_batches,
+                         "log_every_n_syncs": strategy.elche.log_every_n_syncs},
             "scalar_reductions": dict(self.scalar_reductions),
             "default_reduction": DEFAULT_SCALAR_REDUCTION,
             "core_reductions": dict(CORE_REDUCTIONS),
             "max_log_size": self.max_log_size,
             "versions": {
-                "lightning_elche": elche_version,
+                "lightning_elche": __version__,
                 "lightning": lightning.__version__,
                 "torch": torch.__version__,
                 "python": platform.python_version(),
@@ -332,18 +303,9 @@ class ElCheMonitor(Callback):
         epoch = int(trainer.current_epoch)
         self._last_sync = outcome.index
         reports = outcome.reports
-        steps = [r.steps for r in reports]
-        total = sum(steps)
-        per_rank = {
-            "steps": steps,
-            "samples": [r.samples for r in reports],
-            "compute_s": [r.compute_s for r in reports],
-            "sync_s": [r.last_sync_s for r in reports],
-            "loss": [r.loss_sum / r.steps if r.steps > 0 else None for r in reports],
-            "batch_share": [s / total if total else None for s in steps],
-            "samples_per_s": [r.samples / r.compute_s if r.compute_s > 0 and r.samples > 0 else None for r in reports],
-        }
-        core = [self._core(per_rank, k) for k in range(self._world)]
+        columns = RoundColumns.of(reports)
+        steps, total, per_rank = columns.steps, sum(columns.steps), columns.as_record()
+        core = [columns.core(k) for k in range(self._world)]
         mine = reports[self._rank]
         scalars = self._user_scalars(trainer) if mine.steps > 0 else {}
         common = {
@@ -364,11 +326,11 @@ class ElCheMonitor(Callback):
             root["divergence"] = metrics["elche/divergence"]
         self._root_record(root)
         if self._timeline is not None:
-            self._timeline.round(outcome.index, t, epoch, steps, per_rank["samples"], per_rank["compute_s"],
-                                 outcome.anchor, [s or 0.0 for s in per_rank["batch_share"]] if total else None)
+            self._timeline.round(outcome.index, t, epoch, steps, columns.samples, columns.compute_s,
+                                 outcome.anchor, [s or 0.0 for s in columns.batch_share] if total else None)
         if self._scheduler is not None and self._accumulator is not None:
-            self._accumulator.add(steps, per_rank["samples"], per_rank["compute_s"],
-                                  [r.loss_sum for r in reports], per_rank["sync_s"])
+            self._accumulator.add(steps, columns.samples, columns.compute_s, [r.loss_sum for r in reports],
+                                  columns.sync_s)
             if self._scheduler.add(total):
                 self._log_report(trainer, outcome, t)
 
@@ -383,21 +345,12 @@ class ElCheMonitor(Callback):
             self._pending_stride *= 2
             self._pending = [e for e in self._pending if e["sync"] % self._pending_stride == 0]
 
-    @staticmethod
-    def _core(per_rank: Mapping[str, list[Any]], k: int) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for key in ("loss", "samples_per_s", "batch_share", "steps", "samples", "compute_s", "sync_s"):
-            value = per_rank[key][k]
-            if value is not None:
-                out[key] = float(value)
-        return out
-
     def _user_scalars(self, trainer: Trainer) -> dict[str, float]:
         out: dict[str, float] = {}
         for name, value in trainer.callback_metrics.items():
             if name in self._val_keys or name.startswith("elche/"):
                 continue
-            v = _scalar(value)
+            v = logged_scalar(value)
             if v is not None:
                 out[name] = v
         return out
@@ -464,7 +417,7 @@ class ElCheMonitor(Callback):
             logged = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val")}
         out: dict[str, float] = {}
         for name, value in logged.items():
-            v = _scalar(value)
+            v = logged_scalar(value)
             if v is not None and not name.startswith("elche/"):
                 out[name] = v
         return out
@@ -483,35 +436,9 @@ class ElCheMonitor(Callback):
 
     def _gather_pending(self, trainer: Trainer) -> list[list[dict[str, Any]]]:
         """Every rank's per-sync user scalars of this epoch (on every rank); collective when W > 1."""
-        import json
-
         # Each rank dates its roll-up with its own clock: the times stay home.
         entries = [{k: v for k, v in e.items() if k != "t"} for e in self._pending]
-        try:
-            payload = json.dumps(entries, separators=(",", ":"), allow_nan=False).encode("utf-8")
-        except (TypeError, ValueError):
-            payload = b"[]"
-        if self._world == 1:
-            blobs = [payload]
-        else:
-            strategy = trainer.strategy
-            device = strategy.root_device
-            size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-            sizes = strategy.all_gather(size).reshape(-1).tolist()
-            length = max(1, int(max(sizes)))
-            buffer = torch.zeros(length, dtype=torch.uint8)
-            if payload:
-                buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            rows = strategy.all_gather(buffer.to(device)).reshape(self._world, length).cpu()
-            blobs = [bytes(rows[k, : int(sizes[k])].tolist()) for k in range(self._world)]
-        out: list[list[dict[str, Any]]] = []
-        for blob in blobs:
-            try:
-                entries = json.loads(blob.decode("utf-8")) if blob else []
-            except ValueError:
-                entries = []
-            out.append(entries if isinstance(entries, list) else [])
-        return out
+        return gather_entries(trainer.strategy, entries, self._world)
 
     def _close_epoch(self, trainer: Trainer, epoch: int, gathered: list[list[dict[str, Any]]]) -> None:
         t = self._now()
@@ -551,7 +478,7 @@ class ElCheMonitor(Callback):
             self._finish(trainer, "teardown")
             if self._strategy is not None:
                 self._strategy.remove_round_listener(self._on_round)
-                self._strategy.remove_rank_loss_listener(self._on_rank_loss)
+                self._strategy.remove_rank_loss_listener(self.apply_change)
 
     def _finish(self, trainer: Trainer, how: str) -> None:
         if not self._active or self._written:
@@ -572,7 +499,8 @@ class ElCheMonitor(Callback):
                 write_dashboard(self.dashboard_html, dashboard_data(records, dropped=dropped), self.dashboard_theme)
             if self.is_root and self._timeline is not None and self.timeline is not None:
                 self._timeline.write(self.timeline, {"world_size": self._world, "end": how,
-                                                     "lost_ranks": list(self._lost_ranks)})
+                                                     "lost_ranks": list(self._members.lost),
+                                                     "joined_ranks": list(self._members.joined)})
         except Exception as err:
             self._warn_once("writing the dashboard or timeline", err)
         finally:
@@ -582,67 +510,77 @@ class ElCheMonitor(Callback):
             self._active = False
 
     def _rank_totals(self) -> list[dict[str, Any]]:
-        """Whole-fit totals: one row per survivor (its current rank), then one per lost rank (``lost``)."""
+        """Whole-fit totals: one row per current rank (``joined`` when it joined during the fit), then
+        one per lost rank (``lost``)."""
         progress = self._strategy.progress if self._strategy is not None else None
         if progress is None:
             return []
-        rows = [{"rank": k, "original_rank": self._ranks[k] if k < len(self._ranks) else k, "steps": tot.steps,
-                 "samples": tot.samples, "compute_s": tot.compute_s, "sync_s": tot.sync_s}
-                for k, tot in enumerate(progress.totals)]
+        members = self._members
+        rows: list[dict[str, Any]] = [
+            {"rank": k, "original_rank": members.members[k] if k < len(members.members) else k, "steps": tot.steps,
+             "samples": tot.samples, "compute_s": tot.compute_s, "sync_s": tot.sync_s}
+            for k, tot in enumerate(progress.totals)]
+        for k in members.joined_ranks:
+            if k < len(rows):
+                rows[k]["joined"] = True  # its totals count from its join
         # The engine keeps the lost ranks' totals in the order they were lost, as this monitor does.
-        lost_totals = progress.lost_totals if self._lost_ranks else ()
-        for original, tot in zip(self._lost_ranks, lost_totals, strict=False):
+        lost_totals = progress.lost_totals if members.lost else ()
+        for original, tot in zip(members.lost, lost_totals, strict=False):
             rows.append({"rank": None, "original_rank": original, "lost": True, "steps": tot.steps,
                          "samples": tot.samples, "compute_s": tot.compute_s, "sync_s": tot.sync_s})
         return rows
 
-    # -- lost ranks ----------------------------------------------------------------------------
+    # -- membership changes -----------------------------------------------------------------
 
-    def _on_rank_loss(self, loss: Loss) -> None:
-        """Runs on every survivor after the regroup, before the failed round runs again (no collectives)."""
+    def apply_change(self, change: Change) -> None:
+        """Follow a change of the fit's members (a ``ChangeHolder``, and the strategy's membership
+        listener): its ``rank_lost`` and ``rank_joined`` events, the new numbering of the root's
+        view. Runs on every member after the regroup, before the next round (no collectives);
+        never fails training."""
         if not self._active:
             return
         try:
-            self._record_rank_loss(loss)
+            self._record_change(change)
         except Exception as err:  # the monitor must never fail training
-            self._warn_once("recording a lost rank", err)
+            self._warn_once("recording a lost rank" if change.is_loss else "recording a joined rank", err)
 
-    def _record_rank_loss(self, loss: Loss) -> None:
+    def _record_change(self, change: Change) -> None:
         t, ts = self._now(), time.time()
         trainer = self._trainer
         epoch = int(trainer.current_epoch) if trainer is not None else 0
-        before = list(self._ranks)
-        if len(before) != len(loss.survivors) + len(loss.lost):
-            raise RuntimeError(f"the loss names {len(loss.survivors) + len(loss.lost)} ranks, the monitor knew "
-                               f"{len(before)}")
-        # The failed round runs again under the next index (the loss may come before this fit's first round).
+        # The next round has the next index: after a loss, the failed round runs again (a change may come
+        # before this fit's first round).
         progress = self._strategy.progress if self._strategy is not None else None
         done = getattr(progress, "rounds", None)
         done = int(done) if isinstance(done, int) else self._last_sync
         sync = done + 1 if done is not None else None
-        record = rank_lost_record(loss, before, t, ts, sync, epoch)
-        self._ranks = [before[k] for k in loss.survivors]
+        self._members.apply_change(change)
         self._world = len(self._ranks)
         self._rank = self._ranks.index(self._original_rank)
         strategy = self._strategy
         if strategy is not None and (strategy.global_rank, strategy.world_size) != (self._rank, self._world):
             raise RuntimeError(f"the monitor renumbered this rank to {self._rank} of {self._world}, the strategy to "
                                f"{strategy.global_rank} of {strategy.world_size}")
-        self._lost_ranks.extend(loss.lost_original)
-        record["rank"] = self._rank
+        records = change_records(change, t, ts, sync, epoch)
         if self._rank_log is not None:
-            self._rank_log.append({**record, "node": self._node})
+            for record in records:
+                self._rank_log.append({**record, "node": self._node, "rank": self._rank})
         if self._accumulator is not None:
-            self._accumulator.retain(loss.survivors)
+            self._accumulator.apply_change(change)
         if self._timeline is not None:
-            self._timeline.ranks_lost(t, loss.generation, list(loss.lost_original), self._ranks,
-                                      record["reasons"], sync)
-        root = {**record, "node": "root"}
-        root.pop("rank")
+            if change.is_loss:
+                self._timeline.ranks_lost(t, change.generation, list(change.lost_original),
+                                          [change.before[k] for k in change.survivors],
+                                          {str(m): why for m, why in change.reasons.items()}, sync)
+            if change.is_join:
+                self._timeline.ranks_joined(t, change.generation, list(change.joined_ids), self._ranks, sync)
+        roots = [{**record, "node": "root"} for record in records]
         if self.is_root and self._root_log is None and self.record_log_dir is not None:
-            # Rank 0 was lost: this rank is the root from now on; its copy already ends with the event.
+            # Rank 0 was lost: this rank is the root from now on; its copy already ends with the events.
             if self._history is not None:
-                self._history.append(root)
+                for root in roots:
+                    self._history.append(root)
             self._open_root_log()
         else:
-            self._root_record(root)
+            for root in roots:
+                self._root_record(root)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_elche.checks import require_int
+from lightning_elche.membership.change import Change
 
 
 class ReportScheduler:
@@ -62,16 +63,20 @@ class ReportAccumulator:
                              f"world_size={self.world_size}")
         self.reset()
 
-    def retain(self, survivors: Sequence[int]) -> None:
-        """After a loss: keep the rows of ``survivors`` (indices in the numbering before it), in that order."""
+    def apply_change(self, change: Change) -> None:
+        """Follow a change of the fit's ranks: the survivors' rows in their new order, labelled as
+        before; a joiner's row starts empty, labelled with its member id."""
         assert self.ranks is not None
-        self.ranks = [self.ranks[k] for k in survivors]
+        if change.world_size_before != self.world_size:
+            raise ValueError(f"ReportAccumulator.apply_change(change=Change(before={list(change.before)}, ...)) is "
+                             f"invalid: expected a change of the accumulator's {self.world_size} ranks.")
+        self.ranks = [self.ranks[k] for k in change.survivors] + list(change.joined_ids)
         self.world_size = len(self.ranks)
-        self.steps = [self.steps[k] for k in survivors]
-        self.samples = [self.samples[k] for k in survivors]
-        self.compute_s = [self.compute_s[k] for k in survivors]
-        self.loss_sum = [self.loss_sum[k] for k in survivors]
-        self.sync_s = [self.sync_s[k] for k in survivors]
+        self.steps = change.carry(self.steps, lambda: 0)
+        self.samples = change.carry(self.samples, lambda: 0)
+        self.compute_s = change.carry(self.compute_s, lambda: 0.0)
+        self.loss_sum = change.carry(self.loss_sum, lambda: 0.0)
+        self.sync_s = change.carry(self.sync_s, lambda: 0.0)
 
     def reset(self) -> None:
         n = self.world_size

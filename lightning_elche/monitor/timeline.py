@@ -8,11 +8,12 @@ for ``compute_s`` seconds, then ``sync`` (waiting for peers plus the reduce) unt
 
 Event kinds: ``window`` and ``sync`` slices per rank ("X"), ``validation`` slices, ``epoch N``
 slices on a ``cohort`` track, and instant events ("i") for ``anchor_changed`` (from/to),
-``throttle`` (a rank's batch share fell under half an equal share), epoch boundaries and
-``rank_lost`` (a global marker, plus one on each lost rank's track).
+``throttle`` (a rank's batch share fell under half an equal share), epoch boundaries,
+``rank_lost`` and ``rank_joined`` (a global marker, plus one on each lost or joined rank's track).
 
-Each rank's track (``pid``) is its number at launch, so a rank keeps its track when the ranks
-are renumbered after a loss; a lost rank's track simply ends.
+Each rank's track (``pid``) is its number at launch (a joiner's: its member id), so a rank keeps
+its track when the ranks are renumbered after a change; a lost rank's track simply ends, a
+joiner's starts at its marker.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Timeline:
             raise ValueError(f"Timeline(ranks={self.ranks!r}) names {len(self.ranks)} ranks, expected "
                              f"world_size={self.world_size}")
         self.tracks: list[int] = list(self.ranks)  # every track that ever had a rank
+        self.joined: list[int] = []  # tracks of ranks that joined during the fit
         self.events: deque[dict[str, Any]] = deque(maxlen=max(16, int(max_events)))
         self.dropped = 0
         self._last_round_end: Optional[float] = None
@@ -145,12 +147,28 @@ class Timeline:
         self.ranks = list(survivors)
         self.world_size = len(self.ranks)
 
+    def ranks_joined(self, t: float, generation: int, joined: Sequence[int], ranks: Sequence[int],
+                     sync: Optional[int] = None) -> None:
+        """Ranks ``joined`` (member ids) joined at ``t``; ``ranks`` (member ids) are the new ranks 0, 1, ..."""
+        args = {"generation": generation, "joined": list(joined), "ranks": list(ranks), "sync": sync}
+        label = "rank_joined: " + ", ".join(f"rank {r}" for r in joined)
+        self._add({"name": label, "ph": "i", "s": "g", "pid": 0, "tid": TRAIN_TID, "ts": _us(t),
+                   "cat": "rank_joined", "args": args})
+        for pid in joined:
+            self._add({"name": "rank_joined", "ph": "i", "s": "p", "pid": pid, "tid": TRAIN_TID, "ts": _us(t),
+                       "cat": "rank_joined", "args": args})
+            if pid not in self.tracks:
+                self.tracks.append(pid)
+            self.joined.append(pid)
+        self.ranks = list(ranks)
+        self.world_size = len(self.ranks)
+
     # -- output --------------------------------------------------------------------------------
 
     def metadata(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for k in self.tracks:
-            name = f"rank {k}" if k in self.ranks else f"rank {k} (lost)"
+            name = f"rank {k}" + (" (joined)" if k in self.joined else "") + ("" if k in self.ranks else " (lost)")
             out.append({"name": "process_name", "ph": "M", "pid": k, "tid": 0, "args": {"name": name}})
             out.append({"name": "process_sort_index", "ph": "M", "pid": k, "tid": 0, "args": {"sort_index": k}})
             out.append({"name": "thread_name", "ph": "M", "pid": k, "tid": TRAIN_TID, "args": {"name": "train"}})

@@ -1,16 +1,27 @@
-"""The contract between the round protocol and a transport."""
+"""The contract between the round protocol and a transport, and how a plane is chosen.
+
+A plane is one class in one file of this package, for one :class:`~lightning_elche.config.Transport`
+(its ``transport`` class attribute): defining the class registers it, and :func:`build_plane`
+builds the plane of a run mode's transport from a :class:`PlaneSetup`. A plane owns whatever
+groups it needs beyond the default one, and rebuilds them when it takes a membership change.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional
+from datetime import timedelta
+from typing import Any, ClassVar, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_elche.averaging import AveragedLayout, RoundWeights
+from lightning_elche.config import RunMode, Transport
 from lightning_elche.membership.agreement import Membership
+from lightning_elche.membership.change import Change
+from lightning_elche.outer import OuterOptimizer
 from lightning_elche.rounds import Meta, RanksOutOfStep
 
 
@@ -27,6 +38,38 @@ class RoundResult:
     divergence: Optional[Tensor]
 
 
+@dataclass(frozen=True)
+class PlaneSetup:
+    """What every rank builds its plane from, at the start of a fit."""
+
+    layout: AveragedLayout
+    rank: int
+    world_size: int
+    device: torch.device
+    """The rank's own device."""
+    run_mode: RunMode
+    gamma: float
+    outer: Optional[OuterOptimizer]
+    """The outer optimizer the plane applies to each consensus (None: plain averaging)."""
+    watch: Optional[Membership]
+    """Waits for the round's collectives while checking the peers (None: plain waits)."""
+    round_timeout: timedelta
+    """How long a round on a group of the plane's own may wait for a silent peer."""
+
+
+_PLANES: dict[Transport, type[AveragingPlane]] = {}
+
+
+def build_plane(setup: PlaneSetup) -> AveragingPlane:
+    """The plane of ``setup.run_mode``'s transport. Every rank calls it at the same point of the
+    fit (a plane may create a process group)."""
+    if setup.run_mode.transport not in _PLANES:
+        known = ", ".join(t.value for t in _PLANES)
+        raise ValueError(f"No averaging plane is registered for transport {setup.run_mode.transport.value!r} "
+                         f"(registered: {known}).")
+    return _PLANES[setup.run_mode.transport].build(setup)
+
+
 class AveragingPlane(ABC):
     """Moves one round's metadata and replicas between ranks.
 
@@ -36,8 +79,21 @@ class AveragingPlane(ABC):
     the rank keep training between :meth:`start` and :meth:`collect`.
     """
 
+    transport: ClassVar[Optional[Transport]] = None
+    """The transport this plane serves; a concrete plane sets it, which registers the class."""
+
     #: Whether training may continue while a round is in flight.
     non_blocking: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.transport is not None:
+            _PLANES[cls.transport] = cls
+
+    @classmethod
+    def build(cls, setup: PlaneSetup) -> AveragingPlane:
+        """This plane for a fit, from what every rank knows (see :func:`build_plane`)."""
+        raise NotImplementedError(f"{cls.__name__} does not build from a PlaneSetup.")
 
     @property
     def round_bytes(self) -> int:
@@ -62,19 +118,20 @@ class AveragingPlane(ABC):
     def close(self) -> None:  # noqa: B027 (optional hook, default: nothing to release)
         """Release threads, groups and buffers (idempotent)."""
 
-    # -- after a lost rank ---------------------------------------------------------------------
+    # -- after a membership change ---------------------------------------------------------------
 
     watch: Optional[Membership] = None
     """Waits for the round's collectives while checking the peers' liveness (None: plain waits)."""
 
-    def regroup(self, group: Optional[Any], rank: int, world_size: int) -> None:
-        """Continue on the survivors' group, as ``rank`` of ``world_size``. The round whose
-        :meth:`collect` raised :class:`PeerFailure` is kept: :meth:`retry` runs it again."""
-        raise NotImplementedError(f"{type(self).__name__} cannot continue after a lost rank.")
+    def apply_change(self, change: Change) -> None:
+        """Continue with ``change.after`` on the rebuilt default group (and groups of its own,
+        rebuilt here by every member in the same order). The round whose :meth:`collect` raised
+        :class:`PeerFailure` is kept: :meth:`retry` runs it again."""
+        raise NotImplementedError(f"{type(self).__name__} cannot continue after a membership change.")
 
     def retry(self) -> None:  # noqa: B027 (blocking planes run the whole round in collect)
-        """Run the failed round again, on the group given to :meth:`regroup`, with this rank's same
-        contribution; the next :meth:`collect` returns it."""
+        """Run the failed round again, on the groups of the last :meth:`apply_change`, with this
+        rank's same contribution; the next :meth:`collect` returns it."""
 
     def _await(self, work: Any, host_blocking: bool = True) -> None:
         if self.watch is None:

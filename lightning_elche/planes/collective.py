@@ -16,9 +16,24 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_elche.averaging import AveragedLayout, FlatTensors, RoundWeights, divergence_norms, round_weights
+from lightning_elche.config import Transport
+from lightning_elche.membership.change import Change
 from lightning_elche.outer import OuterOptimizer
-from lightning_elche.planes.base import AveragingPlane, RoundResult, all_gather_flat, check_layout, stamp_layout
+from lightning_elche.planes.base import (
+    AveragingPlane,
+    PlaneSetup,
+    RoundResult,
+    all_gather_flat,
+    check_layout,
+    stamp_layout,
+)
 from lightning_elche.rounds import Meta, validate_table
+
+
+def default_group_device(rank_device: torch.device) -> torch.device:
+    """Where tensors of the default group's collectives live: the rank's device under NCCL, else the host."""
+    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "gloo"
+    return rank_device if "nccl" in str(backend) else torch.device("cpu")
 
 
 class CollectivePlane(AveragingPlane):
@@ -32,6 +47,15 @@ class CollectivePlane(AveragingPlane):
         outer: outer optimizer applied to the parameter consensus (``None``: plain averaging).
         group: the process group; ``None`` is the default group.
     """
+
+    transport = Transport.DEVICE
+
+    @classmethod
+    def build(cls, setup: PlaneSetup) -> CollectivePlane:
+        plane = cls(setup.layout, setup.rank, setup.world_size, default_group_device(setup.device),
+                    gamma=setup.gamma, outer=setup.outer)
+        plane.watch = setup.watch
+        return plane
 
     def __init__(
         self,
@@ -88,8 +112,11 @@ class CollectivePlane(AveragingPlane):
         self._local = None  # kept until here: a round that failed on a lost peer is run again
         return result
 
-    def regroup(self, group: Optional[Any], rank: int, world_size: int) -> None:
-        self.group, self.rank, self.world_size = group, rank, world_size
+    def apply_change(self, change: Change) -> None:
+        rank = change.new_rank(self.rank)
+        assert rank is not None, "a lost rank does not take the change"
+        # The default group was rebuilt on the new members (a group of the caller's stays its own).
+        self.rank, self.world_size = rank, change.world_size_after
         self._meta_out = None
         self._premul_backend = None
 
@@ -141,6 +168,7 @@ class CollectivePlane(AveragingPlane):
         """The wire part of a round: SUM all-reduce each flat buffer in place, every rank's values
         scaled by its ``factor`` (one collective per buffer, all in flight at once); the works
         when not ``wait``."""
+        op: Any
         if self._premul:
             op = dist._make_nccl_premul_sum(factor)
         else:

@@ -32,9 +32,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_elche.averaging import AveragedLayout, FlatTensors, divergence_norms, round_weights, weighted_sum_into
-from lightning_elche.membership.change import PeerFailure
+from lightning_elche.config import Transport
+from lightning_elche.membership.change import Change, PeerFailure
+from lightning_elche.membership.groups import abandon_group, new_side_group, release_group
 from lightning_elche.outer import OuterOptimizer
-from lightning_elche.planes.base import AveragingPlane, RoundResult, all_gather_flat, check_layout, stamp_layout
+from lightning_elche.planes.base import (
+    AveragingPlane,
+    PlaneSetup,
+    RoundResult,
+    all_gather_flat,
+    check_layout,
+    stamp_layout,
+)
 from lightning_elche.rounds import Meta, validate_table
 
 _STOP = object()
@@ -122,7 +131,8 @@ class CpuPlane(AveragingPlane):
             (reference, consensus and accumulation in f32).
         non_blocking: let training continue while a round is in flight (``cpu_async``).
         snapshot_timeout: how long a round may wait for a silent peer before failing.
-        group: the gloo group (created by the caller on every rank, in the same order).
+        group: the gloo group (created on every rank, in the same order; :meth:`build` makes one
+            and rebuilds it at every membership change).
         error_feedback: with ``bf16_wire``, add each round's rounding residual to the next
             round's delta.
 
@@ -130,6 +140,21 @@ class CpuPlane(AveragingPlane):
     right after it made every replica identical (and after a checkpoint was loaded, so a resumed
     run starts from the loaded consensus on every rank).
     """
+
+    transport = Transport.HOST
+
+    @classmethod
+    def build(cls, setup: PlaneSetup) -> CpuPlane:
+        run_mode = setup.run_mode
+        plane = cls(setup.layout, setup.rank, setup.world_size, gamma=setup.gamma, outer=setup.outer,
+                    bf16_wire=run_mode.bf16_wire, non_blocking=not run_mode.blocking,
+                    snapshot_timeout=setup.round_timeout, group=new_side_group(setup.round_timeout))
+        plane.watch = setup.watch
+        plane.owns_group = True
+        return plane
+
+    owns_group = False
+    """The group was made by :meth:`build`: the plane rebuilds it at a change and releases it at close."""
 
     def __init__(
         self,
@@ -251,9 +276,14 @@ class CpuPlane(AveragingPlane):
     def ready(self) -> bool:
         return self._done.is_set()
 
-    def regroup(self, group: Optional[Any], rank: int, world_size: int) -> None:
-        self.group, self.rank, self.world_size = group, rank, world_size
+    def apply_change(self, change: Change) -> None:
+        rank = change.new_rank(self.rank)
+        assert rank is not None, "a lost rank does not take the change"
+        self.rank, self.world_size = rank, change.world_size_after
         self._gathered = None  # one slot per rank
+        if self.owns_group:
+            # The old group is gone with the old default group; every member builds the new one here.
+            self.group = new_side_group(self.snapshot_timeout)
 
     def retry(self) -> None:
         # The parameter snapshot is intact (the round reduces copies of it); the buffers are
@@ -274,6 +304,8 @@ class CpuPlane(AveragingPlane):
                 "(a peer went silent). Raise ElCheStrategy(snapshot_timeout=...) if windows are that long."
             ) from None
         self._busy = False
+        if isinstance(outcome, PeerFailure) and self.owns_group:
+            abandon_group(self.group, self.watch)  # it may still wait on the lost peer
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
@@ -298,6 +330,9 @@ class CpuPlane(AveragingPlane):
             self.params.release()
             if self.buffers is not None:
                 self.buffers.release()
+        if self.owns_group and self.group is not None:
+            release_group(self.group)
+            self.group = None
 
     @property
     def closed(self) -> bool:

@@ -1,0 +1,103 @@
+"""Process-group surgery, in one place: the default group of the current members, and the side
+groups a plane keeps for itself.
+
+After a change the default group is rebuilt on the new members: NCCL's own ``shrink_group`` where
+the installed torch and NCCL offer it (losses only), else a new group on the store keys of the
+new generation. Either way every other group is gone, so a plane that keeps a side group builds a
+new one (:func:`new_side_group`) when it takes the change, and lets the broken one go with
+:func:`abandon_group`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_elche.job_store import generation_prefix
+from lightning_elche.membership.agreement import Membership
+from lightning_elche.membership.change import Change
+
+log = logging.getLogger(__name__)
+
+
+def new_side_group(timeout: timedelta) -> Any:
+    """A gloo group over the current members (every member calls it, in the same order)."""
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def abandon_group(group: Any, watch: Optional[Membership]) -> None:
+    """Let a group that may still wait on a lost member go: abort it, and keep it referenced (its
+    release would join transport threads blocked until the group's timeout)."""
+    with contextlib.suppress(Exception):
+        group.abort()
+    if watch is not None:
+        watch.abandon(group)
+
+
+def release_group(group: Any) -> None:
+    """Destroy a side group at the end of a fit (nothing to do once the default group is gone)."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
+
+
+def _default_group_shrinks() -> bool:
+    """Whether the default group's backend can drop ranks in place (NCCL >= 2.27 with torch >= 2.10)."""
+    if not hasattr(dist.distributed_c10d, "shrink_group") or "nccl" not in str(dist.get_backend()):
+        return False
+    try:
+        world = dist.group.WORLD
+        backend = world._get_backend(torch.device("cuda")) if world is not None else None
+        return bool(getattr(backend, "supports_shrinking", False))
+    except Exception:
+        return False
+
+
+class ProcessGroups:
+    """The default process group of the fit's current members.
+
+    Args:
+        membership: the fit's members (store, key prefix, generation, this rank's number).
+        timeout: the transport's collective timeout (``DDPStrategy(timeout=...)``).
+        device: the rank's CUDA device for NCCL's eager init (None on CPU).
+    """
+
+    def __init__(self, membership: Membership, timeout: Optional[timedelta], device: Optional[torch.device]) -> None:
+        self.membership = membership
+        self.timeout = timeout
+        self.device = device
+
+    def rebuild(self, change: Change) -> str:
+        """Move the default group to ``change.after``; returns how (``"shrink_group"`` or ``"new group"``).
+
+        Shrinking destroys the other groups; so does a new group: every plane rebuilds its own
+        side group when it takes the change."""
+        if not change.is_join and _default_group_shrinks() and self._shrink(change.lost):
+            return "shrink_group"
+        self._reinit()
+        return "new group"
+
+    def _shrink(self, lost: list[int]) -> bool:
+        # SHRINK_ABORT first aborts the collectives still waiting on the lost ranks.
+        try:
+            dist.distributed_c10d.shrink_group(lost, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+        except Exception as error:  # e.g. an NCCL build without shrink support: build a new group
+            log.warning(f"ElCheStrategy: shrink_group failed ({error}); building a new group over the store.")
+            return False
+        return True
+
+    def _reinit(self) -> None:
+        membership = self.membership
+        backend = dist.get_backend()
+        # A collective stuck on a lost rank must not hold the group, nor may its release wait for it.
+        abandon_group(dist.group.WORLD, membership)
+        dist.destroy_process_group()
+        store = dist.PrefixStore(f"{membership.fit_prefix}/{generation_prefix(membership.generation)}/",
+                                 membership.store)
+        dist.init_process_group(backend, store=store, rank=membership.rank, world_size=membership.world_size,
+                                timeout=self.timeout, device_id=self.device)

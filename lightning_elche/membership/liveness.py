@@ -1,0 +1,133 @@
+"""How a rank tells that a peer is gone: heartbeats, exit notices and the peer's process.
+
+Every rank keeps a heartbeat counter in the job's store (a background thread bumps it), and a rank
+that fails with an exception leaves a notice there before it exits. A peer is lost on the first of
+three signals, the fastest first:
+
+* it left a notice (an exception in its training step, a clean exit);
+* its process is gone (same host only: ``kill -9``, a crash, the OOM killer);
+* its heartbeat did not move for ``liveness_timeout`` (a stopped or hung process, a remote host
+  that vanished).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any, Optional
+
+from lightning_elche.job_store import heartbeat_key, parse_process, proc_key, process_alive
+
+DEFAULT_LIVENESS_TIMEOUT = timedelta(seconds=30)
+
+
+def resolve_liveness_timeout(value: Any, transport_timeout: Optional[timedelta]) -> timedelta:
+    """The liveness timeout to use: ``value`` (checked), or by default 30 s, or half the transport's
+    timeout when that is shorter (a lost rank must be found before the transport gives up)."""
+    if value is not None:
+        return check_liveness_timeout(value)
+    if transport_timeout is None or transport_timeout >= 2 * DEFAULT_LIVENESS_TIMEOUT:
+        return DEFAULT_LIVENESS_TIMEOUT
+    return max(timedelta(seconds=1), transport_timeout / 2)
+
+
+def check_liveness_timeout(value: Any) -> timedelta:
+    if not isinstance(value, timedelta) or value.total_seconds() < 1.0:
+        raise ValueError(
+            f"ElCheStrategy(liveness_timeout={value!r}) is invalid: expected a timedelta of at least 1 second "
+            "(a peer silent for that long is declared lost)."
+        )
+    return value
+
+
+class Heartbeat:
+    """A daemon thread bumping this rank's heartbeat counter in the store (its own connection)."""
+
+    def __init__(self, store: Any, rank: int, interval_s: float) -> None:
+        self._store = store.clone() if hasattr(store, "clone") else store
+        self._key = heartbeat_key(rank)
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"elche-heartbeat-rank{rank}", daemon=True)
+        self._store.add(self._key, 1)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._store.add(self._key, 1)
+            except Exception:  # the store is gone: the job is ending; peers see this rank silent
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._interval_s + 5.0)
+
+
+class PeerSignals:
+    """What the store and this host say about the job's members (by member id).
+
+    Args:
+        store: the job's store.
+        notice_prefix: the key prefix under which members of this fit leave their exit notices.
+        liveness_timeout_s: how long a heartbeat may stand still before its member is lost.
+    """
+
+    def __init__(self, store: Any, notice_prefix: str, liveness_timeout_s: float) -> None:
+        self.store = store
+        self.notice_prefix = notice_prefix
+        self.liveness_timeout_s = liveness_timeout_s
+        self._procs: dict[int, tuple[str, int]] = {}
+        self._beats: dict[int, tuple[int, float]] = {}  # member -> (counter, local time it last moved)
+
+    def notice_key(self, member: int) -> str:
+        return f"{self.notice_prefix}/{member}"
+
+    def leave(self, member: int, reason: str) -> None:
+        """Leave ``member``'s exit notice (best effort: the store may be gone)."""
+        try:
+            self.store.set(self.notice_key(member), reason[:2000])
+        except Exception:  # the peers then notice the process is gone
+            pass
+
+    def left_a_notice(self, member: int) -> bool:
+        """Whether ``member`` said it was leaving (an exception): it is winding down by itself."""
+        return bool(self.store.check([self.notice_key(member)]))
+
+    def lost(self, members: Iterable[int]) -> dict[int, str]:
+        """The members among ``members`` that this rank can tell are lost, with the reason."""
+        now = time.monotonic()
+        found: dict[int, str] = {}
+        for member in members:
+            reason = self._lost_reason(member, now)
+            if reason is not None:
+                found[member] = reason
+        return found
+
+    def _lost_reason(self, member: int, now: float) -> Optional[str]:
+        notice = self.notice_key(member)
+        if self.store.check([notice]):
+            return f"it failed: {self.store.get(notice).decode(errors='replace')}"
+        proc = self.process_of(member)
+        if proc is not None and process_alive(*proc) is False:
+            return f"its process (pid {proc[1]}) is gone"
+        count = self.store.add(heartbeat_key(member), 0)
+        seen = self._beats.get(member)
+        if seen is None or seen[0] != count:
+            self._beats[member] = (count, now)
+            return None
+        silent = now - seen[1]
+        if silent >= self.liveness_timeout_s:
+            return f"silent for {silent:.0f} s (liveness_timeout={self.liveness_timeout_s:.0f} s)"
+        return None
+
+    def process_of(self, member: int) -> Optional[tuple[str, int]]:
+        """``(host, pid)`` of a member, when it registered."""
+        if member not in self._procs:
+            key = proc_key(member)
+            if not self.store.check([key]):
+                return None
+            self._procs[member] = parse_process(self.store.get(key).decode())
+        return self._procs[member]

@@ -1,0 +1,135 @@
+"""The one home for carrying a fit on after its members changed.
+
+When a round fails on a lost peer, the engine hands the failure to :class:`Survival`, which
+does everything in one order, on every member:
+
+1. agree on the change (:meth:`Membership.agree`, which also judges ``max_failure``);
+2. fence: a stopped or hung rank on this host is killed, so that it cannot wake into a job that
+   went on without it (a rank that left a notice is ending by itself);
+3. rebuild the default process group on the new members (:mod:`~lightning_elche.membership.groups`);
+4. hand the change to every holder of per-rank state (``apply_change``), in a fixed order:
+   Lightning's rank view, the session, the dispatch, the engine (its controller and plane,
+   which rebuilds its own side group), then the listeners;
+5. warn.
+
+The engine then runs the failed round again on the new group. Nothing here knows the strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, Optional, Protocol
+
+from lightning_elche.job_store import process_alive
+from lightning_elche.membership.agreement import Membership
+from lightning_elche.membership.change import Change, ChangeHolder, PeerFailure
+from lightning_elche.membership.groups import ProcessGroups
+
+log = logging.getLogger(__name__)
+
+
+class RankLostWarning(UserWarning):
+    """A rank was lost and the survivors went on without it."""
+
+
+class EpochHandover(Protocol):
+    """What the dispatch answers after a change: how many batches the lost ranks left in the epoch."""
+
+    @property
+    def returned_batches(self) -> int: ...
+
+
+def fence(change: Change, membership: Membership) -> None:
+    """End the lost members that still run on this host and left no notice (stopped or hung): they
+    are out for good. One on another host finds itself excluded at its next round and leaves."""
+    for member in change.lost_original:
+        proc = membership.process_of(member)
+        if proc is not None and process_alive(*proc) and not membership.left_a_notice(member):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc[1], signal.SIGKILL)
+
+
+class Survival:
+    """Carries the fit on after a failed round (see the module's docstring).
+
+    Args:
+        membership: the fit's members; it decides the change.
+        groups: the default process group's rebuilder.
+        holders: the holders of per-rank state, in the order they take a change (called at each
+            change: the dispatch may be built during the fit).
+        handover: the dispatch (None before it exists): whether the lost ranks left work in the epoch.
+        epoch: the epoch this rank trains (None before its first batch).
+        keep_epoch_open: called when the lost ranks left work, so that the retried round does not
+            end the epoch even if every survivor had run out of its own data.
+    """
+
+    def __init__(
+        self,
+        membership: Membership,
+        groups: ProcessGroups,
+        holders: Callable[[], Sequence[ChangeHolder]],
+        handover: Callable[[], Optional[EpochHandover]],
+        epoch: Callable[[], Optional[int]],
+        keep_epoch_open: Callable[[], None],
+    ) -> None:
+        self.membership = membership
+        self.groups = groups
+        self.holders = holders
+        self.handover = handover
+        self.epoch = epoch
+        self.keep_epoch_open = keep_epoch_open
+
+    def after_failed_round(self, failure: PeerFailure, last: Optional[Any]) -> Change:
+        """Agree, fence, regroup, apply and warn; ``last`` is the last completed round's outcome
+        (its reports say how far each rank had trained in the epoch)."""
+        epoch = self.epoch()
+        reports = last.reports if last is not None else ()
+        trained = [r.epoch_batches if r.epoch == epoch else 0 for r in reports]
+        change = self.membership.agree(failure, trained)
+        fence(change, self.membership)
+        change = replace(change, regrouped_with=self.groups.rebuild(change))
+        self.membership.record(change)
+        for holder in self.holders():
+            holder.apply_change(change)
+        handover = self.handover()
+        if handover is not None and handover.returned_batches > 0:
+            self.keep_epoch_open()
+        self._warn(change)
+        return change
+
+    def _warn(self, change: Change) -> None:
+        membership = self.membership
+        if change.ends_fit:
+            then = (f"max_failure={membership.max_failure!r} reached ({membership.lost_count} lost of limit "
+                    f"{membership.limit}): every "
+                    "survivor saves a consensus checkpoint and stops.")
+        else:
+            then = f"{membership.world_size} rank(s) go on; its untrained data of this epoch is re-dispatched."
+        message = f"ElCheStrategy {change.describe()} (original ranks). {then}"
+        log.warning(message)
+        warnings.warn(message, RankLostWarning, stacklevel=2)
+
+
+class ChangeListeners:
+    """The callbacks' listeners of membership changes, as one holder (registered before a fit starts)."""
+
+    def __init__(self) -> None:
+        self.on_change: list[Callable[[Change], None]] = []
+        self.on_loss: list[Callable[[Change], None]] = []
+
+    def apply_change(self, change: Change) -> None:
+        for listener in list(self.on_change):
+            listener(change)
+        if change.is_loss:
+            for listener in list(self.on_loss):
+                listener(change)
+
+    def clear(self) -> None:
+        self.on_change.clear()
+        self.on_loss.clear()
