@@ -111,8 +111,7 @@ class ElCheCheckpoint(ModelCheckpoint):
         # Continue the cadence of a resumed fit: the next multiple after the restored sync count.
         self._next_due = (progress.rounds // self.every_n_syncs + 1) * self.every_n_syncs
         self._save_now = False
-        if progress.rounds + 1 >= self._next_due:
-            self._strategy.request_consensus()
+        self._strategy.request_consensus(at_round=self._next_due)  # no round is in flight yet
 
     def _on_round(self, outcome: RoundOutcome, metrics: dict[str, float]) -> None:
         # Runs on every rank with the same outcome, so every rank takes the same decisions.
@@ -125,8 +124,13 @@ class ElCheCheckpoint(ModelCheckpoint):
         if outcome.index >= self._next_due and eligible:
             self._save_now = True
             self._next_due = (outcome.index // self.every_n_syncs + 1) * self.every_n_syncs
-        if outcome.index + 1 >= self._next_due:
-            self._strategy.request_consensus()  # the round that falls due flushes to the consensus first
+            # The round that falls due flushes to the consensus first. After this (blocking) round no
+            # rank has started another, so the next index is safe to name.
+            self._strategy.request_consensus(at_round=self._next_due)
+        elif outcome.index >= self._next_due:
+            # Due but not eligible (a rank is out of data, or the consensus came too late): the next
+            # round a rank can still start after this outcome, on every rank, is two past it.
+            self._strategy.request_consensus(at_round=outcome.index + 2)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
