@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_elche.checks import require_int
+from lightning_elche.cohort_callbacks import cohort_view
 from lightning_elche.engine import RoundOutcome
 from lightning_elche.loop_glue import monitor_candidates, save_checkpoint_now
 from lightning_elche.strategy import ElCheStrategy
@@ -110,8 +111,7 @@ class ElCheCheckpoint(ModelCheckpoint):
         # Continue the cadence of a resumed fit: the next multiple after the restored sync count.
         self._next_due = (progress.rounds // self.every_n_syncs + 1) * self.every_n_syncs
         self._save_now = False
-        if progress.rounds + 1 >= self._next_due:
-            self._strategy.request_consensus()
+        self._strategy.request_consensus(at_round=self._next_due)  # no round is in flight yet
 
     def _on_round(self, outcome: RoundOutcome, metrics: dict[str, float]) -> None:
         # Runs on every rank with the same outcome, so every rank takes the same decisions.
@@ -124,8 +124,13 @@ class ElCheCheckpoint(ModelCheckpoint):
         if outcome.index >= self._next_due and eligible:
             self._save_now = True
             self._next_due = (outcome.index // self.every_n_syncs + 1) * self.every_n_syncs
-        if outcome.index + 1 >= self._next_due:
-            self._strategy.request_consensus()  # the round that falls due flushes to the consensus first
+            # The round that falls due flushes to the consensus first. After this (blocking) round no
+            # rank has started another, so the next index is safe to name.
+            self._strategy.request_consensus(at_round=self._next_due)
+        elif outcome.index >= self._next_due:
+            # Due but not eligible (a rank is out of data, or the consensus came too late): the next
+            # round a rank can still start after this outcome, on every rank, is two past it.
+            self._strategy.request_consensus(at_round=outcome.index + 2)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -135,8 +140,11 @@ class ElCheCheckpoint(ModelCheckpoint):
             return
         self._save_now = False
         assert self._strategy is not None
+        engine = self._strategy.engine
+        assert engine is not None
         with self._strategy.sync_point():
-            save_checkpoint_now(self, trainer)
+            # Every rank is at this round: the cohort step and rank 0's metrics name the file on each.
+            save_checkpoint_now(self, cohort_view(trainer, engine.state.cohort_step, share_metrics=True))
 
     def _monitor_candidates(self, trainer: Trainer) -> dict[str, Tensor]:
         # Overrides ModelCheckpoint's: adds ``{sync}`` for filenames.

@@ -170,6 +170,7 @@ class ElCheEngine:
         self.clock = WindowClock(device, synchronize=self.run_mode.blocking or not plane.non_blocking)
         self.last_outcome: Optional[RoundOutcome] = None
         self._consensus_next = False
+        self._consensus_at: Optional[int] = None
         self._consensus_round = False
         self._carried_stop = StopRequest.NONE
         self._steps = 0
@@ -223,11 +224,20 @@ class ElCheEngine:
         point): not compute, so it must not make the rank look slower."""
         self.clock.exclude(seconds)
 
-    def request_consensus(self) -> None:
-        """Every replica must hold the consensus after the next round (a checkpoint follows): that
-        round is then blocking and adopted with alpha 1, in every mode, and consumes the request.
-        Ask only from round outcomes, so that every rank starts that round with the same request."""
-        self._consensus_next = True
+    def request_consensus(self, at_round: Optional[int] = None) -> None:
+        """Every replica must hold the consensus after a round (a checkpoint follows): that round is
+        then blocking and adopted with alpha 1, in every mode, and consumes the request.
+
+        ``at_round``: the index of that round (the first round with an index at least this). Every
+        rank names the same index, so every rank makes the same round a consensus round whatever its
+        timing: in ``cpu_async`` a rank may already have started the round after an outcome when a
+        listener of that outcome runs (the outcome of a round in flight arrives inside the next
+        ``run_round``), so name a round at least two past the outcome at hand. ``None``: the next
+        round this rank starts (only safe where no round can be in flight)."""
+        if at_round is None:
+            self._consensus_next = True
+        else:
+            self._consensus_at = at_round if self._consensus_at is None else min(self._consensus_at, at_round)
 
     # -- per round -------------------------------------------------------------------------
 
@@ -261,7 +271,10 @@ class ElCheEngine:
             # The round that was in flight already decided that nobody trains on.
             return completed
         # Read after finishing the in-flight round: its outcome may have asked for it.
-        self._consensus_round, self._consensus_next = self._consensus_next, False
+        due = self._consensus_at is not None and self.state.rounds + 1 >= self._consensus_at
+        if due:
+            self._consensus_at = None
+        self._consensus_round, self._consensus_next = self._consensus_next or due, False
         self._sent = self._local_metadata(epoch, out_of_data, stop_level, compute_s, epoch_batches)
         self.plane.start(self._sent)
         self._reset_window()

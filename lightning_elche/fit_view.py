@@ -80,11 +80,13 @@ class ElCheFitView:
         """A read-only snapshot of the fit's counters and plan (None before a fit built the engine)."""
         return self._engine.progress() if self._engine is not None else None
 
-    def request_consensus(self) -> None:
-        """Make the next round a consensus round (blocking, adopted with alpha 1 in every mode), so
-        that every replica holds the consensus after it. Call it from a round listener only."""
+    def request_consensus(self, at_round: Optional[int] = None) -> None:
+        """Make a round a consensus round (blocking, adopted with alpha 1 in every mode), so that
+        every replica holds the consensus after it: the round with index ``at_round`` (or the first
+        after it; every rank must name the same one: from a round listener, at least two rounds past
+        its outcome), or the next round (``None``; from a round listener, outside ``cpu_async``)."""
         assert self._engine is not None
-        self._engine.request_consensus()
+        self._engine.request_consensus(at_round)
 
     def add_round_listener(self, listener: RoundListener) -> None:
         """Call ``listener(outcome, metrics)`` on every rank after every round (``metrics``: the

@@ -109,9 +109,18 @@ def can_stop_early(trainer: Trainer) -> bool:
     return bool(trainer.fit_loop._can_stop_early)
 
 
+def skip_validation_after_this_batch(trainer: Trainer) -> None:
+    """Let this batch end without the validation Lightning starts after a ``should_stop`` set mid-epoch.
+
+    ElChe stops a fit at its step budget with ``should_stop``; Lightning's own ``max_steps`` ends the
+    epoch loop without validating (unless the epoch ended too), and so must the budget's stop."""
+    trainer.fit_loop.epoch_loop._skip_next_val = True
+
+
 def timer_step_duration(timer: Timer) -> Optional[Any]:
-    """The duration of a ``Timer`` that checks after every training step (None otherwise)."""
-    return timer._duration if timer._interval == "step" and timer._duration else None
+    """The duration of a ``Timer`` that checks after every training step (None otherwise; a zero
+    duration checks, and broadcasts, after every step too)."""
+    return timer._duration if timer._interval == "step" and timer._duration is not None else None
 
 
 def checkpoint_step_triggers(callback: ModelCheckpoint) -> tuple[Optional[int], Optional[Any]]:
@@ -134,8 +143,9 @@ def monitor_candidates(callback: ModelCheckpoint, trainer: Trainer) -> dict[str,
     return ModelCheckpoint._monitor_candidates(callback, trainer)
 
 
-def save_checkpoint_now(callback: ModelCheckpoint, trainer: Trainer) -> None:
-    """Save as ``ModelCheckpoint`` does at its own triggers: the top-k and the ``last`` file."""
+def save_checkpoint_now(callback: ModelCheckpoint, trainer: Any) -> None:
+    """Save as ``ModelCheckpoint`` does at its own triggers: the top-k and the ``last`` file.
+    ``trainer``: the Trainer or a view of it (``cohort_callbacks.CohortTrainerView``)."""
     candidates = callback._monitor_candidates(trainer)
     callback._save_topk_checkpoint(trainer, candidates)
     callback._save_last_checkpoint(trainer, candidates)
@@ -251,6 +261,11 @@ class LightningPatches:
     def undo(self) -> None:
         while self._undo:
             self._undo.pop()()
+
+    def replace_hook(self, callback: Any, name: str, hook: Callable[..., Any]) -> None:
+        """Give one callback object its own ``name`` hook (Lightning calls ``getattr(callback, name)``)."""
+        setattr(callback, name, hook)
+        self._undo.append(lambda: vars(callback).pop(name, None))  # back to the class's method
 
     def take_over_max_steps(self, trainer: Trainer) -> None:
         """Hide ``max_steps`` from the epoch loop; the strategy enforces it as the cohort's budget.

@@ -26,6 +26,7 @@ from lightning_elche.loop_glue import (
     can_stop_early,
     reopen_training_epoch,
     save_and_requeue_slurm_job,
+    skip_validation_after_this_batch,
     slurm_requeue_signal,
 )
 from lightning_elche.membership.agreement import Membership, RoundProgress
@@ -125,6 +126,8 @@ class RoundDriver:
         # SAVE_AND_EXIT: no more steps in this batch; every rank saves at its next batch start.
         if action is RoundAction.STOP_FIT:
             trainer.should_stop = True
+            if outcome.budget_reached and not outcome.epoch_over and outcome.stop_level == StopRequest.NONE:
+                skip_validation_after_this_batch(trainer)  # as Lightning's max_steps inside an epoch
         self.session.saw_should_stop(trainer.should_stop)
 
     def publish(self, trainer: Trainer, outcome: RoundOutcome) -> None:
@@ -138,7 +141,7 @@ class RoundDriver:
             # One x-axis with Lightning's own metrics (rank 0's global_step); the cohort's step
             # count is a logged value, elche/cohort_step.
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics=metrics, step=trainer.global_step)  # by keyword, as Lightning
 
     def follow_cohort_step(self, trainer: Trainer, outcome: RoundOutcome) -> None:
         # Lightning steps step-interval schedulers once per local optimizer step, so a fast rank

@@ -39,6 +39,7 @@ from typing_extensions import override
 from lightning_elche.averaging import AveragedLayout
 from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checked_collectives import CheckedCollectives
+from lightning_elche.cohort_callbacks import continue_the_cohort, follow_the_cohort, stop_if_the_budget_is_spent
 from lightning_elche.config import FIT_KNOBS, ElCheConfig, ElCheMode, resolve_config
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.dispatch import ElCheSampler
@@ -234,11 +235,15 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
             return
         self._patches.take_over_max_steps(trainer)
         check_trainer(trainer)
+        follow_the_cohort(trainer, lambda: self._engine.state.cohort_step if self._engine else 0,
+                          self._patches.replace_hook)
         if self._restored_state is not None:
             assert self._engine is not None
             self._engine.load_state_dict(self._restored_state)
             self._session.callback_role.load_state_dict(self._restored_state.get("callback_role", {}))
             self._restored_state = None
+        stop_if_the_budget_is_spent(trainer, self._engine.state.cohort_step if self._engine else 0,
+                                    self._session.step_budget)
         check_step_schedulers(trainer)
 
     def _join_membership(self, fit_prefix: str) -> Membership:
@@ -263,6 +268,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
         # before configure_optimizers (which may already set up the train dataloader).
         assert self.model is not None and self.lightning_module is not None
         sync_module_states(self.model)
+        previous = self._engine  # a later fit of this strategy continues its cohort step
         module = self.lightning_module
         layout = AveragedLayout(module)
         self._averaged_buffers = list(layout.buffers.tensors)
@@ -276,6 +282,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
         self._engine = ElCheEngine(self.elche, plane, self.global_rank, self.world_size, self.root_device,
                                    params=list(module.parameters()), signature=layout.signature,
                                    step_budget=self._session.step_budget, outer=outer)
+        continue_the_cohort(previous, self._engine)
         self._rounds = RoundDriver(self._engine, self._session, lambda: self._sampler, self._round_listeners,
                                    self.elche.log_every_n_syncs, lambda: self.global_rank, self._fitting_trainer)
         self._engine.failures = self._survival(module.trainer, self._rounds)

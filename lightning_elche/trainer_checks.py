@@ -11,9 +11,12 @@ from __future__ import annotations
 from typing import Any, Protocol, Union, cast
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, ModelCheckpoint, Timer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_elche.config import Dispatch, ElCheConfig
 from lightning_elche.loop_glue import checkpoint_step_triggers, timer_step_duration, uses_sync_batchnorm
 
 
@@ -28,6 +31,42 @@ class _ConnectorSettings(Protocol):
 
 def _refuse(setting: str, value: Any, why: str, instead: str) -> MisconfigurationException:
     return MisconfigurationException(f"ElCheStrategy cannot run with {setting}={value!r}: {why}. {instead}")
+
+
+REPRODUCIBLE = (
+    "For a reproducible run use mode='nccl_sync' or 'cpu_sync' with ElCheConfig(max_batch_diff=0) (and no "
+    "partition_ratios): every rank then takes one step per round on the equal split, as DDP does, so the same "
+    "seed gives the same weights; the cost is DDP's lockstep pace, the slowest rank's speed."
+)
+
+
+def reproducible(config: ElCheConfig) -> bool:
+    """Whether two fits with the same seed train the same batches on the same ranks and average them
+    at the same steps: only when nothing in the plan depends on measured speeds (one step per round,
+    the equal split)."""
+    run_mode = config.run_mode
+    return not run_mode.window_growth and run_mode.dispatch is Dispatch.EQUAL and config.max_batch_diff == 0
+
+
+def check_determinism(config: ElCheConfig) -> None:
+    """``Trainer(deterministic=True)`` (``torch.use_deterministic_algorithms(True)``) asks for the same
+    weights from run to run; refused where the plan follows measured speeds. ``deterministic="warn"``
+    (torch's warn-only mode) warns instead."""
+    if not torch.are_deterministic_algorithms_enabled() or reproducible(config):
+        return
+    run_mode = config.run_mode
+    if run_mode.window_growth:
+        cause = f"in mode={run_mode.mode.value!r} the window and the data dispatch follow the ranks' measured speeds"
+    elif run_mode.dispatch is Dispatch.FIXED:
+        cause = "partition_ratios give the ranks unequal shares, whose ends fall in speed-dependent rounds"
+    else:
+        cause = (f"ElCheConfig(max_batch_diff={config.max_batch_diff!r}) lets a fast rank take as many steps per "
+                 "round as its measured speed earns")
+    why = cause + ", so two runs with the same seed can average different steps together"
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        rank_zero_warn(f"ElCheStrategy with Trainer(deterministic='warn'): {why}. {REPRODUCIBLE}")
+        return
+    raise _refuse("Trainer(deterministic)", True, why, REPRODUCIBLE)
 
 
 def check_trainer(trainer: pl.Trainer) -> None:
@@ -104,6 +143,9 @@ def check_trainer(trainer: pl.Trainer) -> None:
             "per-rank limit would end the ranks' epochs at different rounds and drop samples unevenly",
             "Leave limit_train_batches=1.0 and pass a torch.utils.data.Subset of the training set instead.",
         )
+    config = getattr(trainer.strategy, "elche", None)
+    if isinstance(config, ElCheConfig):
+        check_determinism(config)
     if uses_sync_batchnorm(trainer.strategy):
         raise _refuse(
             "Trainer(sync_batchnorm)", True,

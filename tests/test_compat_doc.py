@@ -24,3 +24,14 @@ def test_every_feature_line_names_tests_that_exist():
         assert references, f"no test named for: {row}"
         for file, name in references:
             assert name in defined_tests(ROOT / "tests" / file), f"{file}::{name} does not exist ({row})"
+
+
+def test_the_table_of_ported_lightning_tests_is_the_case_registry():
+    # One row per ported case (tests/ported/), as tests/ported/table.py prints it: regenerate with
+    # `cd tests && python -m ported.table` after adding or changing a case.
+    from ported.table import markdown
+
+    doc = (ROOT / "docs" / "compatibility.md").read_text()
+    table = markdown()
+    assert table in doc, "docs/compatibility.md's table of ported Lightning tests is not the case registry's"
+    assert doc.count("| Feature (Lightning's test") == 1

@@ -383,3 +383,33 @@ def test_the_sync_modes_keep_their_window_at_the_epoch_end():
     sync(engine, plane, steps=1, peer={"EPOCH_BATCHES": 3})
     assert engine.controller.batch_counts == [1, 1]
     assert not engine.controller.window_reaches_epoch_end and engine.planned_steps == 1
+
+
+def test_a_consensus_requested_for_a_round_index_is_that_round_however_the_round_before_completed():
+    # cpu_async: the outcome of an in-flight round arrives either in poll() or inside the next
+    # run_round, after which that next round has already started; a "next round" request from a
+    # listener of that outcome then lands one round later on one rank than on another (a sync
+    # checkpoint on one rank only). A request naming the round's index lands on the same round.
+    for completes_in_poll in (True, False):
+        engine, plane, _ = make_engine(non_blocking=True, mode="cpu_async")
+        engine.request_consensus(at_round=3)
+        outcomes = []
+        for _ in range(3):
+            run_window(engine, engine.planned_steps)
+            if completes_in_poll and engine.in_flight:
+                outcomes += engine.poll()
+            plane.peer_rows.append({"STEPS": 10})
+            outcomes += engine.run_round(0, out_of_data=False, blocking=False)
+        outcomes += engine.poll()
+        by_index = {o.index: o.consensus for o in outcomes}
+        assert by_index == {1: False, 2: False, 3: True}, (completes_in_poll, by_index)
+        assert plane.adopted[-1] == 1.0  # the consensus round overwrites
+
+
+def test_a_consensus_for_the_next_round_is_still_available():
+    engine, plane, _ = make_engine(non_blocking=True, mode="cpu_async")
+    engine.request_consensus()
+    run_window(engine, engine.planned_steps)
+    plane.peer_rows.append({"STEPS": 10})
+    (outcome,) = engine.run_round(0, out_of_data=False, blocking=False)  # made blocking by the request
+    assert outcome.consensus and outcome.index == 1

@@ -140,3 +140,58 @@ def test_a_step_scheduler_with_frequency_other_than_one_is_refused(tmp_path):
         check_step_schedulers(trainer)
     trainer.strategy.lr_scheduler_configs = [LRSchedulerConfig(schedule, interval="step", frequency=1)]
     check_step_schedulers(trainer)
+
+
+@pytest.fixture
+def restore_determinism():
+    # Trainer(deterministic=...) sets torch's process-wide flags; leave them as the next test expects.
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def deterministic_trainer(tmp_path, deterministic, elche: ElCheConfig) -> Trainer:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ElCheStrategy(elche=elche), logger=False,
+                      enable_progress_bar=False, default_root_dir=str(tmp_path), deterministic=deterministic)
+    model = RecordingModel(str(tmp_path))
+    trainer.strategy.connect(model)
+    model.trainer = trainer
+    trainer.strategy.optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("elche", "cause"),
+    [
+        (ElCheConfig(mode="nccl_cadence"), "in mode='nccl_cadence' the window and the data dispatch follow"),
+        (ElCheConfig(mode="cpu_async"), "in mode='cpu_async' the window and the data dispatch follow"),
+        (ElCheConfig(mode="nccl_sync"), r"ElCheConfig\(max_batch_diff=None\) lets a fast rank take"),
+        (ElCheConfig(mode="cpu_sync", max_batch_diff=1), r"ElCheConfig\(max_batch_diff=1\) lets a fast rank"),
+        (ElCheConfig(mode="nccl_sync", max_batch_diff=0, partition_ratios=[0.6, 0.4]), "partition_ratios give"),
+    ],
+)
+def test_deterministic_is_refused_where_the_plan_follows_measured_speeds(tmp_path, restore_determinism, elche,
+                                                                          cause):
+    trainer = deterministic_trainer(tmp_path, True, elche)
+    with pytest.raises(MisconfigurationException) as info:
+        check_trainer(trainer)
+    message = str(info.value)
+    assert "ElCheStrategy cannot run with Trainer(deterministic)=True" in message
+    assert __import__("re").search(cause, message), message
+    assert "mode='nccl_sync' or 'cpu_sync' with ElCheConfig(max_batch_diff=0)" in message
+    assert "the slowest rank's speed" in message  # what the reproducible setting costs
+
+
+@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
+def test_deterministic_passes_in_lockstep_on_the_equal_split(tmp_path, restore_determinism, mode):
+    check_trainer(deterministic_trainer(tmp_path, True, ElCheConfig(mode=mode, max_batch_diff=0)))
+
+
+def test_deterministic_warn_only_warns(tmp_path, restore_determinism):
+    trainer = deterministic_trainer(tmp_path, "warn", ElCheConfig(mode="nccl_cadence"))
+    with pytest.warns(UserWarning, match=r"deterministic='warn'\): in mode='nccl_cadence'.*max_batch_diff=0"):
+        check_trainer(trainer)
+
+
+def test_no_determinism_asked_passes(tmp_path, restore_determinism):
+    check_trainer(deterministic_trainer(tmp_path, False, ElCheConfig(mode="nccl_cadence")))

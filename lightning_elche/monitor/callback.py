@@ -366,7 +366,7 @@ class ElCheMonitor(Callback):
         self._accumulator.reset()
         if self.is_root:
             for logger in trainer.loggers:
-                logger.log_metrics(payload, step=trainer.global_step)
+                logger.log_metrics(metrics=payload, step=trainer.global_step)
         self._root_record({"kind": "report", "node": "root", "t": t, "ts": time.time(), "sync": outcome.index,
                            "epoch": int(trainer.current_epoch), "metrics": payload})
 
@@ -460,7 +460,7 @@ class ElCheMonitor(Callback):
         if summary and self.is_root:
             logged = {f"elche/scalars/{name}": value for name, value in summary.items()}
             for logger in trainer.loggers:
-                logger.log_metrics(logged, step=trainer.global_step)
+                logger.log_metrics(metrics=logged, step=trainer.global_step)
         if self._timeline is not None:
             self._timeline.epoch_end(epoch, t)
         self._pending = []
