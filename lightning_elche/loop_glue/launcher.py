@@ -1,0 +1,110 @@
+"""Lightning's popen launcher, with an observer that lets the survivors of a lost rank live."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _set_num_threads_if_needed,
+)
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+
+def configure_launcher(strategy: Any, tolerates_loss: Callable[[], bool]) -> None:
+    """``DDPStrategy._configure_launcher``, with a popen launcher that spares the survivors of a loss.
+
+    Lightning's popen launcher (the default for ``devices=N``) kills every rank as soon as one
+    child exits non-zero; :class:`TolerantSubprocessLauncher` only reports such an exit while
+    ``tolerates_loss()``. The ``spawn``/``fork`` start methods keep Lightning's launcher, whose
+    ``torch.multiprocessing`` context ends every process when one fails.
+    """
+    if strategy._start_method != "popen":
+        DDPStrategy._configure_launcher(strategy)
+        return
+    assert strategy.cluster_environment is not None
+    strategy._launcher = TolerantSubprocessLauncher(strategy.cluster_environment, strategy.num_processes,
+                                                    strategy.num_nodes, tolerates_loss)
+
+
+class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's popen launcher with an observer that lets survivors live (see :class:`ChildObserver`).
+
+    The children are started exactly as Lightning starts them: subprocesses of rank 0, in its
+    session and process group (Ctrl-C still reaches every rank), without a parent-death signal,
+    so that rank 0's death does not take them down.
+    """
+
+    def __init__(self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int,
+                 tolerates_loss: Callable[[], bool]) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.tolerates_loss = tolerates_loss
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            ChildObserver(self.procs, os.getpid(), self.tolerates_loss).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class ChildObserver(threading.Thread):
+    """Watches the children of rank 0 for a non-zero exit.
+
+    While ``tolerates_loss()`` a failed child is only reported, once, and never held against the
+    job later; otherwise every child and rank 0 are killed, as Lightning's ``_ChildProcessObserver``
+    does (a rank blocked in a collective with a dead peer would hang). The tolerance is read when
+    the exit is seen, at most ``period_s`` after it.
+    """
+
+    def __init__(self, children: list[subprocess.Popen], main_pid: int, tolerates_loss: Callable[[], bool],
+                 period_s: float = 1.0) -> None:
+        super().__init__(daemon=True, name="elche-child-observer")  # ends with rank 0
+        self.children = children
+        self.main_pid = main_pid
+        self.tolerates_loss = tolerates_loss
+        self.period_s = period_s
+        self.tolerated: set[int] = set()
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.period_s)
+            if self.check():
+                return
+
+    def check(self) -> bool:
+        """Look at every child once; returns True when there is nothing left to watch."""
+        for index, child in enumerate(self.children):
+            code = child.poll()
+            if code is None or code == 0 or index in self.tolerated:
+                continue
+            local_rank = index + 1
+            if self._tolerating():
+                self.tolerated.add(index)
+                rank_zero_warn(f"The process of local rank {local_rank} (pid {child.pid}) exited with code {code}; "
+                               "ElCheStrategy tolerates the loss: the other ranks go on.")
+                continue
+            rank_zero_warn(f"The process of local rank {local_rank} (pid {child.pid}) exited with code {code}. "
+                           "Killing every other rank (as Lightning's launcher does): the job does not tolerate "
+                           "the loss of a rank now.")
+            for other in self.children:
+                other.send_signal(signal.SIGKILL)
+            os.kill(self.main_pid, signal.SIGKILL)
+            return True
+        return all(child.returncode is not None for child in self.children)
+
+    def _tolerating(self) -> bool:
+        try:
+            return bool(self.tolerates_loss())
+        except Exception:  # noqa: BLE001 (a broken answer must not keep a doomed job alive)
+            return False
