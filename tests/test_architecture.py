@@ -307,3 +307,15 @@ def test_the_survival_scan_finds_each_kind_of_call(tmp_path):
                       "dist.init_process_group('gloo')\ndist.distributed_c10d.shrink_group([1])\n")
     assert [c.split(": ", 1)[1] for c in survival_calls_in(module)] == [
         "os.kill", "dist.destroy_process_group", "dist.init_process_group", "dist.distributed_c10d.shrink_group"]
+
+
+def test_triton_kernel_sources_annotate_nothing_but_constexpr():
+    # Triton resolves a kernel parameter's annotation as a global of the kernel: anything but
+    # ``tl.constexpr`` fails to compile on the GPU, which CI does not have.
+    tree = ast.parse((PACKAGE / "planes" / "fused.py").read_text(encoding="utf-8"))
+    sources = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.endswith("_source")]
+    assert len(sources) >= 2
+    for source in sources:
+        annotations = [ast.unparse(arg.annotation) for arg in source.args.args if arg.annotation is not None]
+        assert set(annotations) <= {"tl.constexpr"}, (source.name, annotations)
+        assert source.returns is None, source.name

@@ -34,8 +34,10 @@ FINISH_BLOCK = 1024
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _drift_source(live_ptr: Any, offsets_ptr: Any, saved_addresses_ptr: Any, sizes_ptr: Any, block_tensor_ptr: Any,
-                  block_start_ptr: Any, partial_ptr: Any, first_block: Any, BLOCK: tl.constexpr) -> None:
+# Triton compiles these sources itself: a parameter may carry no annotation but ``tl.constexpr``
+# (it resolves every other one as a global of the kernel, and fails).
+def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
+                  block_start_ptr, partial_ptr, first_block, BLOCK: tl.constexpr):
     """One program: one block of one tensor; its three partial sums of squares."""
     block = tl.program_id(0)
     tensor = tl.load(block_tensor_ptr + block)
@@ -54,7 +56,7 @@ def _drift_source(live_ptr: Any, offsets_ptr: Any, saved_addresses_ptr: Any, siz
     tl.store(out + 2, tl.sum(consensus * consensus, axis=0))
 
 
-def _finish_source(partial_ptr: Any, out_ptr: Any, BLOCKS: tl.constexpr, BLOCK: tl.constexpr) -> None:
+def _finish_source(partial_ptr, out_ptr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     """Program ``c``: the square root of column ``c``'s sum over every block, in float64."""
     column = tl.program_id(0)
     total = tl.zeros((BLOCK,), dtype=tl.float64)
