@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from datetime import timedelta
 from typing import Any, Optional
 
 
@@ -61,4 +62,12 @@ def require_real(subject: str, value: Any, allowed: str = "expected a finite num
 def require_bool(subject: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise invalid(subject, "expected true or false")
+    return value
+
+
+def require_timedelta(subject: str, value: Any, minimum_s: float = 0.0) -> timedelta:
+    """``value`` as a timedelta longer than ``minimum_s`` seconds, or :func:`invalid`."""
+    if not isinstance(value, timedelta) or value.total_seconds() <= minimum_s:
+        raise invalid(subject, "expected a positive timedelta" if minimum_s == 0 else
+                      f"expected a timedelta longer than {minimum_s:g} s")
     return value

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_elche import window_plan as plan
 from lightning_elche.checks import as_real, require_int
@@ -80,12 +80,12 @@ class ElCheController:
         world_size: int,
         anchor: int,
         *,
-        min_anchor: int | None = None,
-        max_anchor: int | None = None,
-        overhead_target: float | None = None,
-        max_batch_diff: int | None = None,
+        min_anchor: Optional[int] = None,
+        max_anchor: Optional[int] = None,
+        overhead_target: Optional[float] = None,
+        max_batch_diff: Optional[int] = None,
         window_growth_applicable: bool = True,
-        initial_anchor_rank: int | None = None,
+        initial_anchor_rank: Optional[int] = None,
         pooled_dispatch: bool = False,
     ) -> None:
         world_size = _require_int("world_size", world_size, 2, "ElChe needs at least 2 ranks")
@@ -103,17 +103,17 @@ class ElCheController:
         self._window_growth_applicable = bool(window_growth_applicable)
         self._pooled_dispatch = bool(pooled_dispatch)
         self._max_total_batches = 0
-        self._epoch_batches_left: int | None = None
+        self._epoch_batches_left: Optional[int] = None
 
         self.batch_counts: list[int] = [self.anchor] * world_size
         self._readings = SpeedReadings(world_size)
 
-        self.anchor_rank: int | None = None
+        self.anchor_rank: Optional[int] = None
         self.phase: Phase = Phase.PROBE
         self.calibrated: bool = False
         self.calibration_count: int = 0
         self._calibration_windows_left = CALIBRATION_WINDOWS
-        self.proposed_anchor: int | None = None
+        self.proposed_anchor: Optional[int] = None
         self.growth_enabled: bool = True
         self.consecutive_stable: int = 0
         self.window_cap_binding: bool = False
@@ -131,7 +131,7 @@ class ElCheController:
         pinned as the initial anchor rank; the sync modes get no window growth.
         """
         config.validate_world_size(world_size)
-        initial_anchor_rank: int | None = None
+        initial_anchor_rank: Optional[int] = None
         ratios = config.partition_ratios
         if ratios is not None:
             initial_anchor_rank = min(range(len(ratios)), key=lambda rank: ratios[rank])
@@ -165,7 +165,7 @@ class ElCheController:
         return self._overhead_target
 
     @property
-    def max_batch_diff(self) -> int | None:
+    def max_batch_diff(self) -> Optional[int]:
         """Per-recompute change limit of each count (None = unlimited)."""
         return self._max_batch_diff
 
@@ -190,7 +190,7 @@ class ElCheController:
         num_batches = _require_int("num_batches", num_batches, 0, "expected an integer >= 0")
         self.max_total_batches = max(num_batches, self.world_size)
 
-    def set_epoch_batches_left(self, batches: int | None) -> None:
+    def set_epoch_batches_left(self, batches: Optional[int]) -> None:
         """Batches of the current epoch that no rank has started yet, at the start of the next
         window (None: unknown). Every rank must pass the same number (the engine derives it from
         a round's gathered reports)."""
@@ -251,7 +251,7 @@ class ElCheController:
         wall_ms: Sequence[float],
         batches: Sequence[int],
         sync_ms: float,
-        fill_ms: Sequence[float] | None = None,
+        fill_ms: Optional[Sequence[float]] = None,
     ) -> None:
         """Feed one window's timing; call once per averaging round, before the verdict.
 
@@ -314,12 +314,12 @@ class ElCheController:
 
     # -- anchor-rank election -------------------------------------------------------------
 
-    def _elect_anchor_rank(self) -> int | None:
+    def _elect_anchor_rank(self) -> Optional[int]:
         return plan.elect_anchor_rank(self._speeds_ms(), self.anchor_rank)
 
     # -- window-pressure growth -----------------------------------------------------------
 
-    def _propose_growth(self, overhead: float | None, rounding_idle: float = 0.0) -> int | None:
+    def _propose_growth(self, overhead: Optional[float], rounding_idle: float = 0.0) -> Optional[int]:
         """The grown anchor that ``overhead`` (or the counts' ``rounding_idle``) calls for, or
         None. Grow-only by design."""
         if not self._window_growth_applicable or not self.growth_enabled:
@@ -428,7 +428,7 @@ class ElCheController:
         mean = self._readings.mean(self._checked_rank("rank", rank))
         return 0.0 if mean is None else mean
 
-    def speed_shares(self) -> list[float] | None:
+    def speed_shares(self) -> Optional[list[float]]:
         """Each rank's share of the cohort's measured speed (batches per second, summing to 1),
         or None until every rank has a reading. Unlike ``batch_counts`` it is not rounded to whole
         batches of a window: the pooled dispatch shares out the epoch with it."""
@@ -441,7 +441,7 @@ class ElCheController:
     def _speeds_ms(self) -> list[float]:
         return [self.smoothed_ms(rank) for rank in range(self.world_size)]
 
-    def smoothed_ms_or_none(self, rank: int) -> float | None:
+    def smoothed_ms_or_none(self, rank: int) -> Optional[float]:
         """Like :meth:`smoothed_ms`, but None when ``rank`` has no reading."""
         return self._readings.mean(self._checked_rank("rank", rank))
 
@@ -560,13 +560,13 @@ def _is_finite_number(value: Any) -> bool:
     return as_real(value) is not None
 
 
-def _int_or(name: str, value: int | None, default: int) -> int:
+def _int_or(name: str, value: Optional[int], default: int) -> int:
     if value is None:
         return default
     return _require_int(name, value, 1, "expected None or an integer >= 1")
 
 
-def _clamp_target(target: float | None) -> float:
+def _clamp_target(target: Optional[float]) -> float:
     if target is not None and not _is_finite_number(target):
         raise ValueError(f"overhead_target={target!r} is invalid: expected a finite number.")
     return clamp_overhead_target(target)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from lightning_elche.checks import as_real, require_int
 
@@ -36,8 +36,8 @@ class SavedState:
 
     world_size: int
     anchor: int
-    anchor_rank: int | None
-    smoothed_ms: tuple[float | None, ...]
+    anchor_rank: Optional[int]
+    smoothed_ms: tuple[Optional[float], ...]
     """Each rank's mean ms/batch (None: no reading)."""
     phase: Phase
     calibration_count: int
@@ -111,7 +111,7 @@ def _require_int(name: str, value: Any, minimum: int, allowed: str) -> int:
     return require_int(f"{name}={value!r}", value, minimum, allowed)
 
 
-def _saved_mean(value: Any) -> float | None:
+def _saved_mean(value: Any) -> Optional[float]:
     if value is None:
         return None
     number = as_real(value)

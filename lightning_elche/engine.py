@@ -15,16 +15,17 @@ from __future__ import annotations
 import io
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from lightning_elche.averaging import RoundWeights, relative_divergence
+from lightning_elche.averaging import relative_divergence
 from lightning_elche.config import ElCheConfig
 from lightning_elche.controller import ElCheController
-from lightning_elche.convergence import ConvergenceControl, Feedback
+from lightning_elche.convergence import ConvergenceControl
+from lightning_elche.engine_state import EngineState, FitProgress, RankTotals, RoundOutcome
 from lightning_elche.guard import DivergenceReport, NudgeDown, Stable
 from lightning_elche.membership.agreement import RoundProgress
 from lightning_elche.membership.change import Change, PeerFailure
@@ -36,82 +37,7 @@ from lightning_elche.timing import WindowClock
 OVERSHOOT_INITIAL = 3
 OVERSHOOT_CEILING = 15
 
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """What every rank learned from a round (identical on all ranks)."""
-
-    index: int
-    reports: tuple[RankReport, ...]
-    weights: RoundWeights
-    planned: tuple[int, ...]
-    anchor: int
-    overhead: float
-    cohort_step: int
-    epoch_over: bool
-    stop_level: StopRequest
-    budget_reached: bool
-    divergence: Optional[DivergenceReport]
-    feedback: Feedback
-    reset_inner: bool
-    consensus: bool = False  # a blocking round adopted with alpha 1: every replica holds the consensus
-    dispatch_shares: tuple[float, ...] = ()
-    """Each rank's share of the cohort's measured speed (the plan's counts until every rank has a
-    reading), for the pooled dispatch: unlike ``planned`` not rounded to a window's whole batches."""
-
-    @property
-    def epoch(self) -> int:
-        """The epoch every rank was in at the round."""
-        return self.reports[0].epoch if self.reports else 0
-
-    @property
-    def epoch_batches(self) -> tuple[int, ...]:
-        """Batches each rank had started in :attr:`epoch` at the round (all trained by then)."""
-        return tuple(r.epoch_batches for r in self.reports)
-
-    @property
-    def ends_window_sequence(self) -> bool:
-        """No rank trains further in this epoch after this round."""
-        return self.epoch_over or self.stop_level != StopRequest.NONE or self.budget_reached
-
-
-@dataclass
-class RankTotals:
-    """Running totals per rank since the start of fit, for metrics and the summary."""
-
-    steps: int = 0
-    samples: int = 0
-    compute_s: float = 0.0
-    sync_s: float = 0.0
-    stall_ms_sum: float = 0.0
-    stalls: int = 0
-
-
-@dataclass(frozen=True)
-class FitProgress:
-    """A read-only snapshot of a fit's counters and plan, for callbacks, the summary and reports."""
-
-    mode: str
-    rounds: int
-    cohort_step: int
-    anchor: int
-    plan: tuple[int, ...]
-    epoch_batches: int
-    """Batches per epoch over all ranks (0 until the training data is known)."""
-    totals: tuple[RankTotals, ...]
-    lost_totals: tuple[RankTotals, ...] = ()
-    """Totals of the ranks lost during the fit, in the order they were lost."""
-
-
-@dataclass
-class EngineState:
-    """Counters that survive across epochs (and, later, checkpoints)."""
-
-    rounds: int = 0
-    cohort_step: int = 0
-    totals: list[RankTotals] = field(default_factory=list)
-    lost_totals: list[RankTotals] = field(default_factory=list)
-    """The totals of ranks lost during the fit, in the order they were lost."""
+__all__ = ["ElCheEngine", "EngineState", "FailedRoundHandler", "FitProgress", "RankTotals", "RoundOutcome"]
 
 
 class FailedRoundHandler(Protocol):

@@ -9,7 +9,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union, runtime_checkable
 
 from lightning_elche.checks import invalid, is_number, require_int, require_real
 
@@ -81,8 +81,8 @@ class DivergenceReport:
     """
 
     deltas: list[float]
-    pre_norms: list[float] | None = None
-    post_norm: float | None = None
+    pre_norms: Optional[list[float]] = None
+    post_norm: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.deltas = _float_list("deltas", self.deltas)
@@ -250,8 +250,8 @@ class LambdaSample:
     """
 
     d_raw: float
-    lambda_raw: float | None
-    lambda_ema: float | None
+    lambda_raw: Optional[float]
+    lambda_ema: Optional[float]
     k_used: int
     k_max: int
 
@@ -273,13 +273,13 @@ class LambdaEstimator:
             raise _invalid("LambdaEstimator", "noise_floor", noise_floor, "expected a finite number >= 0")
         self.alpha = alpha
         self.noise_floor = noise_floor
-        self.prev_d: float | None = None
+        self.prev_d: Optional[float] = None
         self.ema_raw = 0.0
         self.samples = 0
 
     def observe(self, d_raw: float, k_used: int, k_max: int) -> LambdaSample:
         """Record this sync's worst drift ``d_raw`` and return the resulting sample."""
-        lambda_raw: float | None = None
+        lambda_raw: Optional[float] = None
         if self.prev_d is not None and self.prev_d > self.noise_floor and d_raw > self.noise_floor and k_max > 0:
             lambda_raw = math.log(d_raw / self.prev_d) / k_max
             self.ema_raw = self.alpha * self.ema_raw + (1.0 - self.alpha) * lambda_raw
@@ -288,7 +288,7 @@ class LambdaEstimator:
         return LambdaSample(d_raw, lambda_raw, self.lambda_ema, k_used, k_max)
 
     @property
-    def lambda_ema(self) -> float | None:
+    def lambda_ema(self) -> Optional[float]:
         """Bias-corrected mean of the samples so far; ``None`` before the first one."""
         if self.samples == 0:
             return None
@@ -365,7 +365,7 @@ class GrowthGuard:
         self.nudge_factor = factor
         self.suppress_streak = 0
         self.nudge_streak = 0
-        self.last_sample: LambdaSample | None = None
+        self.last_sample: Optional[LambdaSample] = None
 
     def report(self, report: DivergenceReport, k_used: int, k_max: int) -> Verdict:
         """Update the rate estimate with this sync's worst drift and the two streaks."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any
+from typing import Any, Optional
 
 from lightning_elche.guard import NudgeDown, Stable, SuppressGrowth, Verdict
 
@@ -93,7 +93,7 @@ class MetaController:
         self._anchors: deque[int] = deque(maxlen=ANCHOR_WINDOW)
         self._verdicts: deque[Verdict] = deque(maxlen=VERDICT_WINDOW)
         self.last_action: str = "noop"
-        self.last_factor: float | None = None
+        self.last_factor: Optional[float] = None
 
     @property
     def lr_window(self) -> tuple[float, ...]:
@@ -110,7 +110,7 @@ class MetaController:
         """Recorded guard verdicts, oldest first."""
         return tuple(self._verdicts)
 
-    def observe(self, lr: float | None, anchor: int, verdict: Verdict, phase: int) -> NudgeDown | None:
+    def observe(self, lr: Optional[float], anchor: int, verdict: Verdict, phase: int) -> Optional[NudgeDown]:
         """Record one sync and return the cut to apply, or ``None``.
 
         Args:

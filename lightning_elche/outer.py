@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -45,7 +45,7 @@ def _check_consensus(owner: str, consensus: Any) -> list[torch.Tensor]:
     return list(consensus)
 
 
-def _check_tensor_list(owner: str, key: str, value: Any) -> list[torch.Tensor] | None:
+def _check_tensor_list(owner: str, key: str, value: Any) -> Optional[list[torch.Tensor]]:
     if value is None:
         return None
     if not isinstance(value, (list, tuple)) or not all(
@@ -122,13 +122,13 @@ class _MomentumOuter(OuterOptimizer):
             raise _invalid(owner, "momentum", momentum, "expected a number in [0, 1)")
         self.lr = float(lr)
         self.momentum = float(momentum)
-        self._prev: list[torch.Tensor] | None = None
-        self._velocity: list[torch.Tensor] | None = None
-        self._scratch: list[torch.Tensor | None] = []
+        self._prev: Optional[list[torch.Tensor]] = None
+        self._velocity: Optional[list[torch.Tensor]] = None
+        self._scratch: list[Optional[torch.Tensor]] = []
         # Buffers restored from a checkpoint are checked and moved to the consensus' device once.
         self._placed = False
-        self._step_norms: list[torch.Tensor] | None = None
-        self._step_norm_value: float | None = 0.0
+        self._step_norms: Optional[list[torch.Tensor]] = None
+        self._step_norm_value: Optional[float] = 0.0
 
     @abc.abstractmethod
     def _update(self, prev: list[torch.Tensor], velocity: list[torch.Tensor], work: list[torch.Tensor]) -> None:
@@ -188,7 +188,7 @@ class _MomentumOuter(OuterOptimizer):
         self._scratch = []
         shapes = [tuple(t.shape) for t in consensus]
         for key, name in (("_prev", "prev_global"), ("_velocity", "velocity")):
-            buffers: list[torch.Tensor] | None = getattr(self, key)
+            buffers: Optional[list[torch.Tensor]] = getattr(self, key)
             if buffers is None:
                 continue
             if [tuple(b.shape) for b in buffers] != shapes:
@@ -228,7 +228,7 @@ class _MomentumOuter(OuterOptimizer):
         exactly as if it had not stopped.
         """
 
-        def copy(buffers: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        def copy(buffers: Optional[list[torch.Tensor]]) -> Optional[list[torch.Tensor]]:
             return None if buffers is None else [b.detach().clone() for b in buffers]
 
         return {

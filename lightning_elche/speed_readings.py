@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
+from typing import Optional
 
 from lightning_elche.membership.change import Change
 
@@ -50,7 +51,7 @@ class SpeedReadings:
                 window.clear()
                 self._warmup[rank] = False
 
-    def mean(self, rank: int) -> float | None:
+    def mean(self, rank: int) -> Optional[float]:
         """Mean ms/batch of ``rank``'s readings; None when it has none."""
         window = self._windows[rank]
         return sum(window) / len(window) if window else None
@@ -62,7 +63,7 @@ class SpeedReadings:
     def any(self) -> bool:
         return any(self._windows)
 
-    def restart(self, means: Sequence[float | None]) -> None:
+    def restart(self, means: Sequence[Optional[float]]) -> None:
         """Each rank's readings restart as one steady reading equal to ``means[rank]`` (a resumed
         checkpoint's; None or 0: no reading)."""
         if len(means) != len(self._windows):

@@ -39,6 +39,7 @@ from typing_extensions import override
 from lightning_elche.averaging import AveragedLayout
 from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checked_collectives import CheckedCollectives
+from lightning_elche.checks import require_timedelta
 from lightning_elche.cohort_callbacks import continue_the_cohort, follow_the_cohort, stop_if_the_budget_is_spent
 from lightning_elche.config import FIT_KNOBS, ElCheConfig, ElCheMode, resolve_config
 from lightning_elche.coverage import EpochCoverage
@@ -133,19 +134,10 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
         knobs = dict(zip(FIT_KNOBS, (outer_optimizer, chunk_batches, max_failure, epoch_callback_policy,
                                      log_every_n_syncs, summary), strict=True))
         self.elche = resolve_config(mode, elche, knobs)
-        if not isinstance(snapshot_timeout, timedelta) or snapshot_timeout.total_seconds() <= 0:
-            raise ValueError(
-                f"ElCheStrategy(snapshot_timeout={snapshot_timeout!r}) is invalid: expected a positive timedelta."
-            )
-        self.snapshot_timeout = snapshot_timeout
+        self.snapshot_timeout = require_timedelta(f"ElCheStrategy(snapshot_timeout={snapshot_timeout!r})",
+                                                  snapshot_timeout)
         self.liveness_timeout = resolve_liveness_timeout(liveness_timeout, timeout)
         self.stop_grace = resolve_stop_grace(stop_grace)
-        if timeout is not None and self.liveness_timeout >= timeout:
-            raise ValueError(
-                f"ElCheStrategy(liveness_timeout={self.liveness_timeout}) must be shorter than timeout={timeout}: a "
-                "lost rank is detected at the liveness timeout, before the transport's own timeout (NCCL's watchdog "
-                "aborts the process at it)."
-            )
         # Everything below is built per fit, inside the rank processes (never pickled).
         self._membership: Optional[Membership] = None
         self._session = Session(world_size=1)  # replaced in setup; its role answers before that

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Optional
 
 COHORT_BAND = 0.15
 """A rank is an anchor candidate when its ms/batch is at least (1 - band) x the slowest rank's."""
@@ -54,7 +55,7 @@ def rank_target(anchor: int, ms: float, slow_ms: float) -> int:
     return max(1, round_half_away(anchor * min(slow_ms / ms, MAX_SPEED_RATIO)))
 
 
-def limit_step(current: int, target: int, step: int | None) -> int:
+def limit_step(current: int, target: int, step: Optional[int]) -> int:
     """``target``, moved at most ``step`` away from ``current`` (None: unlimited)."""
     if step is None:
         return target
@@ -64,7 +65,7 @@ def limit_step(current: int, target: int, step: int | None) -> int:
 
 
 def follow_speeds(
-    counts: Sequence[int], speeds_ms: Sequence[float], slow_ms: float, anchor: int, step: int | None, settled: bool,
+    counts: Sequence[int], speeds_ms: Sequence[float], slow_ms: float, anchor: int, step: Optional[int], settled: bool,
 ) -> list[int]:
     """Counts proportional to speed relative to the anchor rank. Once ``settled`` (calibrated), a
     count moves only beyond the dead zone and at most ``step`` per update."""
@@ -113,7 +114,7 @@ def slow_cohort(speeds_ms: Sequence[float]) -> list[int]:
     return [rank for rank, ms in enumerate(speeds_ms) if ms >= threshold]
 
 
-def elect_anchor_rank(speeds_ms: Sequence[float], current: int | None) -> int | None:
+def elect_anchor_rank(speeds_ms: Sequence[float], current: Optional[int]) -> Optional[int]:
     """The slow cohort's anchor: the sticky ``current`` one unless a member is clearly slower."""
     cohort = slow_cohort(speeds_ms)
     if not cohort:
@@ -133,7 +134,7 @@ def elect_anchor_rank(speeds_ms: Sequence[float], current: int | None) -> int | 
 # -- window-pressure growth -------------------------------------------------------------------
 
 
-def window_overhead(anchor: int, slow_ms: float, sync_ms: float, fill_ms: float) -> float | None:
+def window_overhead(anchor: int, slow_ms: float, sync_ms: float, fill_ms: float) -> Optional[float]:
     """Fixed per-window cost as a fraction of the anchor rank's window wall, or None when there is
     no fixed cost to measure."""
     fixed = sync_ms + fill_ms
@@ -157,9 +158,9 @@ def rounding_idle(anchor: int, speeds_ms: Sequence[float], slow_ms: float) -> fl
 
 
 def grown_anchor(
-    anchor: int, overhead: float | None, target: float, warmup: bool, min_anchor: int, max_anchor: int,
+    anchor: int, overhead: Optional[float], target: float, warmup: bool, min_anchor: int, max_anchor: int,
     rounding: float = 0.0,
-) -> int | None:
+) -> Optional[int]:
     """The grown anchor that ``overhead`` (against the overhead ``target``) or the counts'
     ``rounding`` idle (against :data:`PLAN_IDLE_SHARE` of it) calls for, a margin higher during
     warm-up, or None. Grow-only by design."""

@@ -319,3 +319,15 @@ def test_triton_kernel_sources_annotate_nothing_but_constexpr():
         annotations = [ast.unparse(arg.annotation) for arg in source.args.args if arg.annotation is not None]
         assert set(annotations) <= {"tl.constexpr"}, (source.name, annotations)
         assert source.returns is None, source.name
+
+
+def test_one_optional_style():
+    # ``Optional[X]`` throughout (``X | None`` nowhere), in annotations and in aliases alike.
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr) and any(
+                isinstance(side, ast.Constant) and side.value is None for side in (node.left, node.right)
+            ):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == [], "write Optional[X]:\n" + "\n".join(found)

@@ -289,3 +289,9 @@ def test_the_summary_lists_lost_ranks_below_the_survivors() -> None:
     rows = [line.split() for line in text.splitlines()[2:4 + 1]]
     assert [r[0] for r in rows] == ["0", "1", "lost1"] and [int(r[1]) for r in rows] == [40, 20, 10]
     assert "70 cohort steps," in text and "resumed" not in text and "1 rank(s) lost" in text
+
+
+@pytest.mark.parametrize("value", [timedelta(0), timedelta(seconds=-1), 30, None])
+def test_bad_snapshot_timeout_names_the_knob_and_the_value(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"ElCheStrategy\(snapshot_timeout=.*\) is invalid: expected a positive timedelta"):
+        ElCheStrategy(snapshot_timeout=value)

@@ -24,13 +24,21 @@ DEFAULT_LIVENESS_TIMEOUT = timedelta(seconds=30)
 
 
 def resolve_liveness_timeout(value: Any, transport_timeout: Optional[timedelta]) -> timedelta:
-    """The liveness timeout to use: ``value`` (checked), or by default 30 s, or half the transport's
-    timeout when that is shorter (a lost rank must be found before the transport gives up)."""
-    if value is not None:
-        return check_liveness_timeout(value)
-    if transport_timeout is None or transport_timeout >= 2 * DEFAULT_LIVENESS_TIMEOUT:
-        return DEFAULT_LIVENESS_TIMEOUT
-    return max(timedelta(seconds=1), transport_timeout / 2)
+    """The liveness timeout to use: ``value`` (checked, and shorter than the transport's timeout), or
+    by default 30 s, or half the transport's timeout when that is shorter (a lost rank must be found
+    before the transport gives up)."""
+    if value is None:
+        if transport_timeout is None or transport_timeout >= 2 * DEFAULT_LIVENESS_TIMEOUT:
+            return DEFAULT_LIVENESS_TIMEOUT
+        return max(timedelta(seconds=1), transport_timeout / 2)
+    value = check_liveness_timeout(value)
+    if transport_timeout is not None and value >= transport_timeout:
+        raise ValueError(
+            f"ElCheStrategy(liveness_timeout={value}) must be shorter than timeout={transport_timeout}: a "
+            "lost rank is detected at the liveness timeout, before the transport's own timeout (NCCL's watchdog "
+            "aborts the process at it)."
+        )
+    return value
 
 
 def check_liveness_timeout(value: Any) -> timedelta:
