@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_elche.job_store import mark_exited
+from lightning_elche.job_store import JobStoreLink, mark_exited
 from lightning_elche.loop_glue import LightningPatches, lightning_phase, stop_signal_requests
 from lightning_elche.rounds import StopRequest
 from lightning_elche.stop_checkpoint import unsaved_note
@@ -32,17 +32,11 @@ def guard_stops(strategy: Any, trainer: Trainer, patches: LightningPatches,
         if signum == signal.SIGTERM and strategy.launcher is not None:
             strategy.launcher.kill(signum)
 
-    def mark_stopped(message: str) -> None:
-        link = strategy.job_store_link  # on a connection of its own: the main thread may hold the link's
-        if link is not None:
-            store = link.store.clone() if hasattr(link.store, "clone") else link.store
-            mark_exited(store, link.rank, message[:2000])
-
     def report() -> str:
         return f"Rank {strategy.global_rank} was in {lightning_phase(trainer)}. {unsaved_note(trainer)}"
 
     watchdog = StopWatchdog(lambda: grace_for(strategy.stop_grace, strategy.engine), report,
-                            forward=forward, on_exit=mark_stopped)
+                            forward=forward, on_exit=lambda message: mark_stopped(strategy.job_store_link, message))
     if not watchdog.listen({*stop_signal_requests(trainer), int(signal.SIGINT)}):
         rank_zero_warn("ElCheStrategy: outside the main thread a stop signal is not bounded by stop_grace.")
     patches.route_stop_signals_for_the_fit(
@@ -50,3 +44,11 @@ def guard_stops(strategy: Any, trainer: Trainer, patches: LightningPatches,
         on_unroutable=lambda: rank_zero_warn(
             "ElCheStrategy could not install its stop-signal handlers outside the main thread."))
     return watchdog
+
+
+def mark_stopped(link: Optional[JobStoreLink], message: str) -> None:
+    """Record in the job's registry that this rank ends with ``message`` (the watchdog's exit)."""
+    if link is not None:
+        # On a connection of its own: the main thread may hold the link's.
+        store = link.store.clone() if hasattr(link.store, "clone") else link.store
+        mark_exited(store, link.rank, message[:2000])

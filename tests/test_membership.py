@@ -293,5 +293,6 @@ def test_the_summary_lists_lost_ranks_below_the_survivors() -> None:
 
 @pytest.mark.parametrize("value", [timedelta(0), timedelta(seconds=-1), 30, None])
 def test_bad_snapshot_timeout_names_the_knob_and_the_value(value: Any) -> None:
-    with pytest.raises(ValueError, match=r"ElCheStrategy\(snapshot_timeout=.*\) is invalid: expected a positive timedelta"):
+    expected = r"ElCheStrategy\(snapshot_timeout=.*\) is invalid: expected a positive timedelta"
+    with pytest.raises(ValueError, match=expected):
         ElCheStrategy(snapshot_timeout=value)

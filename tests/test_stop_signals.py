@@ -206,13 +206,13 @@ def test_a_rank_the_watchdog_ends_is_marked_exited_in_the_jobs_registry():
     import torch.distributed as dist
 
     from lightning_elche import job_store
-    from lightning_elche.strategy import ElCheStrategy as Strategy
+    from lightning_elche.stop_guard import mark_stopped
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=td(seconds=10))
     before = job_store.current_link()
     link = job_store.join(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=td(seconds=10)), 3)
     try:
-        Strategy()._mark_stopped("ending the process with status 143")  # what the watchdog's on_exit runs
+        mark_stopped(job_store.current_link(), "ending the process with status 143")  # the watchdog's on_exit
         assert server.get(job_store.exited_key(3)) == b"ending the process with status 143"
     finally:
         atexit.unregister(link.mark_exited)  # this process's exit is not the test rank's
