@@ -250,6 +250,7 @@ STALL_CASES = [("nccl_cadence", "loop")] + [
 ]
 
 
+@pytest.mark.timeout(300)  # the fit plus the 20 s floor, on a loaded machine
 @pytest.mark.parametrize(("mode", "kind"), STALL_CASES)
 def test_a_stuck_rank_is_found_by_its_own_speed_and_the_survivors_finish(tmp_path: Path, mode: str, kind: str) -> None:
     # Default settings: the stuck rank's windows are a few tens of ms, so its bound is the floor.

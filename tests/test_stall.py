@@ -9,13 +9,16 @@ collective) are in ``tests/test_rank_loss.py``.
 from __future__ import annotations
 
 import random
+import signal
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch.distributed as dist
+from stop_helpers import launched
 
 from lightning_elche import ElCheStrategy
 from lightning_elche.membership.agreement import Membership
@@ -231,3 +234,25 @@ def test_a_member_in_a_hold_is_not_judged() -> None:
     finally:
         for m in ms:
             m.close()
+
+
+# -- outside the rounds: a checked collective waits with the same liveness checks --------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_async"])
+def test_a_rank_stuck_in_validation_is_found_stalled_by_its_peer_and_fenced(tmp_path: Path, mode: str) -> None:
+    # Rank 1 loops forever in validation_step (heartbeat going); rank 0 waits in the epoch-end
+    # reduce of self.log(sync_dist=True). A loss outside the rounds still ends the fit (docs/failures.md):
+    # rank 0 fails naming the stall, and fences rank 1 on the way out (no process outlives the job).
+    with launched(tmp_path / mode, "validation", mode=mode) as job:
+        stuck = job.wait_file("stuck-rank1.json", 150)
+        codes = job.wait_exits(90)
+        result = job.result(0)
+        assert result["error"] == "CollectiveMismatch" and "stalled" in result["message"], result
+        assert codes == [1, -signal.SIGKILL], (codes, job.log())
+        found_s = float(result["time"]) - float(stuck["time"])
+        print(f"{mode}: rank 1 stuck in validation_step, rank 0 failed naming the stall {found_s:.2f} s later")
+        assert STALL_FLOOR.total_seconds() - 2.0 <= found_s < 30.0, found_s
