@@ -42,6 +42,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import PeerFailure
+from lightning_elche.membership.survival import fence_members
 
 _POLL_FIRST_S = 0.001
 _POLL_MAX_S = 0.02
@@ -397,6 +398,7 @@ def _lost_peers(membership: Membership, failure: PeerFailure) -> str:
         lost = {}
     if not lost:
         return str(failure)
+    fence_members(lost, membership)  # the fit ends here: a stopped or stalled peer must not outlive it
     return "; ".join(f"rank {membership.members.index(peer)} left the fit: {why}" for peer, why in sorted(lost.items()))
 
 

@@ -6,6 +6,12 @@ rank 0 starts a small store host instead (``python -m lightning_elche.job_store`
 its own so that signals sent to rank 0's process group do not reach it), and every rank, rank 0
 included, connects to it as a client.
 
+With ``ELCHE_STORE=external`` in every rank's environment no rank starts a host: the ranks connect
+to one already serving on MASTER_ADDR:MASTER_PORT, started on a stable host outside every training
+node (a login node, a SLURM batch step, a Kubernetes service) with
+``python -m lightning_elche.job_store --host H --port P --world-size N``. The loss of any one
+training node, global rank 0's included, then leaves the store to the survivors.
+
 The host leaves by itself once the job is over. Every rank registers
 ``lightning_elche/ranks/<rank>/proc`` (``"<hostname>:<pid>"``) and marks
 ``lightning_elche/ranks/<rank>/exited`` (a reason) when it ends; a heartbeat thread may bump
@@ -44,6 +50,10 @@ host only decides when to leave; the strategy's own liveness timeout detects hun
 # file as it is, while a rank may run a copy of it rewritten for another namespace
 # (lightning_elche.pytorch_lightning), so the starting rank passes its prefix to the host.
 READY_LINE = "job store ready"
+STORE_ENV = "ELCHE_STORE"
+"""Where the job's store runs: unset (or ``rank0``) global rank 0 starts its host; ``external``: it
+already serves on MASTER_ADDR:MASTER_PORT, outside the training nodes."""
+STORE_PLACES = ("rank0", "external")
 
 
 def generation_prefix(generation: int) -> str:
@@ -217,14 +227,28 @@ def join(store: dist.Store, rank: int, host: Optional[subprocess.Popen] = None) 
     return _current
 
 
+def store_place(environ: Optional[dict[str, str]] = None) -> str:
+    """Where the job's store runs (``ELCHE_STORE``): ``rank0`` (the default) or ``external``."""
+    value = (os.environ if environ is None else environ).get(STORE_ENV, "").strip() or "rank0"
+    if value not in STORE_PLACES:
+        raise ValueError(
+            f"{STORE_ENV}={value!r} is invalid: expected 'external' (the ranks connect to a store already "
+            "serving on MASTER_ADDR:MASTER_PORT, started with `python -m lightning_elche.job_store --host H "
+            "--port P --world-size N`), or 'rank0' / unset (global rank 0 starts the store host)."
+        )
+    return value
+
+
 def open_job_store(address: str, port: int, rank: int, world_size: int, timeout: timedelta) -> JobStoreLink:
-    """Join the job's store on ``address:port``, global rank 0 starting its host first.
+    """Join the job's store on ``address:port``, global rank 0 starting its host first (unless
+    :func:`store_place` says it runs outside the ranks: every rank then only connects).
 
     A single-rank job keeps its store in its own process: there is no other rank to survive it.
     """
     if world_size == 1:
         return join(dist.HashStore(), rank)
-    host = start_host(address, port, world_size, connect_timeout=timeout) if rank == 0 else None
+    starts_host = rank == 0 and store_place() == "rank0"
+    host = start_host(address, port, world_size, connect_timeout=timeout) if starts_host else None
     return join(connect(address, port, timeout), rank, host)
 
 

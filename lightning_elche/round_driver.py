@@ -31,6 +31,7 @@ from lightning_elche.loop_glue import (
 )
 from lightning_elche.membership.agreement import Membership, RoundProgress
 from lightning_elche.membership.change import RanksLost
+from lightning_elche.membership.stall import ProgressStamp, expect_own_window
 from lightning_elche.rounds import StopRequest
 from lightning_elche.session import RoundAction, Session
 from lightning_elche.stop_checkpoint import RANKS_LOST_CHECKPOINT_NAME, stop_checkpoint_path
@@ -68,6 +69,8 @@ class RoundDriver:
         self.log_every_n_syncs = log_every_n_syncs
         self.rank = rank
         self.trainer = trainer
+        self.stall_stamp: Optional[ProgressStamp] = None
+        """This rank's progress stamp (the strategy sets it): its bound follows its measured window."""
 
     # -- per step -----------------------------------------------------------------------------
 
@@ -114,6 +117,8 @@ class RoundDriver:
     def after_round(self, trainer: Trainer, outcome: RoundOutcome) -> None:
         """Everything a round changes on this rank, in order; identical decisions on every rank."""
         self.publish(trainer, outcome)
+        if self.stall_stamp is not None:
+            expect_own_window(self.stall_stamp, self.engine, outcome)
         self.session.callback_role.observe(self.engine.controller)
         sampler = self.sampler()
         if sampler is not None:

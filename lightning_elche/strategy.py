@@ -66,6 +66,7 @@ from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import MaxFailure, RanksLost
 from lightning_elche.membership.groups import ProcessGroups
 from lightning_elche.membership.liveness import resolve_liveness_timeout
+from lightning_elche.membership.stall import resolve_stall_timeout
 from lightning_elche.membership.survival import ChangeListeners, RankLostWarning, Survival
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import PlaneSetup, build_plane
@@ -99,6 +100,9 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
             ends anyway (with ``128 + signum``, saving nothing): ``None`` (default) derives it from the
             measured window (3 windows and 2 syncs, at least 30 s); a timedelta is used as it is.
             A second stop signal ends the process at once.
+        stall_timeout: how long a live rank may make no progress (no step, no wait on its peers) before
+            they declare it lost: ``None`` (default) derives it from that rank's own measured window (2
+            windows and rounds + 2 s, at least 20 s: slow is not stuck); a timedelta is used as it is.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
@@ -118,6 +122,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
         max_failure: MaxFailure = None,
         liveness_timeout: Optional[timedelta] = None,
         stop_grace: Optional[timedelta] = None,
+        stall_timeout: Optional[timedelta] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -138,6 +143,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
                                                   snapshot_timeout)
         self.liveness_timeout = resolve_liveness_timeout(liveness_timeout, timeout)
         self.stop_grace = resolve_stop_grace(stop_grace)
+        self.stall_timeout = resolve_stall_timeout(stall_timeout, timeout)
         # Everything below is built per fit, inside the rank processes (never pickled).
         self._membership: Optional[Membership] = None
         self._session = Session(world_size=1)  # replaced in setup; its role answers before that
@@ -251,7 +257,8 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
         # A live member that is slow to reach a regroup is waited for as long as a collective would be.
         join_timeout = process_group_timeout(self) or default_pg_timeout
         return Membership(store, fit_prefix, member, members, self.liveness_timeout, join_timeout,
-                          max_failure=self.elche.max_failure, renumbered=previous is not None and previous.renumbered)
+                          max_failure=self.elche.max_failure, renumbered=previous is not None and previous.renumbered,
+                          stall_timeout=self.stall_timeout)
 
     @override
     def configure_ddp(self) -> None:
@@ -278,6 +285,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
         self._rounds = RoundDriver(self._engine, self._session, lambda: self._sampler, self._round_listeners,
                                    self.elche.log_every_n_syncs, lambda: self.global_rank, self._fitting_trainer)
         self._engine.failures = self._survival(module.trainer, self._rounds)
+        self._rounds.stall_stamp = self._membership.progress if self._membership is not None else None
 
     def _survival(self, trainer: Trainer, rounds: RoundDriver) -> Optional[Survival]:
         membership = self._membership
@@ -355,6 +363,7 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         assert self._engine is not None and self._rounds is not None
         trainer = self._fitting_trainer()
+        self._advance_progress()
         if self._session.pending_save.saves:
             with self._stop_saving():  # the stop's own save: its grace starts again
                 self._rounds.save_and_exit(trainer, self._membership, self.elche.max_failure)
@@ -364,6 +373,16 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
                 self._collectives.training_started(trainer.current_epoch)
         if self._sampler is not None:
             self._sampler.batch_started()
+
+    def _advance_progress(self) -> None:
+        # Per step: one Python add; the heartbeat thread publishes it (membership/stall.py).
+        if self._membership is not None:
+            self._membership.progress.advance()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._advance_progress()  # a long validation is not a stall
+        return super().validation_step(*args, **kwargs)
 
     def _after_batch_hooks(self) -> None:
         # A should_stop set in on_train_batch_end comes after this batch's optimizer step: this rank
@@ -393,7 +412,8 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
                         storage_options: Optional[Any] = None) -> None:
         if self._rounds is not None:
             checkpoint["elche"] = self._rounds.checkpoint_state(self.world_size)
-        with written_whole(filepath) as partial:
+        held = self._membership.progress.held() if self._membership is not None else contextlib.nullcontext()
+        with held, written_whole(filepath) as partial:  # a write has no steps: not judged as a stall
             super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
 
     # -- collectives outside ElChe's rounds ---------------------------------------------------------

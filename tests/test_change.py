@@ -8,6 +8,7 @@ import pytest
 
 from lightning_elche.membership.agreement import RoundProgress
 from lightning_elche.membership.change import Change, PeerFailure, combined
+from lightning_elche.membership.stall import ProgressStamp
 from lightning_elche.membership.survival import ChangeListeners, Survival
 
 
@@ -57,6 +58,7 @@ class Holder:
 class FakeMembership:
     def __init__(self, change: Change) -> None:
         self.change, self.recorded, self.world_size, self.lost_count, self.limit = change, [], 2, 1, None
+        self.progress = ProgressStamp()
         self.epoch_batches: Optional[list[int]] = None
 
     def agree(self, cause: BaseException, progress: RoundProgress) -> Change:

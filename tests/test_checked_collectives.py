@@ -84,6 +84,9 @@ class FakeMembership:
     def detect_lost(self) -> dict[int, str]:
         return dict(self.lost)
 
+    def process_of(self, member: int) -> None:
+        return None  # not registered: nothing to fence
+
 
 def ranks_of(store: Any) -> list[tuple[FakeMembership, CheckedCollectives]]:
     pairs = []

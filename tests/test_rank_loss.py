@@ -238,3 +238,31 @@ def test_two_losses_in_one_window_are_one_regroup(tmp_path: Path, mode: str) -> 
     # agreement's two generations must reach the regroup as one loss.
     job = run_job(tmp_path, mode, ["kill:1:8", "kill:2:14"])
     check_survived(job, {1, 2})
+
+
+# -- a rank alive but stuck: found by its own speed (membership/stall.py), then fenced like a silent one --
+
+STALL_FLOOR_S = 20.0  # membership.stall.STALL_FLOOR: what a short-window rank's derived bound comes to
+STALLS = {"loop": 1, "sleep_in_collective": 2}  # the stuck rank of each kind
+STALL_CASES = [("nccl_cadence", "loop")] + [
+    pytest.param(mode, kind, marks=pytest.mark.faults)
+    for mode in MODES for kind in STALLS if (mode, kind) != ("nccl_cadence", "loop")
+]
+
+
+@pytest.mark.timeout(300)  # the fit plus the 20 s floor, on a loaded machine
+@pytest.mark.parametrize(("mode", "kind"), STALL_CASES)
+def test_a_stuck_rank_is_found_by_its_own_speed_and_the_survivors_finish(tmp_path: Path, mode: str, kind: str) -> None:
+    # Default settings: the stuck rank's windows are a few tens of ms, so its bound is the floor.
+    # Its heartbeat goes on all along (an endless loop in the step; a collective that never returns).
+    rank = STALLS[kind]
+    job = run_job(tmp_path, mode, [f"{kind}:{rank}:12"], timeout_s=200.0)
+    check_survived(job, {rank})
+    fault = json.loads((tmp_path / f"fault-rank{rank}.json").read_text())
+    for result in job.results.values():
+        (loss,) = result["losses"]
+        reason = loss["reasons"][str(rank)]
+        assert "stalled" in reason and "heartbeat goes on" in reason, reason
+        detect_s = float(loss["detected_at"]) - float(fault["time"])
+        print(f"{mode} {kind}: rank {rank} found stalled {detect_s:.2f} s after the fault ({reason})")
+        assert STALL_FLOOR_S - 2.0 <= detect_s < 30.0, f"found {detect_s:.1f} s after the fault"

@@ -34,7 +34,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "fault_fit.py"
 MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
-FAULTS = {"kill": "kill:1:{step}", "kill-rank0": "kill:0:{step}", "stop": "stop:2:{step}", "raise": "raise:1:{step}"}
+FAULTS = {"kill": "kill:1:{step}", "kill-rank0": "kill:0:{step}", "stop": "stop:2:{step}", "raise": "raise:1:{step}",
+          "loop": "loop:1:{step}", "sleep_in_collective": "sleep_in_collective:2:{step}"}
+DEFAULT_FAULTS = ("kill", "kill-rank0", "stop", "raise")
+"""The lost ranks; ``loop`` and ``sleep_in_collective`` are the stuck ones (alive, no progress)."""
 TAG = "ELCHE_RANK_LOSS_TIMING"
 
 
@@ -85,6 +88,9 @@ def measure(out: Path, mode: str, fault: str, leftover: list[int]) -> dict[str, 
         "kept_batches": kept,
         "reason": next(iter(loss["reasons"].values())),
     })
+    if fault_info.get("window_s"):  # a stuck rank: its own measured window when it stalled
+        row.update({"window_s": float(fault_info["window_s"]), "bound_s": fault_info.get("bound_s"),
+                    "detect_windows": row["detect_s"] / float(fault_info["window_s"])})
     return row
 
 
@@ -113,7 +119,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"Lost-rank cost, {args.devices} {args.accelerator} ranks, liveness_timeout={args.liveness} s, "
         f"{args.repeat} run(s) per cell, "
         f"host {socket.gethostname()} ({os.cpu_count()} cores), {time.strftime('%Y-%m-%d')}, commit {_commit()}.",
-        f"Command: `python tools/rank_loss_timing.py --out {args.out} --liveness {args.liveness} "
+        f"Command: `python tools/rank_loss_timing.py --out {args.out} --modes {' '.join(args.modes)} "
+        f"--faults {' '.join(args.faults)} --liveness {args.liveness} "
         f"--repeat {args.repeat} --devices {args.devices} --accelerator {args.accelerator}`",
         "",
         "| mode | fault | runs ok | detect s (median, max) | resume s (median, max) | redone samples (median) |",
@@ -133,6 +140,20 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{statistics.median(resume):.2f}, {max(resume):.2f} | "
                 f"{statistics.median(r['redone_samples'] for r in ok):.0f} |"
             )
+    stuck = [r for r in rows if "window_s" in r and "error" not in r]
+    if stuck:
+        lines += ["", "| mode | stuck rank | its window s (median) | its bound s | detect s (median, max) | "
+                  "detect in its windows (median) |", "|---|---|---|---|---|---|"]
+        for mode in args.modes:
+            for fault in args.faults:
+                cell = [r for r in stuck if r["mode"] == mode and r["fault"] == fault]
+                if cell:
+                    detect = [r["detect_s"] for r in cell]
+                    lines.append(
+                        f"| {mode} | {fault} | {statistics.median(r['window_s'] for r in cell):.3f} | "
+                        f"{statistics.median(r['bound_s'] or 0.0 for r in cell):.1f} | "
+                        f"{statistics.median(detect):.2f}, {max(detect):.2f} | "
+                        f"{statistics.median(r['detect_windows'] for r in cell):.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -147,7 +168,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
+    parser.add_argument("--faults", nargs="+", default=list(DEFAULT_FAULTS), choices=list(FAULTS))
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--step", type=int, default=12, help="the faulty rank's optimizer step of the fault")
     parser.add_argument("--liveness", type=float, default=30.0, help="liveness_timeout in seconds (default: 30)")

@@ -32,6 +32,7 @@ from lightning_elche.membership.change import (
     failure_limit,
 )
 from lightning_elche.membership.liveness import Heartbeat, PeerSignals
+from lightning_elche.membership.stall import ProgressStamp
 
 CHECK_INTERVAL_S = 0.5
 """How often a wait on a collective looks at the peers."""
@@ -52,6 +53,8 @@ class Membership:
         max_failure: how many lost ranks end the fit (see :func:`~lightning_elche.membership.change.failure_limit`),
             counted against the fit's starting world size.
         renumbered: an earlier fit of the job changed its members (``members`` are its last ones).
+        stall_timeout: how long a live member may make no progress before it is declared lost
+            (None: derived from its own measured window, :mod:`~lightning_elche.membership.stall`).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class Membership:
         join_timeout: timedelta,
         max_failure: MaxFailure = None,
         renumbered: bool = False,
+        stall_timeout: Optional[timedelta] = None,
     ) -> None:
         self.store = store
         self.fit_prefix = fit_prefix
@@ -77,9 +81,13 @@ class Membership:
         self.changes: list[Change] = []
         self.liveness_timeout_s = liveness_timeout.total_seconds()
         self.join_timeout_s = join_timeout.total_seconds()
-        self.signals = PeerSignals(store, f"{fit_prefix}/membership/left", self.liveness_timeout_s)
+        self.signals = PeerSignals(store, f"{fit_prefix}/membership/left", self.liveness_timeout_s,
+                                   progress_prefix=f"{fit_prefix}/membership/progress")
         self._next_check = 0.0
-        self.heartbeat = Heartbeat(store, member, min(1.0, self.liveness_timeout_s / 10.0))
+        self.progress = ProgressStamp(stall_timeout)
+        """This rank's progress stamp: advanced by its steps and its watched waits, judged by its peers."""
+        self.heartbeat = Heartbeat(store, member, min(1.0, self.liveness_timeout_s / 10.0), self.progress,
+                                   self.signals.progress_key(member))
         self.active = True
         """Between set-up and the end of the fit: a peer that leaves is survived."""
 
@@ -144,6 +152,7 @@ class Membership:
         """
         spin_until = time.monotonic() + _SPIN_S
         while True:
+            self.progress.advance()  # waiting on the peers: not the stuck one
             try:
                 if host_blocking:
                     work.wait(timeout=timedelta(seconds=CHECK_INTERVAL_S))
@@ -170,6 +179,7 @@ class Membership:
 
     def check(self) -> None:
         """Raise :class:`PeerFailure` when a peer is lost or a regroup was proposed (rate-limited)."""
+        self.progress.advance()
         now = time.monotonic()
         if now < self._next_check:
             return
@@ -213,6 +223,7 @@ class Membership:
         deadline = time.monotonic() + self.liveness_timeout_s + 2 * CHECK_INTERVAL_S
         applied: list[Change] = []
         while True:
+            self.progress.advance()
             proposal = self._read_proposal(self.generation + 1)
             if proposal is None:
                 lost = self.detect_lost()
@@ -257,6 +268,7 @@ class Membership:
         Raises:
             RanksLost: ``member`` was lost before it left the value (this rank cannot go on)."""
         while not self.store.check([key]):
+            self.progress.advance()
             lost = self.signals.lost([member])
             if lost:
                 raise RanksLost(f"ElChe: rank {member} was lost ({lost[member]}) before it handed over the round "
@@ -306,6 +318,7 @@ class Membership:
         self.store.set(self._joined_key(generation, self.original_rank), progress.to_json())
         deadline = time.monotonic() + self.join_timeout_s
         while True:
+            self.progress.advance()
             absent = [m for m in self.members if not self.store.check([self._joined_key(generation, m)])]
             if not absent:
                 return None

@@ -7,7 +7,10 @@ three signals, the fastest first:
 * it left a notice (an exception in its training step, a clean exit);
 * its process is gone (same host only: ``kill -9``, a crash, the OOM killer);
 * its heartbeat did not move for ``liveness_timeout`` (a stopped or hung process, a remote host
-  that vanished).
+  that vanished);
+
+and, alive but stuck, when its progress stamp stood still for the bound it derived from its own
+speed (:mod:`~lightning_elche.membership.stall`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from lightning_elche.job_store import heartbeat_key, parse_process, proc_key, process_alive
+from lightning_elche.membership.stall import ProgressStamp, Stamp, stall_verdict
 
 DEFAULT_LIVENESS_TIMEOUT = timedelta(seconds=30)
 
@@ -51,23 +55,33 @@ def check_liveness_timeout(value: Any) -> timedelta:
 
 
 class Heartbeat:
-    """A daemon thread bumping this rank's heartbeat counter in the store (its own connection)."""
+    """A daemon thread bumping this rank's heartbeat counter in the store (its own connection),
+    and writing its progress stamp under ``progress_key``."""
 
-    def __init__(self, store: Any, rank: int, interval_s: float) -> None:
+    def __init__(self, store: Any, rank: int, interval_s: float, progress: Optional[ProgressStamp] = None,
+                 progress_key: str = "") -> None:
         self._store = store.clone() if hasattr(store, "clone") else store
         self._key = heartbeat_key(rank)
         self._interval_s = interval_s
+        self._progress, self._progress_key = progress, progress_key
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"elche-heartbeat-rank{rank}", daemon=True)
         self._store.add(self._key, 1)
+        self._publish()
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             try:
                 self._store.add(self._key, 1)
+                self._publish()
             except Exception:  # the store is gone: the job is ending; peers see this rank silent
                 return
+
+    def _publish(self) -> None:
+        if self._progress is None:
+            return
+        self._store.set(self._progress_key, self._progress.stamp(time.monotonic()).dumps())
 
     def close(self) -> None:
         self._stop.set()
@@ -81,12 +95,14 @@ class PeerSignals:
         store: the job's store.
         notice_prefix: the key prefix under which members of this fit leave their exit notices.
         liveness_timeout_s: how long a heartbeat may stand still before its member is lost.
+        progress_prefix: the key prefix under which members publish their progress stamps ("": not judged).
     """
 
-    def __init__(self, store: Any, notice_prefix: str, liveness_timeout_s: float) -> None:
+    def __init__(self, store: Any, notice_prefix: str, liveness_timeout_s: float, progress_prefix: str = "") -> None:
         self.store = store
         self.notice_prefix = notice_prefix
         self.liveness_timeout_s = liveness_timeout_s
+        self.progress_prefix = progress_prefix
         self._procs: dict[int, tuple[str, int]] = {}
         self._beats: dict[int, tuple[int, float]] = {}  # member -> (counter, local time it last moved)
 
@@ -124,12 +140,20 @@ class PeerSignals:
         count = self.store.add(heartbeat_key(member), 0)
         seen = self._beats.get(member)
         if seen is None or seen[0] != count:
-            self._beats[member] = (count, now)
-            return None
+            self._beats[member] = seen = (count, now)
         silent = now - seen[1]
         if silent >= self.liveness_timeout_s:
             return f"silent for {silent:.0f} s (liveness_timeout={self.liveness_timeout_s:.0f} s)"
-        return None
+        return stall_verdict(self._stamp_of(member), beat_age_s=silent)
+
+    def progress_key(self, member: int) -> str:
+        return f"{self.progress_prefix}/{member}"
+
+    def _stamp_of(self, member: int) -> Optional[Stamp]:
+        if not self.progress_prefix:
+            return None
+        key = self.progress_key(member)
+        return Stamp.loads(self.store.get(key)) if self.store.check([key]) else None
 
     def process_of(self, member: int) -> Optional[tuple[str, int]]:
         """``(host, pid)`` of a member, when it registered."""

@@ -24,7 +24,7 @@ import logging
 import os
 import signal
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Optional, Protocol
 
@@ -50,7 +50,13 @@ class EpochHandover(Protocol):
 def fence(change: Change, membership: Membership) -> None:
     """End the lost members that still run on this host and left no notice (stopped or hung): they
     are out for good. One on another host finds itself excluded at its next round and leaves."""
-    for member in change.lost_original:
+    fence_members(change.lost_original, membership)
+
+
+def fence_members(members: Iterable[int], membership: Membership) -> None:
+    """:func:`fence` for members found lost where no change follows (the fit ends with an error
+    instead): a stopped or looping process must not outlive the job."""
+    for member in members:
         proc = membership.process_of(member)
         if proc is not None and process_alive(*proc) and not membership.left_a_notice(member):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -105,10 +111,12 @@ class Survival:
         change = self.membership.agree(failure, self.recovery.progress(self.epoch()))
         self._catch_up(change)
         fence(change, self.membership)
-        change = replace(change, regrouped_with=self.groups.rebuild(change))
-        self.membership.record(change)
-        for holder in self.holders():
-            holder.apply_change(change)
+        # Building the new groups blocks in rendezvous that have no steps: not judged as a stall.
+        with self.membership.progress.held():
+            change = replace(change, regrouped_with=self.groups.rebuild(change))
+            self.membership.record(change)
+            for holder in self.holders():
+                holder.apply_change(change)
         handover = self.handover()
         if handover is not None and handover.returned_batches > 0:
             self.keep_epoch_open()

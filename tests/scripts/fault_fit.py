@@ -5,10 +5,16 @@
 A fault is ``KIND:RANK:STEP[:EPOCH]``: on original rank ``RANK``, before its optimizer step number ``STEP``
 (with ``EPOCH``: its ``STEP``-th step of that epoch, from 0)
 (its own count), ``kill`` sends itself SIGKILL, ``stop`` SIGSTOP, ``raise`` raises in the step,
-``exit`` ends the process with ``os._exit(1)`` (no exception, no notice).
+``exit`` ends the process with ``os._exit(1)`` (no exception, no notice), ``loop`` spins in an
+endless loop inside the step (its heartbeat goes on), ``sleep_in_collective`` makes the rank's next
+collective (the next round's, whichever thread runs it) block forever (its heartbeat goes on; the
+fault's time is then when it enters that collective).
 Every rank appends each batch it trains to ``steps-rank<original rank>.jsonl`` (flushed at once,
 so a killed rank's record survives it); every rank that finishes writes ``result-rank<r>.json``
 (its final numbering, parameters and the losses it saw).
+
+``--stall S`` passes ``stall_timeout=timedelta(seconds=S)`` (default: derived);
+``--stall-floor S`` lowers the derived bound's floor for short test jobs.
 
 ``--monitor DIR`` attaches an ``ElCheMonitor`` writing its record log to ``DIR/records``, its
 dashboard to ``DIR/dashboard.html`` and its timeline to ``DIR/timeline.json``.
@@ -107,9 +113,18 @@ class InjectFault(pl.Callback):
             return
         if self.epoch is not None and (trainer.current_epoch != self.epoch or in_epoch != self.step):
             return
-        Path(self.out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(
-            json.dumps({"kind": self.kind, "time": time.time(), "epoch": trainer.current_epoch}))
-        if self.kind == "kill":
+        record: dict[str, Any] = {"kind": self.kind, "time": time.time(), "epoch": trainer.current_epoch}
+        progress = getattr(getattr(trainer.strategy, "_membership", None), "progress", None)
+        if progress is not None:  # this rank's own measured window and the bound it publishes
+            record.update({"window_s": progress.window_s, "sync_s": progress.sync_s, "bound_s": progress.bound_s})
+        Path(self.out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(json.dumps(record))
+        if self.kind == "sleep_in_collective":
+            sleep_in_next_collective(self.out_dir, trainer, record)
+        elif self.kind == "loop":
+            spin = 0
+            while True:  # an endless loop in user code: the GIL is released between bytecodes only
+                spin += 1
+        elif self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -117,6 +132,23 @@ class InjectFault(pl.Callback):
             os._exit(1)
         else:
             raise RuntimeError(f"injected fault on rank {ORIGINAL_RANK}")
+
+
+def sleep_in_next_collective(out_dir: str, trainer: pl.Trainer, record: dict[str, Any]) -> None:
+    """Replace the collectives the rounds call: the first one entered blocks forever (a hung kernel
+    or transport), in the thread that enters it; the fault's record takes that moment."""
+    import threading
+
+    import torch.distributed as dist
+
+    def hang(*args: Any, **kwargs: Any) -> None:
+        Path(out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(json.dumps(
+            {**record, "time": time.time(), "epoch": trainer.current_epoch}))
+        threading.Event().wait()
+
+    for name in ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "barrier"):
+        if hasattr(dist, name):
+            setattr(dist, name, hang)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -137,10 +169,15 @@ def main(args: argparse.Namespace) -> None:
         max_failure = float(max_failure) if "." in max_failure else int(max_failure)
     # Rank-zero-only work (the logger's files, the checkpoint) must follow rank 0 when it is lost.
     callbacks.append(ModelCheckpoint(dirpath=str(Path(args.out_dir, "ckpt")), save_last=True, every_n_epochs=1))
+    if args.stall_floor is not None:
+        from lightning_elche.membership import stall
+
+        stall.STALL_FLOOR = timedelta(seconds=args.stall_floor)
+    stall_timeout = None if args.stall is None else timedelta(seconds=args.stall)
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, max_epochs=args.epochs,
         strategy=ElCheStrategy(mode=args.mode, max_failure=max_failure, summary=True,
-                               liveness_timeout=timedelta(seconds=args.liveness),
+                               liveness_timeout=timedelta(seconds=args.liveness), stall_timeout=stall_timeout,
                                snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120)),
         callbacks=callbacks, logger=CSVLogger(args.out_dir, name="csv", version=0), enable_progress_bar=True,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=args.out_dir,
@@ -162,5 +199,7 @@ if __name__ == "__main__":
     parser.add_argument("--max-failure", default=None)
     parser.add_argument("--liveness", type=float, default=5.0)
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[2.0, 5.0, 3.0])
+    parser.add_argument("--stall", type=float, default=None, help="stall_timeout in seconds (default: derived)")
+    parser.add_argument("--stall-floor", type=float, default=None, help="the derived stall bound's floor, seconds")
     parser.add_argument("--monitor", default=None, help="attach an ElCheMonitor writing under this directory")
     main(parser.parse_args())
