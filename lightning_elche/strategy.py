@@ -25,11 +25,11 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -41,6 +41,7 @@ from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checked_collectives import CheckedCollectives
 from lightning_elche.checks import require_timedelta
 from lightning_elche.cohort_callbacks import continue_the_cohort, follow_the_cohort, stop_if_the_budget_is_spent
+from lightning_elche.collective_hooks import CheckedCollectivesStrategy
 from lightning_elche.config import FIT_KNOBS, ElCheConfig, ElCheMode, resolve_config
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.dispatch import ElCheSampler
@@ -81,7 +82,7 @@ from lightning_elche.trainer_checks import check_trainer
 
 __all__ = ["ElCheStrategy", "RankLostWarning", "resolve_config"]
 
-class ElCheStrategy(DDPStrategy, ElCheFitView):
+class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
     """Heterogeneity-aware local SGD with a self-tuning averaging window (flodl's ElChe).
 
     Args:
@@ -415,45 +416,6 @@ class ElCheStrategy(DDPStrategy, ElCheFitView):
         held = self._membership.progress.held() if self._membership is not None else contextlib.nullcontext()
         with held, written_whole(filepath) as partial:  # a write has no steps: not judged as a stall
             super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
-
-    # -- collectives outside ElChe's rounds ---------------------------------------------------------
-    # Between the fit's set-up and teardown, entry-checked and waited on with liveness checks
-    # (checked_collectives.py); Lightning's own outside a fit, and on other groups.
-
-    @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        self._session.refuse_collective("reduce()", mid_window_too=False)
-        if self._session.in_window:
-            self._session.warn_rank_local_reduce(rank_zero_warn)
-            return tensor
-        reduced = self._collectives.reduce(tensor, group, reduce_op) if self._collectives is not None else None
-        return reduced if reduced is not None else super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        self._session.refuse_collective("barrier()")
-        name = args[0] if args else kwargs.get("name")
-        checked = self._collectives is not None and self._collectives.barrier(name, self.determine_ddp_device_ids())
-        if not checked:
-            super().barrier(*args, **kwargs)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        self._session.refuse_collective("broadcast()")
-        if self._collectives is not None:  # an object broadcast has no asynchronous form: Lightning's, once checked
-            self._collectives.enter("broadcast()", f"src={src}")
-        return super().broadcast(obj, src)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        self._session.refuse_collective("all_gather()")
-        gathered = self._collectives.all_gather(tensor, group, sync_grads) if self._collectives is not None else None
-        return gathered if gathered is not None else super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    def _checked_gather(self, data: Any) -> contextlib.AbstractContextManager[None]:
-        # LightningModule.all_gather(data), through the loop_glue patch installed by _guard_fit.
-        self._session.refuse_collective("all_gather()")
-        return self._collectives.gathering(data) if self._collectives is not None else contextlib.nullcontext()
 
     # -- end of fit ---------------------------------------------------------------------------------
 

@@ -1,0 +1,65 @@
+"""Lightning's collectives between ElChe's rounds: refused where a peer may never reach them,
+entry-checked and waited on with liveness checks everywhere else.
+
+:class:`CheckedCollectivesStrategy` is the layer of :class:`~lightning_elche.ElCheStrategy` above
+Lightning's ``DDPStrategy`` that owns ``reduce``, ``barrier``, ``broadcast`` and ``all_gather``.
+Between the fit's set-up and teardown a collective goes through the fit's
+:class:`~lightning_elche.checked_collectives.CheckedCollectives`; outside a fit, and on other
+groups, it is Lightning's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_elche.checked_collectives import CheckedCollectives
+from lightning_elche.session import Session
+
+
+class CheckedCollectivesStrategy(DDPStrategy):
+    """``DDPStrategy`` whose collectives consult the fit's session (inside a window they are refused,
+    or a ``reduce`` stays rank-local) and its checked collectives."""
+
+    _session: Session
+    _collectives: Optional[CheckedCollectives]
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        self._session.refuse_collective("reduce()", mid_window_too=False)
+        if self._session.in_window:
+            self._session.warn_rank_local_reduce(rank_zero_warn)
+            return tensor
+        reduced = self._collectives.reduce(tensor, group, reduce_op) if self._collectives is not None else None
+        return reduced if reduced is not None else super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._session.refuse_collective("barrier()")
+        name = args[0] if args else kwargs.get("name")
+        checked = self._collectives is not None and self._collectives.barrier(name, self.determine_ddp_device_ids())
+        if not checked:
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._session.refuse_collective("broadcast()")
+        if self._collectives is not None:  # an object broadcast has no asynchronous form: Lightning's, once checked
+            self._collectives.enter("broadcast()", f"src={src}")
+        return super().broadcast(obj, src)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        self._session.refuse_collective("all_gather()")
+        gathered = self._collectives.all_gather(tensor, group, sync_grads) if self._collectives is not None else None
+        return gathered if gathered is not None else super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def _checked_gather(self, data: Any) -> contextlib.AbstractContextManager[None]:
+        # LightningModule.all_gather(data), through the loop_glue patch the strategy installs at set-up.
+        self._session.refuse_collective("all_gather()")
+        return self._collectives.gathering(data) if self._collectives is not None else contextlib.nullcontext()
