@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 
 from lightning_elche.checks import as_real, invalid, require_bool, require_int, require_real
 from lightning_elche.membership.change import MaxFailure, check_max_failure
+from lightning_elche.micro_batch import MicroBatch, check_micro_batch, check_micro_batch_ranks
 from lightning_elche.outer import OuterOptimizer
 
 DEFAULT_ANCHOR = 10
@@ -28,7 +29,8 @@ DEFAULT_ASYNC_EASGD_ALPHA = 0.5
 PARTITION_SUM_TOLERANCE = 1e-6
 EPOCH_CALLBACK_POLICIES: tuple[str, ...] = ("fastest", "rank0", "all")
 
-FIT_KNOBS = ("outer_optimizer", "chunk_batches", "max_failure", "epoch_callback_policy", "log_every_n_syncs", "summary")
+FIT_KNOBS = ("outer_optimizer", "chunk_batches", "max_failure", "epoch_callback_policy", "log_every_n_syncs", "summary",
+             "micro_batch")
 """ElCheConfig's knobs of the fit around the controller (not in flodl's ElCheConfig); ElCheStrategy
 also takes each of them as a keyword argument of the same name."""
 
@@ -192,6 +194,12 @@ class ElCheConfig:
             or ``"all"``. Callbacks that Lightning runs directly still run on every rank.
         log_every_n_syncs: log the ``elche/*`` metrics every this many syncs (rank 0, >= 1).
         summary: print a per-rank summary table at the end of ``fit``.
+        micro_batch: samples a rank trains at once (:mod:`lightning_elche.micro_batch`): ``None``
+            (default: the loader's whole batch), a positive int for every rank, a mapping ``{rank: size}``
+            or a list with one size per rank (a size is an int, ``None`` or ``"auto"``), or ``"auto"``
+            (each CUDA rank finds the largest that fits, :mod:`lightning_elche.micro_batch_auto`). A
+            rank with a micro-batch below the loader's ``batch_size`` accumulates the micro-batches'
+            gradients and takes one optimizer step per batch, as the other ranks.
     """
 
     mode: Union[ElCheMode, str] = ElCheMode.nccl_cadence
@@ -216,6 +224,7 @@ class ElCheConfig:
     epoch_callback_policy: str = "fastest"
     log_every_n_syncs: int = 1
     summary: bool = True
+    micro_batch: MicroBatch = None
 
     def __post_init__(self) -> None:
         self.mode = _check_mode(self.mode)
@@ -416,6 +425,7 @@ class ElCheConfig:
                 self.partition_ratios,
                 f"expected one share per rank: {world_size} values for a world size of {world_size}",
             )
+        check_micro_batch_ranks(self.micro_batch, world_size, f"ElCheStrategy(micro_batch={self.micro_batch!r})")
 
     def describe(self) -> dict[str, Any]:
         """Plain values of every knob, for logs, checkpoints and the record log."""
@@ -448,6 +458,8 @@ def check_fit_knob(knob: str, value: Any, subject: str) -> Any:
         return str(value)
     if knob == "summary":
         return require_bool(subject, value)
+    if knob == "micro_batch":
+        return check_micro_batch(value, subject)
     if value is not None and not isinstance(value, OuterOptimizer):
         raise TypeError(f"{subject} is invalid: expected an OuterOptimizer (OuterAvg, SlowMo or DiLoCo).")
     return value

@@ -56,6 +56,7 @@ from lightning_elche.loop_glue import (
     default_group_store,
     init_process_group_on_job_store,
     lightning_phase,
+    logging_batch,
     next_epoch,
     process_group_timeout,
     sampler_for,
@@ -69,6 +70,8 @@ from lightning_elche.membership.groups import ProcessGroups
 from lightning_elche.membership.liveness import resolve_liveness_timeout
 from lightning_elche.membership.stall import resolve_stall_timeout
 from lightning_elche.membership.survival import ChangeListeners, RankLostWarning, Survival
+from lightning_elche.micro_batch import MicroBatch, MicroBatching, rank_micro_batch
+from lightning_elche.micro_batch_auto import choose_micro_batch
 from lightning_elche.outer import OuterAvg, OuterOptimizer
 from lightning_elche.planes import PlaneSetup, build_plane
 from lightning_elche.planes.collective import default_group_device
@@ -89,7 +92,7 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
         mode: one of ``nccl_sync``, ``nccl_cadence`` (default), ``cpu_sync``, ``cpu_cadence``,
             ``cpu_async``; selects that mode's preset when ``elche`` is not given.
         elche: the full :class:`~lightning_elche.ElCheConfig`; ``mode`` must then be omitted or equal.
-        outer_optimizer, chunk_batches, max_failure, epoch_callback_policy, log_every_n_syncs, summary:
+        outer_optimizer, chunk_batches, max_failure, epoch_callback_policy, log_every_n_syncs, summary, micro_batch:
             the :class:`~lightning_elche.ElCheConfig` knobs of these names (documented there), given
             here instead of in ``elche``; a knob given in both must have the same value.
         liveness_timeout: how long a rank may stay silent (no heartbeat) before its peers declare
@@ -124,6 +127,7 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
         liveness_timeout: Optional[timedelta] = None,
         stop_grace: Optional[timedelta] = None,
         stall_timeout: Optional[timedelta] = None,
+        micro_batch: MicroBatch = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -138,7 +142,7 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method)
         knobs = dict(zip(FIT_KNOBS, (outer_optimizer, chunk_batches, max_failure, epoch_callback_policy,
-                                     log_every_n_syncs, summary), strict=True))
+                                     log_every_n_syncs, summary, micro_batch), strict=True))
         self.elche = resolve_config(mode, elche, knobs)
         self.snapshot_timeout = require_timedelta(f"ElCheStrategy(snapshot_timeout={snapshot_timeout!r})",
                                                   snapshot_timeout)
@@ -161,6 +165,7 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
         self._averaged_buffers: list[Tensor] = []  # the buffer tensors the rounds reduce
         self._stop_watchdog: Optional[StopWatchdog] = None
         self._collectives: Optional[CheckedCollectives] = None
+        self._micro_batching: Optional[MicroBatching] = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -327,6 +332,8 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
             self._sampler.resume(self._restored_coverage)
             self._restored_coverage = None
         self._engine.set_epoch_size(self._sampler.num_batches)
+        self._micro_batching = MicroBatching(rank_micro_batch(self.elche.micro_batch, self.global_rank),
+                                             dataloader.batch_size, self, choose_micro_batch, logging_batch)
         return with_training_sampler(dataloader, self._sampler)
 
     @override
@@ -374,6 +381,8 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
                 self._collectives.training_started(trainer.current_epoch)
         if self._sampler is not None:
             self._sampler.batch_started()
+        if self._micro_batching is not None:
+            self._micro_batching.batch_started(batch_idx % trainer.accumulate_grad_batches == 0)
 
     def _advance_progress(self) -> None:
         # Per step: one Python add; the heartbeat thread publishes it (membership/stall.py).
@@ -397,6 +406,19 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
             return extract_batch_size(batch)
         except Exception:  # an exotic batch: count the loader's nominal batch size
             return self._sampler.batch_size if self._sampler else 0
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        step, micro = super().training_step, self._micro_batching  # micro_batch.py: a batch in pieces
+        if micro is None or self._rounds is None or not args:
+            return step(*args, **kwargs)
+        return micro.training_step(args[0], lambda part: step(part, *args[1:], **kwargs))
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self._micro_batching is not None:
+            self._micro_batching.pre_backward()
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
@@ -458,6 +480,7 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
         if self._engine is not None:
             self._engine.plane.close()
         self._sampler = None
+        self._micro_batching = None
         self._session.end_training()
         self._patches.undo()
         super().teardown()

@@ -12,7 +12,8 @@ declares); the strategy refuses to fit under any other version.
 One module per part of Lightning it adapts: :mod:`.versions`, :mod:`.trainer_reads` (the Trainer's
 and its callbacks' private state), :mod:`.ddp` (process groups and DDP internals), :mod:`.loaders`
 (the training loader and its sampler), :mod:`.patches`, :mod:`.signals`, :mod:`.launcher` (the popen
-launcher that spares survivors), :mod:`.ranks` (rank numbers after a membership change).
+launcher that spares survivors), :mod:`.ranks` (rank numbers after a membership change), :mod:`.results`
+(the batch ``self.log`` sizes its epoch means by).
 """
 
 from lightning_elche.loop_glue.ddp import (
@@ -41,6 +42,9 @@ from lightning_elche.loop_glue.patches import (
 from lightning_elche.loop_glue.ranks import (
     LightningRankView,
     renumber_lightning_ranks,
+)
+from lightning_elche.loop_glue.results import (
+    logging_batch,
 )
 from lightning_elche.loop_glue.signals import (
     SigtermHandler,
@@ -88,6 +92,7 @@ __all__ = [
     "init_process_group_on_job_store",
     "lightning_phase",
     "logged_callback_metrics",
+    "logging_batch",
     "monitor_candidates",
     "next_epoch",
     "process_group_timeout",

@@ -1,0 +1,60 @@
+"""A model of the micro-batch fits that checks, at every optimizer step, the accumulated gradient
+against the whole batches' gradient, and the loss Lightning got against the whole batch's loss."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from model_helpers import RecordingModel
+from torch import nn
+
+
+class MicroBatchCheckModel(RecordingModel):
+    """``RecordingModel`` plus, per rank, the largest gradient and loss differences from the reference
+    (the same batches trained whole), and how many training_step calls it took."""
+
+    def __init__(self, out_dir: str, **kwargs: Any) -> None:
+        super().__init__(out_dir, **kwargs)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.reference_loss: float = 0.0
+        self.grad_diff = 0.0
+        self.loss_diff = 0.0
+        self.step_calls = 0
+        self.checked_steps = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.step_calls += 1
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        _, x, y = batch
+        self.pending.append((x, y))
+        with torch.no_grad():
+            self.reference_loss = float(nn.functional.mse_loss(self(x), y))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        seen = float(outputs["loss"]) * self.trainer.accumulate_grad_batches  # Lightning divides it
+        self.loss_diff = max(self.loss_diff, abs(seen - self.reference_loss))
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        net = copy.deepcopy(self.net)
+        accumulate = self.trainer.accumulate_grad_batches
+        for x, y in self.pending:
+            (nn.functional.mse_loss(net(x), y) / accumulate).backward()
+        for ours, reference in zip(self.net.parameters(), net.parameters(), strict=True):
+            assert ours.grad is not None
+            self.grad_diff = max(self.grad_diff, float((ours.grad - reference.grad).abs().max()))
+        self.pending = []
+        self.checked_steps += 1
+
+    def on_fit_end(self) -> None:
+        super().on_fit_end()
+        path = Path(self.out_dir, f"rank{self.global_rank}.json")
+        record = json.loads(path.read_text())
+        record.update(grad_diff=self.grad_diff, loss_diff=self.loss_diff, step_calls=self.step_calls,
+                      checked_steps=self.checked_steps)
+        path.write_text(json.dumps(record))
