@@ -68,6 +68,8 @@ class RoundDriver:
         self.log_every_n_syncs = log_every_n_syncs
         self.rank = rank
         self.trainer = trainer
+        self.after_each_round: Optional[Callable[[Trainer, RoundOutcome], None]] = None
+        """Called last after every round (membership growth: an admission happens there)."""
 
     # -- per step -----------------------------------------------------------------------------
 
@@ -129,6 +131,8 @@ class RoundDriver:
             if outcome.budget_reached and not outcome.epoch_over and outcome.stop_level == StopRequest.NONE:
                 skip_validation_after_this_batch(trainer)  # as Lightning's max_steps inside an epoch
         self.session.saw_should_stop(trainer.should_stop)
+        if self.after_each_round is not None:
+            self.after_each_round(trainer, outcome)
 
     def publish(self, trainer: Trainer, outcome: RoundOutcome) -> None:
         log_now = self.rank() == 0 and (outcome.index % self.log_every_n_syncs == 0 or outcome.epoch_over)
