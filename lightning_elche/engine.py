@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Optional, Protocol
 
@@ -109,6 +110,8 @@ class ElCheEngine:
         self.failures = failures
         self._sent: Optional[Tensor] = None  # the metadata of the round in flight or last started
         self._caught_up = False
+        self.joiners_waiting: Optional[Callable[[], int]] = None
+        """Rank 0's count of accepted joiners, read once per round into its metadata (admission)."""
 
     # -- per step: no collective, no host sync --------------------------------------------
 
@@ -272,6 +275,7 @@ class ElCheEngine:
     ) -> Tensor:
         values = [0.0] * META_SIZE
         values[Meta.EPOCH_BATCHES] = epoch_batches
+        values[Meta.JOINERS] = self.joiners_waiting() if self.joiners_waiting is not None and self.rank == 0 else 0
         values[Meta.STEPS] = self._steps
         values[Meta.SAMPLES] = self._samples
         values[Meta.COMPUTE_S] = compute_s
@@ -464,6 +468,14 @@ class ElCheEngine:
         self._caught_up = True
         assert self.last_outcome is not None
         return self.last_outcome
+
+    def join_from(self, record: bytes) -> None:
+        """A rank admitted into the fit takes the cohort's state: the :meth:`round_record` of the
+        admission round, left by a member after it took the change (the same decisions from here on)."""
+        self.catch_up(record)
+        self._caught_up = False
+        if getattr(self.plane, "outer", None) is not None:
+            self.plane.outer = self.outer  # type: ignore[attr-defined]  # the planes that apply it hold it
 
     def _without_mass(self, sent: Optional[Tensor]) -> Tensor:
         """``sent`` as this rank's part of the next round after a catch-up: no steps, samples, time,

@@ -292,7 +292,11 @@ class JobWatch:
         return "; ".join(f"rank {rank}: {how}" for rank, how in sorted(ended.items()))
 
     def _find_registered(self, now: float) -> None:
-        for rank in range(self.world_size):
+        # Ranks that joined the running fit take the ids after the launch world size (the admission's
+        # counter sits next to the registry: ``<base>/join/next_member``).
+        joined_key = f"{self.prefix.rsplit('/', 1)[0]}/join/next_member"
+        joined = int(self.store.add(joined_key, 0)) if self.store.check([joined_key]) else 0
+        for rank in range(self.world_size + joined):
             key = proc_key(rank, self.prefix)
             if rank not in self.watched and self.store.check([key]):
                 host, pid = parse_process(self.store.get(key).decode())

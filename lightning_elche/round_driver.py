@@ -71,6 +71,8 @@ class RoundDriver:
         self.trainer = trainer
         self.stall_stamp: Optional[ProgressStamp] = None
         """This rank's progress stamp (the strategy sets it): its bound follows its measured window."""
+        self.after_each_round: Optional[Callable[[Trainer, RoundOutcome], None]] = None
+        """Called last after every round (membership growth: an admission happens there)."""
 
     # -- per step -----------------------------------------------------------------------------
 
@@ -134,6 +136,8 @@ class RoundDriver:
             if outcome.budget_reached and not outcome.epoch_over and outcome.stop_level == StopRequest.NONE:
                 skip_validation_after_this_batch(trainer)  # as Lightning's max_steps inside an epoch
         self.session.saw_should_stop(trainer.should_stop)
+        if self.after_each_round is not None:
+            self.after_each_round(trainer, outcome)
 
     def publish(self, trainer: Trainer, outcome: RoundOutcome) -> None:
         log_now = self.rank() == 0 and (outcome.index % self.log_every_n_syncs == 0 or outcome.epoch_over)

@@ -34,6 +34,7 @@ class Meta(IntEnum):
     WIRE = 16  # 0: f32 wire, 1: bf16 wire (CPU plane); must agree on every rank
     STALL_MS = 17  # device stall of this rank's previous sync (cpu_async on CUDA), -1 when unmeasured
     EPOCH_BATCHES = 18  # batches this rank started in the current epoch (all trained by the round)
+    JOINERS = 19  # rank 0's row: accepted joiners waiting for admission (read from the store once per round)
 
 
 META_SIZE = len(Meta)
@@ -76,6 +77,7 @@ class RankReport:
     stall_ms: Optional[float]
     epoch: int = 0
     epoch_batches: int = 0
+    joiners: int = 0
 
     @classmethod
     def from_row(cls, row: list[float]) -> RankReport:
@@ -95,6 +97,7 @@ class RankReport:
             stall_ms=row[Meta.STALL_MS] if row[Meta.STALL_MS] >= 0 else None,
             epoch=int(row[Meta.EPOCH]),
             epoch_batches=int(row[Meta.EPOCH_BATCHES]),
+            joiners=int(row[Meta.JOINERS]),
         )
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import secrets
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -41,12 +40,13 @@ from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checked_collectives import CheckedCollectives
 from lightning_elche.checks import require_timedelta
 from lightning_elche.cohort_callbacks import continue_the_cohort, follow_the_cohort, stop_if_the_budget_is_spent
-from lightning_elche.collective_hooks import CheckedCollectivesStrategy
 from lightning_elche.config import FIT_KNOBS, ElCheConfig, ElCheMode, resolve_config
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.dispatch import ElCheSampler
+from lightning_elche.elastic_ddp import ElasticDDPStrategy
 from lightning_elche.engine import ElCheEngine
 from lightning_elche.fit_view import ElCheFitView
+from lightning_elche.growth import Growth, RankJoinedWarning, dispatch_store
 from lightning_elche.loop_glue import (
     LightningPatches,
     LightningRankView,
@@ -83,9 +83,9 @@ from lightning_elche.stop_signals import StopWatchdog, resolve_stop_grace
 from lightning_elche.summary import format_summary
 from lightning_elche.trainer_checks import check_trainer
 
-__all__ = ["ElCheStrategy", "RankLostWarning", "resolve_config"]
+__all__ = ["ElCheStrategy", "RankJoinedWarning", "RankLostWarning", "resolve_config"]
 
-class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
+class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
     """Heterogeneity-aware local SGD with a self-tuning averaging window (flodl's ElChe).
 
     Args:
@@ -166,37 +166,13 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
         self._stop_watchdog: Optional[StopWatchdog] = None
         self._collectives: Optional[CheckedCollectives] = None
         self._micro_batching: Optional[MicroBatching] = None
+        self._growth = Growth()  # a rank joining a running fit (ELCHE_JOIN=1), and the members' admissions
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_round_listeners"] = []  # listeners re-register in their callbacks' setup
         state["_change_listeners"] = ChangeListeners()
         return state
-
-    # -- ranks: renumbered densely when members change --------------------------------------------
-
-    @property
-    @override
-    def global_rank(self) -> int:
-        membership = self._renumbered_membership()
-        return membership.rank if membership is not None else super().global_rank
-
-    @property
-    @override
-    def world_size(self) -> int:
-        membership = self._renumbered_membership()
-        return membership.world_size if membership is not None else super().world_size
-
-    def _renumbered_membership(self) -> Optional[Membership]:
-        # Ranks keep their launch numbers until the members change (for the rest of the job after that).
-        membership: Optional[Membership] = getattr(self, "_membership", None)
-        return membership if membership is not None and membership.renumbered else None
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # DDP counts devices; after a change only the current members shard the evaluation data.
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     # -- hooks, in the order Lightning calls them ---------------------------------------------------
 
@@ -207,8 +183,12 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
 
     @override
     def setup_distributed(self) -> None:
-        # The job's store is hosted outside rank 0, so that losing rank 0 does not lose it.
-        init_process_group_on_job_store(self)
+        # The job's store is hosted outside rank 0, so that losing rank 0 does not lose it. A joiner
+        # gets its group when the fit admits it (setup).
+        if self._growth.joining:
+            self._growth.connect(self)
+        else:
+            init_process_group_on_job_store(self)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -225,13 +205,13 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
         fitting = trainer.state.fn == "fit"
         if fitting:
             check_lightning_version()
-            self.elche.validate_world_size(self.world_size)
-            budget = trainer.max_steps
             # Before super().setup: configure_optimizers may set up the train dataloader (through
             # trainer.estimated_stepping_batches), and the dispatch needs this prefix then.
-            prefix = f"lightning_elche/{self.broadcast(secrets.token_hex(8))}"
+            prefix = self._growth.fit_prefix(self)
+            self.elche.validate_world_size(self.world_size)
+            budget = trainer.max_steps
             self._session = Session(self.world_size, None if budget in (None, -1) else int(budget), prefix)
-            self._membership = self._join_membership(prefix)
+            self._membership = self._growth.membership or self._join_membership(prefix)
             self._guard_fit(trainer)
             self._patches.report_cohort_batches(trainer, lambda: self._sampler)
         super().setup(trainer)  # configure_ddp, then configure_optimizers (with the user's max_steps)
@@ -246,6 +226,9 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
             self._engine.load_state_dict(self._restored_state)
             self._session.callback_role.load_state_dict(self._restored_state.get("callback_role", {}))
             self._restored_state = None
+        if self._growth.joining:
+            self._growth.take_state(trainer, self._engine, self._session)
+        self._growth.attach(self._membership, self._rounds, lambda: self._sampler)
         stop_if_the_budget_is_spent(trainer, self._engine.state.cohort_step if self._engine else 0,
                                     self._session.step_budget)
         check_step_schedulers(trainer)
@@ -272,7 +255,7 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
         # identical weights, as DDP's constructor would, then set up the averaging in its place,
         # before configure_optimizers (which may already set up the train dataloader).
         assert self.model is not None and self.lightning_module is not None
-        sync_module_states(self.model)
+        self._growth.take_module(self.model) if self._growth.joining else sync_module_states(self.model)
         previous = self._engine  # a later fit of this strategy continues its cohort step
         module = self.lightning_module
         layout = AveragedLayout(module)
@@ -323,7 +306,8 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
                 f"{type(dataloader).__name__}."
             )
         self._sampler = sampler_for(dataloader, self.elche, self.global_rank, self.world_size,
-                                    self._session.dispatch_prefix, self.elche.chunk_batches)
+                                    self._session.dispatch_prefix, self.elche.chunk_batches,
+                                    dispatch_store(self._membership) if self._membership is not None else None)
         # Lightning's prefetching fetcher draws the first batch in setup_data, before it calls
         # set_epoch: a resumed fit would dispatch its first epoch with epoch 0's order and counter.
         # ``processed`` is the epoch the loop runs next (set_epoch uses the same counter).
@@ -331,6 +315,7 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
         if self._restored_coverage is not None:
             self._sampler.resume(self._restored_coverage)
             self._restored_coverage = None
+        self._growth.dispatch_ready(self, self._sampler, dataloader)
         self._engine.set_epoch_size(self._sampler.num_batches)
         self._micro_batching = MicroBatching(rank_micro_batch(self.elche.micro_batch, self.global_rank),
                                              dataloader.batch_size, self, choose_micro_batch, logging_batch)
@@ -347,6 +332,7 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
             )
         if train_dataloader_count(trainer) != 1:
             raise TypeError("ElCheStrategy supports exactly one training DataLoader.")
+        self._growth.training_starts(trainer, self.global_rank)
         self._patches.silence_per_step_sigterm_broadcast(trainer)
         self._patches.watch_batches(trainer, self._after_batch_hooks,
                                    lambda: self._session.refuse_skipped_epoch(self.global_rank))
@@ -444,6 +430,7 @@ class ElCheStrategy(CheckedCollectivesStrategy, ElCheFitView):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        self._growth.fit_over(self)
         if self._rounds is not None and self._session.pending_save.saves:
             # A saving stop acted on at the fit's last round has no next batch start to save at.
             with self._stop_saving():

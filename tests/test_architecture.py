@@ -347,10 +347,13 @@ def test_lightning_hooks_of_the_strategy_are_marked_override():
 
     from lightning_elche import ElCheStrategy
 
-    tree = ast.parse((PACKAGE / "strategy.py").read_text(encoding="utf-8"))
-    strategy = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ElCheStrategy")
+    classes = [("strategy.py", "ElCheStrategy"), ("elastic_ddp.py", "ElasticDDPStrategy")]
+    bodies = []
+    for module, name in classes:
+        tree = ast.parse((PACKAGE / module).read_text(encoding="utf-8"))
+        bodies += next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name).body
     unmarked, hooks = [], 0
-    for item in strategy.body:
+    for item in bodies:
         if isinstance(item, ast.FunctionDef) and hasattr(DDPStrategy, item.name) and item.name != "__init__":
             hooks += 1
             decorators = {ast.unparse(d) for d in item.decorator_list}

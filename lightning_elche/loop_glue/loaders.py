@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any, Optional, cast
 
 from lightning.fabric.utilities.distributed import (
     DistributedSamplerWrapper,
@@ -25,12 +26,52 @@ def with_training_sampler(dataloader: DataLoader, sampler: ElCheSampler) -> Data
 
 
 def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_size: int, key_prefix: str,
-                chunk_batches: int) -> ElCheSampler:
+                chunk_batches: int, store: Optional[Any] = None) -> ElCheSampler:
     """The ElChe sampler that replaces ``dataloader``'s, keeping its shuffle, seed and batching.
+    ``store``: where the dispatch claims (default: the default group's store).
 
     Raises ``TypeError`` for what cannot be dispatched by speed: an ``IterableDataset``, a custom
     sampler or batch sampler.
     """
+    shape = dispatch_shape(dataloader)
+    dispatch = config.run_mode.dispatch
+    # The pool claims through the store; the own-stream splits use it only when ranks join mid-epoch.
+    # (A Store has append at run time; torch's stub lacks it.)
+    if store is None and (dispatch is Dispatch.POOL or distributed_is_initialized()):
+        store = default_group_store()
+    return build_sampler(
+        dispatch,
+        shape.samples,
+        shape.batch_size,
+        rank,
+        world_size,
+        shuffle=shape.shuffle,
+        seed=shape.seed,
+        counter=cast(Optional[ChunkCounter], store),
+        key_prefix=key_prefix,
+        partition_ratios=config.partition_ratios,
+        max_chunk_batches=chunk_batches,
+        drop_last=shape.drop_last,
+        augment=shape.augment,
+        pick_keys=shape.pick_keys,
+    )
+
+
+@dataclass(frozen=True)
+class DispatchShape:
+    """What of a training loader the dispatch keeps: its dataset's length, batching and order."""
+
+    samples: int
+    augment: int
+    batch_size: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    pick_keys: bool
+
+
+def dispatch_shape(dataloader: DataLoader) -> DispatchShape:
+    """``dataloader``'s :class:`DispatchShape`; a ``TypeError`` for what cannot be dispatched by speed."""
     if isinstance(dataloader.dataset, IterableDataset):
         raise TypeError(
             "ElCheStrategy cannot dispatch an IterableDataset: it hands out sample indices by "
@@ -52,32 +93,13 @@ def sampler_for(dataloader: DataLoader, config: ElCheConfig, rank: int, world_si
             "samples to ranks by speed. Use shuffle=True/False in the DataLoader."
         )
     assert dataloader.batch_size is not None
-    dispatch = config.run_mode.dispatch
-    # The pool claims through the store; the own-stream splits use it only when ranks join mid-epoch.
-    # (A Store has append at run time; torch's stub lacks it.)
-    store = (cast(ChunkCounter, default_group_store()) if dispatch is Dispatch.POOL or distributed_is_initialized()
-             else None)
     dataset = dataloader.dataset
     if isinstance(dataset, AugmentedDataset):
         samples, augment = dataset.base_len, dataset.augment
     else:
         samples, augment = len(dataset), 1  # type: ignore[arg-type]  # a map-style Dataset has __len__
-    return build_sampler(
-        dispatch,
-        samples,
-        dataloader.batch_size,
-        rank,
-        world_size,
-        shuffle=shuffle,
-        seed=seed,
-        counter=store,
-        key_prefix=key_prefix,
-        partition_ratios=config.partition_ratios,
-        max_chunk_batches=chunk_batches,
-        drop_last=dataloader.drop_last,
-        augment=augment,
-        pick_keys=isinstance(dataset, AugmentedDataset),
-    )
+    return DispatchShape(samples, augment, dataloader.batch_size, shuffle, seed, dataloader.drop_last,
+                         isinstance(dataset, AugmentedDataset))
 
 
 def user_sampler_name(sampler: Any) -> str:

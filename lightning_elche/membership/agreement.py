@@ -139,6 +139,23 @@ class Membership:
         """Replace the record of ``change``'s generation (the survival module adds how it regrouped)."""
         self.changes = [change if c.generation == change.generation else c for c in self.changes]
 
+    def admit(self, joined: Sequence[int]) -> Change:
+        """Open the next generation with the members ``joined`` as the last ranks: every member, at the
+        same consensus round (:mod:`~lightning_elche.membership.admission` decides who). A join loses
+        nobody, so nothing counts against ``max_failure``."""
+        before = tuple(self.members)
+        change = Change(generation=self.generation + 1, before=before, after=before + tuple(joined),
+                        detected_at=time.time())
+        self.enter(change)
+        return change
+
+    def enter(self, change: Change) -> None:
+        """Follow ``change``: its members and generation are this fit's from now on (a joiner enters
+        the fit with the change that admitted it)."""
+        self.members = list(change.after)
+        self.generation = change.generation
+        self.changes.append(change)
+
     # -- waiting on a collective --------------------------------------------------------------------
 
     def wait(self, work: Any, host_blocking: bool = True) -> None:

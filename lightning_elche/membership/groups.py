@@ -97,7 +97,13 @@ class ProcessGroups:
         # A collective stuck on a lost rank must not hold the group, nor may its release wait for it.
         abandon_group(dist.group.WORLD, membership)
         dist.destroy_process_group()
-        store = dist.PrefixStore(f"{membership.fit_prefix}/{generation_prefix(membership.generation)}/",
-                                 membership.store)
-        dist.init_process_group(backend, store=store, rank=membership.rank, world_size=membership.world_size,
-                                timeout=self.timeout, device_id=self.device)
+        init_generation_group(membership, backend, self.timeout, self.device)
+
+
+def init_generation_group(membership: Membership, backend: str, timeout: Optional[timedelta],
+                          device: Optional[torch.device]) -> None:
+    """The default group of ``membership``'s current generation, on its store keys (every member, and
+    a joiner entering the fit with that generation)."""
+    store = dist.PrefixStore(f"{membership.fit_prefix}/{generation_prefix(membership.generation)}/", membership.store)
+    dist.init_process_group(backend, store=store, rank=membership.rank, world_size=membership.world_size,
+                            timeout=timeout, device_id=device)

@@ -15,6 +15,9 @@ so a killed rank's record survives it); every rank that finishes writes ``result
 
 ``--stall S`` passes ``stall_timeout=timedelta(seconds=S)`` (default: derived);
 ``--stall-floor S`` lowers the derived bound's floor for short test jobs.
+A process started with ``ELCHE_JOIN=1`` (and ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of the job)
+joins the running job; ``ELCHE_TEST_MEMBER`` names its files. ``--joiner-dies`` makes it die right after
+its request (before it acknowledges admission); ``--width`` changes the model (a bad join).
 
 ``--monitor DIR`` attaches an ``ElCheMonitor`` writing its record log to ``DIR/records``, its
 dashboard to ``DIR/dashboard.html`` and its timeline to ``DIR/timeline.json``.
@@ -44,13 +47,15 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_elche import ElCheMonitor, ElCheStrategy  # noqa: E402
 
-ORIGINAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))  # one node: the rank given at launch
+# One node: the rank given at launch (a joiner: the name the test gives it).
+ORIGINAL_RANK = int(os.environ.get("ELCHE_TEST_MEMBER", os.environ.get("LOCAL_RANK", "0")))
+CHANGES: list[dict[str, Any]] = []
 
 
 class FaultLogModel(pl.LightningModule):
-    def __init__(self, out_dir: str, samples: int, batch_size: int) -> None:
+    def __init__(self, out_dir: str, samples: int, batch_size: int, width: int = 16) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
         self.out_dir, self.samples, self.batch_size = out_dir, samples, batch_size
         self._log: Optional[Any] = None
 
@@ -92,6 +97,7 @@ class FaultLogModel(pl.LightningModule):
                  "regrouped_with": loss.regrouped_with}
                 for loss in strategy.lost_ranks
             ],
+            "changes": CHANGES,
         }
         Path(self.out_dir, f"result-rank{ORIGINAL_RANK}.json").write_text(json.dumps(record))
 
@@ -151,10 +157,48 @@ def sleep_in_next_collective(out_dir: str, trainer: pl.Trainer, record: dict[str
             setattr(dist, name, hang)
 
 
+class RecordChanges(pl.Callback):
+    """Every membership change this rank took, through the strategy's membership listener."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        trainer.strategy.add_membership_listener(lambda change: CHANGES.append(
+            {"generation": change.generation, "joined": list(change.joined_ids), "lost": change.lost_original,
+             "world_size": change.world_size_after, "epoch": trainer.current_epoch}))
+
+
+class HoldForJoiner(pl.Callback):
+    """Launch rank 0: before its optimizer step ``step``, wait until a joiner has asked to join (a
+    loaded test machine may take longer to start the joiner than the fit takes to end)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step != self.step:
+            return
+        store, deadline = trainer.strategy.job_store, time.monotonic() + 180.0
+        while int(store.add("lightning_elche/join/requests", 0)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def die_after_the_request() -> None:
+    from lightning_elche.membership import admission
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        os._exit(3)
+
+    admission.JoinerLink.wait_admission = die  # type: ignore[method-assign]
+
+
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
+    if args.joiner_dies:
+        die_after_the_request()
     pl.seed_everything(0)
-    callbacks: list[pl.Callback] = [StepDelay(args.delays_ms)]
+    callbacks: list[pl.Callback] = [StepDelay(args.delays_ms), RecordChanges()]
+    if args.hold_for_joiner is not None and ORIGINAL_RANK == 0 and not os.environ.get("ELCHE_JOIN"):
+        callbacks.append(HoldForJoiner(args.hold_for_joiner))
     for fault in args.fault:
         kind, rank, step, *epoch = fault.split(":")
         if int(rank) == ORIGINAL_RANK:
@@ -183,7 +227,7 @@ def main(args: argparse.Namespace) -> None:
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=args.out_dir,
         log_every_n_steps=1,
     )
-    trainer.fit(FaultLogModel(args.out_dir, args.samples, args.batch_size))
+    trainer.fit(FaultLogModel(args.out_dir, args.samples, args.batch_size, args.width))
 
 
 if __name__ == "__main__":
@@ -201,5 +245,8 @@ if __name__ == "__main__":
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[2.0, 5.0, 3.0])
     parser.add_argument("--stall", type=float, default=None, help="stall_timeout in seconds (default: derived)")
     parser.add_argument("--stall-floor", type=float, default=None, help="the derived stall bound's floor, seconds")
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--joiner-dies", action="store_true")
+    parser.add_argument("--hold-for-joiner", type=int, default=None, help="launch rank 0 waits for a join request")
     parser.add_argument("--monitor", default=None, help="attach an ElCheMonitor writing under this directory")
     main(parser.parse_args())

@@ -1,11 +1,12 @@
-"""Lightning's collectives between ElChe's rounds: refused where a peer may never reach them,
-entry-checked and waited on with liveness checks everywhere else.
+"""Lightning's ``DDPStrategy`` as a fit whose members change needs it: ranks renumbered densely
+after a membership change, and collectives between ElChe's rounds checked.
 
-:class:`CheckedCollectivesStrategy` is the layer of :class:`~lightning_elche.ElCheStrategy` above
-Lightning's ``DDPStrategy`` that owns ``reduce``, ``barrier``, ``broadcast`` and ``all_gather``.
-Between the fit's set-up and teardown a collective goes through the fit's
-:class:`~lightning_elche.checked_collectives.CheckedCollectives`; outside a fit, and on other
-groups, it is Lightning's own.
+:class:`ElasticDDPStrategy` is the layer of :class:`~lightning_elche.ElCheStrategy` right above
+``DDPStrategy``. Its rank properties answer the membership's numbering once the members changed.
+``reduce``, ``barrier``, ``broadcast`` and ``all_gather`` are refused where a peer may never reach
+them (inside a window); between the fit's set-up and teardown they go through the fit's
+:class:`~lightning_elche.checked_collectives.CheckedCollectives` (entry-checked, waited on with
+liveness checks); outside a fit, and on other groups, they are Lightning's own.
 """
 
 from __future__ import annotations
@@ -19,15 +20,44 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_elche.checked_collectives import CheckedCollectives
+from lightning_elche.membership.agreement import Membership
 from lightning_elche.session import Session
 
 
-class CheckedCollectivesStrategy(DDPStrategy):
-    """``DDPStrategy`` whose collectives consult the fit's session (inside a window they are refused,
-    or a ``reduce`` stays rank-local) and its checked collectives."""
+class ElasticDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` numbered by the fit's membership, its collectives consulting the fit's session
+    and checked collectives."""
 
+    _membership: Optional[Membership]
     _session: Session
     _collectives: Optional[CheckedCollectives]
+
+    # -- ranks: renumbered densely when members change --------------------------------------------
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        membership = self._renumbered_membership()
+        return membership.rank if membership is not None else super().global_rank
+
+    @property
+    @override
+    def world_size(self) -> int:
+        membership = self._renumbered_membership()
+        return membership.world_size if membership is not None else super().world_size
+
+    def _renumbered_membership(self) -> Optional[Membership]:
+        # Ranks keep their launch numbers until the members change (for the rest of the job after that).
+        membership: Optional[Membership] = getattr(self, "_membership", None)
+        return membership if membership is not None and membership.renumbered else None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # DDP counts devices; after a change only the current members shard the evaluation data.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # -- collectives outside ElChe's rounds ---------------------------------------------------------
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:

@@ -1,0 +1,318 @@
+"""A rank joins a running fit: the strategy's side of admission, for the members and for the joiner.
+
+The protocol (who may join, when, and the store keys) is
+:mod:`lightning_elche.membership.admission`; the changes to Lightning's objects are
+:mod:`lightning_elche.loop_glue.joining`. Here is the order in which both sides act.
+
+**Members.** At launch rank 0 creates the job's join secret and every rank learns it (with the
+fit's key prefix, one broadcast). Rank 0 publishes the fit's facts once its training loader is
+known and reads the count of accepted joiners into its round metadata once per round
+(:attr:`ElCheEngine.joiners_waiting <lightning_elche.engine.ElCheEngine.joiners_waiting>`). After
+a round that saw joiners waiting, every member asks for a consensus round two rounds on; at the
+first consensus round at which every rank still has data in the epoch and nobody stops, every
+member admits them (:meth:`CohortGrowth.after_round`): the admitted list, the next generation's
+group, then rank 0 sends each joiner, over that group, the consensus parameters and buffers, its
+own optimizer and scheduler states (for local SGD a peer's inner optimizer state is a state that
+trained the same consensus, and the one the joiner would otherwise rebuild from nothing) and the
+loop position; every holder takes the change (``apply_change``); rank 0 then sends the ElChe state
+(the engine's round record: controller, convergence guard, outer optimizer) and the dispatch
+state (``state_for_joiner``), which follow from the change.
+
+**The joiner.** ``setup_distributed`` connects to the job's store and registers the next free
+member id, without a process group; Lightning's start-of-fit collectives answer locally until it
+trains. ``setup`` sends the request and waits for admission (its facts: the model's averaging
+signature, the training loader's dataset length, batch size, order and seed, the mode), builds
+the new generation's group, takes the parameters before the averaging plane is built, and after
+Lightning set up the optimizers takes the rest; ``process_dataloader`` builds its sampler from the
+dispatch state. Its first batch is in the cohort's current epoch, its first round the cohort's next.
+"""
+
+from __future__ import annotations
+
+import io
+import secrets
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import DataLoader
+
+from lightning_elche import job_store
+from lightning_elche.averaging import averaged_buffers, layout_signature, trainable_parameters
+from lightning_elche.loop_glue.joining import (
+    loader_of,
+    loop_position,
+    position_loops,
+    prepare_joiner,
+    preview_train_loader,
+    quiet_collectives,
+)
+from lightning_elche.loop_glue.loaders import dispatch_shape
+from lightning_elche.loop_glue.ranks import renumber_lightning_ranks
+from lightning_elche.membership.admission import (
+    Admitter,
+    FitFacts,
+    FitOver,
+    JoinerLink,
+    JoinRefused,
+    create_join_secret,
+    joining_requested,
+    publish_job,
+    read_join_secret,
+)
+from lightning_elche.membership.agreement import Membership
+from lightning_elche.membership.change import Change
+from lightning_elche.membership.groups import init_generation_group
+from lightning_elche.membership.survival import Survival
+
+DISPATCH_STORE_PREFIX = "lightning_elche/dispatch/"
+
+
+class RankJoinedWarning(UserWarning):
+    """A rank joined the fit: the members go on with it."""
+
+
+def facts_of(mode: str, module: torch.nn.Module, dataloader: DataLoader) -> FitFacts:
+    shape = dispatch_shape(dataloader)
+    return FitFacts(mode=mode, signature=layout_signature(trainable_parameters(module), averaged_buffers(module)),
+                    dataset_len=shape.samples * shape.augment, batch_size=shape.batch_size, seed=shape.seed,
+                    shuffle=shape.shuffle, drop_last=shape.drop_last)
+
+
+def dispatch_store(membership: Membership) -> Any:
+    """Where every rank's dispatch claims, joiners included: on the job's store, not on one
+    generation's group."""
+    return dist.PrefixStore(DISPATCH_STORE_PREFIX, membership.store)
+
+
+def _to_cpu(value: Any) -> Any:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, map_location="cpu", weights_only=False)
+
+
+def _warn_joined(change: Change, world_size: int) -> None:
+    message = (f"ElCheStrategy {change.describe()} (member ids): {world_size} rank(s) go on; the joiner takes a "
+               "share of this epoch's untrained data from its first window.")
+    warnings.warn(message, RankJoinedWarning, stacklevel=3)
+
+
+class Growth:
+    """Both sides of a join for one strategy (a process is a member or a joiner, never both)."""
+
+    def __init__(self) -> None:
+        self.joining = joining_requested()
+        self.admitter: Optional[Admitter] = None
+        self.survival: Optional[Survival] = None
+        self.admit_at: Optional[int] = None
+        self._job: tuple[str, str] = ("", "")
+        # The joiner's
+        self._link: Optional[JoinerLink] = None
+        self._address: tuple[str, int] = ("", 0)
+        self._undo_quiet: Optional[Callable[[], None]] = None
+        self.membership: Optional[Membership] = None
+        self._first: Optional[dict[str, Any]] = None
+        self._dispatch: Any = None
+        self._facts: Optional[FitFacts] = None
+        self._job_view: Any = None
+        self._backend = ""
+        self._timeout: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Built per fit inside the rank processes (the launcher pickles the strategy before that).
+        return {"joining": self.joining}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Growth.__init__(self)
+        self.joining = state["joining"]
+
+    # -- members -----------------------------------------------------------------------------------
+
+    def fit_prefix(self, strategy: Any) -> str:
+        """The fit's key prefix (and, on a member, the job's id and join secret), the same on every
+        rank: one broadcast from rank 0 on a member, the admission on a joiner."""
+        if self.joining:
+            return self._admit(strategy)
+        job = ("", "")
+        link = strategy.job_store_link
+        if strategy.global_rank == 0 and link is not None and strategy.world_size > 1:
+            environment = strategy.cluster_environment
+            job = create_join_secret(environment.main_address, environment.main_port)
+            publish_job(link.store, job[0], strategy.world_size)
+        token, *self._job = strategy.broadcast((secrets.token_hex(8), *job))
+        return f"lightning_elche/{token}"
+
+    def attach(self, membership: Optional[Membership], rounds: Any, sampler: Callable[[], Any]) -> None:
+        """Members, once the engine exists: rank 0 reads the waiting joiners into its round metadata,
+        and every member looks for an admission after every round."""
+        engine = rounds.engine if rounds is not None else None
+        if membership is None or engine is None or engine.failures is None or not self._job[0]:
+            return
+        self.admitter = Admitter(membership, *self._job)
+        if self._facts is not None:  # a joiner: it judges later joiners once it is rank 0
+            self.admitter.facts = self._facts
+        self.survival = engine.failures
+        engine.joiners_waiting = self.admitter.waiting
+        rounds.after_each_round = lambda trainer, outcome: self.after_round(trainer, outcome, engine, rounds.session,
+                                                                            sampler())
+
+    def dispatch_ready(self, strategy: Any, sampler: Any, dataloader: DataLoader) -> None:
+        """The training sampler exists: a joiner takes the cohort's epoch over; rank 0 publishes the
+        fit's facts for joiners."""
+        if self._dispatch is not None:
+            sampler.adopt(self._dispatch)
+            self._dispatch = None
+        if self.admitter is not None:
+            self.admitter.publish(facts_of(strategy.elche.mode.value, strategy.lightning_module, dataloader))
+
+    def after_round(self, trainer: Trainer, outcome: Any, engine: Any, session: Any, sampler: Any) -> None:
+        """Every member, after every round: schedule or carry out an admission (same decision everywhere)."""
+        if self.admitter is None or not outcome.reports:
+            return
+        waiting = outcome.reports[0].joiners
+        if not waiting:
+            self.admit_at = None
+            return
+        admissible = (outcome.consensus and not outcome.ends_window_sequence and sampler is not None
+                      and not any(r.out_of_data for r in outcome.reports) and not session.leaving
+                      and not session.pending_save)
+        if admissible:
+            self.admit_at = None
+            self._admit_joiners(trainer, waiting, engine, session, sampler)
+        elif self.admit_at is None or outcome.index >= self.admit_at:
+            # Two rounds on: in cpu_async the next round may already be in flight.
+            self.admit_at = outcome.index + 2
+            engine.request_consensus(at_round=self.admit_at)
+
+    def _admit_joiners(self, trainer: Trainer, count: int, engine: Any, session: Any, sampler: Any) -> None:
+        assert self.admitter is not None and self.survival is not None
+        membership = self.admitter.membership
+        joined = self.admitter.admit(count)
+        if not joined:
+            return
+        change = membership.admit(joined)
+        change = replace(change, regrouped_with=self.survival.groups.rebuild(change))
+        membership.record(change)
+        leader = membership.rank == 0
+        if leader:
+            first = {"module": trainer.lightning_module.state_dict(), "loop": loop_position(trainer),
+                     "optimizers": [o.state_dict() for o in trainer.optimizers],
+                     "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+                     "job": self._job}
+            self._send(_to_cpu(first), change)
+        for holder in self.survival.holders():
+            holder.apply_change(change)
+        if leader:
+            self._send({"engine": engine.round_record(), "callback_role": session.callback_role.state_dict(),
+                        "dispatch": sampler.state_for_joiner()}, change)
+        _warn_joined(change, membership.world_size)
+
+    @staticmethod
+    def _send(payload: dict[str, Any], change: Change) -> None:
+        for rank in change.joined:
+            dist.send_object_list([payload], dst=rank)
+
+    def fit_over(self, strategy: Any) -> None:
+        if self.admitter is not None and strategy.global_rank == 0:
+            self.admitter.fit_over()
+
+    # -- the joiner ----------------------------------------------------------------------------------
+
+    def connect(self, strategy: Any) -> None:
+        """``setup_distributed`` of a joiner: the job's store, a member id in its registry, no group."""
+        backend, timeout = prepare_joiner(strategy)
+        environment = strategy.cluster_environment
+        self._address = (environment.main_address, int(environment.main_port))
+        self._backend, self._timeout = backend, timeout
+        store = job_store.connect(*self._address, timeout)
+        self._link = JoinerLink(store, timeout.total_seconds())
+        self._undo_quiet = quiet_collectives(strategy)
+        try:
+            job = self._link.job()
+        except FitOver:
+            self._leave(strategy, "it found the fit already ended")
+        job_store.join(store, self._link.take_member_id(job.world_size))
+        self._job_view = job
+
+    def _admit(self, strategy: Any) -> str:
+        assert self._link is not None
+        trainer = strategy.lightning_module.trainer
+        job = self._job_view
+        self._facts = facts_of(strategy.elche.mode.value, strategy.lightning_module,
+                               loader_of(preview_train_loader(trainer)))
+        difference = job.facts.mismatch(self._facts)
+        secret = read_join_secret(*self._address)
+        self._link.request(job, secret, self._facts)
+        if difference is not None:  # the cohort refuses it too; say why here at once
+            raise JoinRefused(f"ElCheStrategy(ELCHE_JOIN=1): this process cannot join the running fit: its "
+                              f"{difference}.")
+        try:
+            generation, members, before = self._link.wait_admission(job.fit_prefix)
+        except FitOver:
+            self._leave(strategy, "the fit ended before it could admit this joiner")
+        started = time.perf_counter()
+        member = self._link.member
+        membership = Membership(self._link.store, job.fit_prefix, member, members[:before], strategy.liveness_timeout,
+                                self._timeout, max_failure=strategy.elche.max_failure)
+        change = Change(generation=generation, before=tuple(members[:before]), after=tuple(members),
+                        detected_at=time.time(), regrouped_with="new group")
+        membership.enter(change)
+        self.membership = membership
+        device = strategy.root_device if strategy.root_device.type == "cuda" else None
+        init_generation_group(membership, self._backend, self._timeout, device)
+        received: list[Any] = [None]
+        dist.recv_object_list(received, src=0)
+        self._first = received[0]
+        self._job = (str(self._first["job"][0]), str(self._first["job"][1]))
+        strategy.set_world_ranks()  # Lightning's rank view follows the admitted rank
+        rank_zero_info(f"ElCheStrategy: joined the running fit as rank {membership.rank} of {membership.world_size} "
+                       f"(member {member}) in {time.perf_counter() - started:.2f} s.")
+        _warn_joined(change, membership.world_size)
+        return job.fit_prefix
+
+    def take_module(self, module: torch.nn.Module) -> None:
+        """A joiner's ``configure_ddp``: the consensus parameters and buffers, before the plane is built."""
+        assert self._first is not None
+        module.load_state_dict(self._first["module"])
+
+    def take_state(self, trainer: Trainer, engine: Any, session: Any) -> None:
+        """A joiner, after Lightning set up its optimizers: the rest of the cohort's state."""
+        assert self._first is not None
+        first, self._first = self._first, None
+        for optimizer, state in zip(trainer.optimizers, first["optimizers"], strict=True):
+            optimizer.load_state_dict(state)
+        for config, state in zip(trainer.lr_scheduler_configs, first["schedulers"], strict=True):
+            config.scheduler.load_state_dict(state)
+        position_loops(trainer, first["loop"])
+        received: list[Any] = [None]
+        dist.recv_object_list(received, src=0)
+        second = received[0]
+        engine.join_from(second["engine"])
+        session.callback_role.load_state_dict(second["callback_role"])
+        self._dispatch = second["dispatch"]
+
+    def training_starts(self, trainer: Trainer, rank: int) -> None:
+        """The joiner trains from here on: its collectives are the cohort's again, and its
+        evaluation loaders are cut again at the next validation, as the members' are after the change."""
+        if self._undo_quiet is not None:
+            self._undo_quiet()
+            self._undo_quiet = None
+            renumber_lightning_ranks(trainer, rank)
+
+    def _leave(self, strategy: Any, why: str) -> Any:
+        rank_zero_info(f"ElCheStrategy(ELCHE_JOIN=1): nothing to join: {why}; exiting.")
+        sys.stdout.flush()
+        if strategy.job_store_link is not None:
+            strategy.job_store_link.mark_exited("joiner: the fit was over")
+        raise SystemExit(0)
+
+
+__all__ = ["Growth", "RankJoinedWarning", "dispatch_store", "facts_of"]

@@ -1,0 +1,96 @@
+"""What a rank that joins a running fit changes in Lightning: its collectives before it trains, the
+training loader it shows the cohort, and where its loops start."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies.ddp import default_pg_timeout
+from torch.utils.data import DataLoader
+
+_QUIET = ("broadcast", "barrier", "reduce", "all_gather")
+
+
+def quiet_collectives(strategy: Any) -> Callable[[], None]:
+    """Until a joiner trains, the members are in the middle of an epoch and enter none of the
+    collectives Lightning runs while a fit starts (the setup barriers, ``ModelCheckpoint``'s
+    directory broadcast, the loaders' length reduce): on the joiner they answer locally, with what
+    a one-rank fit would. Returns the undo (called when the joiner starts training)."""
+
+    def broadcast(obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    def reduce(tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return tensor
+
+    def all_gather(tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor.unsqueeze(0)
+
+    for name, local in zip(_QUIET, (broadcast, barrier, reduce, all_gather), strict=True):
+        setattr(strategy, name, local)
+
+    def undo() -> None:
+        for name in _QUIET:
+            strategy.__dict__.pop(name, None)
+
+    return undo
+
+
+def prepare_joiner(strategy: Any) -> tuple[str, timedelta]:
+    """``DDPStrategy.setup_distributed`` without a process group (a joiner gets its group at
+    admission): the seed, Lightning's rank view and the backend; returns the backend and the timeout."""
+    reset_seed()
+    strategy.set_world_ranks()
+    strategy._process_group_backend = strategy._get_process_group_backend()
+    timeout = strategy._timeout if strategy._timeout is not None else default_pg_timeout
+    return strategy._process_group_backend, timeout
+
+
+def preview_train_loader(trainer: Trainer) -> Any:
+    """The fit's training loader, built as Lightning will build it (the module's or datamodule's
+    ``train_dataloader``): a joiner shows its dataset and batching to the cohort before it joins."""
+    return trainer.fit_loop._data_source.dataloader()
+
+
+def loader_of(loaders: Any) -> DataLoader:
+    """The one torch DataLoader among what ``train_dataloader`` returned."""
+    if isinstance(loaders, DataLoader):
+        return loaders
+    if isinstance(loaders, (list, tuple)) and len(loaders) == 1 and isinstance(loaders[0], DataLoader):
+        return loaders[0]
+    if isinstance(loaders, dict) and len(loaders) == 1:
+        return loader_of(next(iter(loaders.values())))
+    raise TypeError("ElCheStrategy supports exactly one training DataLoader (a torch DataLoader).")
+
+
+def loop_position(trainer: Trainer) -> dict[str, int]:
+    """Where a member's loops are at a round (what a joiner starts from)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return {"epoch": int(trainer.current_epoch), "global_step": int(trainer.global_step),
+            "batches_that_stepped": int(epoch_loop._batches_that_stepped)}
+
+
+def position_loops(trainer: Trainer, position: dict[str, int]) -> None:
+    """Start a joiner's loops inside the cohort's epoch: the epoch counter (its own batches of the
+    epoch start at 0: it trains only its share) and the step counters of the member that sent it."""
+    epoch = int(position["epoch"])
+    progress = trainer.fit_loop.epoch_progress
+    for tracker in (progress.current, progress.total):  # _ProcessedTrackers (their declared type is narrower)
+        for counter in ("ready", "started", "processed", "completed"):
+            setattr(tracker, counter, epoch)
+    epoch_loop = trainer.fit_loop.epoch_loop
+    steps = int(position["global_step"])
+    for tracker in (epoch_loop.automatic_optimization.optim_progress.optimizer.step.total,
+                    epoch_loop.manual_optimization.optim_step_progress.total):
+        tracker.ready = tracker.completed = steps
+    epoch_loop._batches_that_stepped = int(position["batches_that_stepped"])
+    # Sanity validation would run collectives the members are not in.
+    trainer.num_sanity_val_steps = 0
