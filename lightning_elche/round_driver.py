@@ -121,6 +121,8 @@ class RoundDriver:
         self.publish(trainer, outcome)
         if self.stall_stamp is not None:
             expect_own_window(self.stall_stamp, self.engine, outcome)
+            if outcome.ends_window_sequence:
+                self.stall_stamp.leave_training()
         self.session.callback_role.observe(self.engine.controller)
         sampler = self.sampler()
         if sampler is not None:

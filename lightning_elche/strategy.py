@@ -357,7 +357,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         assert self._engine is not None and self._rounds is not None
         trainer = self._fitting_trainer()
-        self._advance_progress()
+        self._advance_progress(training=True)
         if self._session.pending_save.saves:
             with self._stop_saving():  # the stop's own save: its grace starts again
                 self._rounds.save_and_exit(trainer, self._membership, self.elche.max_failure)
@@ -370,14 +370,17 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         if self._micro_batching is not None:
             self._micro_batching.batch_started(batch_idx % trainer.accumulate_grad_batches == 0)
 
-    def _advance_progress(self) -> None:
-        # Per step: one Python add; the heartbeat thread publishes it (membership/stall.py).
+    def _advance_progress(self, training: bool) -> None:
+        # Per step: one Python add; the heartbeat thread publishes it (membership/stall.py). Only
+        # training is judged: validation may wait in collectives ElChe does not see.
         if self._membership is not None:
-            self._membership.progress.advance()
+            stamp = self._membership.progress
+            stamp.enter_training() if training else stamp.leave_training()
+            stamp.advance()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._advance_progress()  # a long validation is not a stall
+        self._advance_progress(training=False)  # a long validation is not a stall
         return super().validation_step(*args, **kwargs)
 
     def _after_batch_hooks(self) -> None:
@@ -430,6 +433,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        self._advance_progress(training=False)
         self._growth.fit_over(self)
         if self._rounds is not None and self._session.pending_save.saves:
             # A saving stop acted on at the fit's last round has no next batch start to save at.

@@ -420,6 +420,7 @@ def test_throttle_that_does_not_bite_stops_the_run(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.extended
 @pytest.mark.timeout(330)
 def test_cpu4_tiny_end_to_end_reports_every_arm_for_four_ranks(tmp_path):
     """4 CPU ranks with the spread k = 1, 1.5, 2, 3: every throughput arm, one solo per speed class,

@@ -81,7 +81,8 @@ def check_one_view(results: dict[int, dict[str, Any]], world_size: int) -> dict[
     return first
 
 
-@pytest.mark.parametrize(("mode", "killed"), [("nccl_cadence", 0), ("cpu_async", 1)])
+@pytest.mark.parametrize(("mode", "killed"), [pytest.param("nccl_cadence", 0, marks=pytest.mark.extended),
+                                              ("cpu_async", 1)])
 def test_every_rank_agrees_on_checkpoints_after_a_lost_rank_and_a_resume_on_more_ranks(
         tmp_path: Path, mode: str, killed: int) -> None:
     # 384 samples in batches of 8: 48 batches an epoch over the cohort; the killed rank dies in epoch 1.

@@ -74,7 +74,8 @@ def test_collectives_inside_a_single_rank_callback_are_refused():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("policy", ["fastest", "rank0", "all"])
+@pytest.mark.parametrize("policy", ["fastest",
+                                    *(pytest.param(p, marks=pytest.mark.extended) for p in ("rank0", "all"))])
 def test_epoch_callbacks_run_on_the_rank_the_policy_picks(tmp_path, policy):
     # Rank 0 is the slow one, so "fastest" must pick rank 1 (not the trivial rank 0).
     fit(tmp_path, elche(epoch_callback_policy=policy),

@@ -152,7 +152,8 @@ def assert_backbone_untouched(records: list[dict]) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("mode", "bf16_wire"), [("nccl_cadence", False), ("cpu_cadence", True)])
+@pytest.mark.parametrize(("mode", "bf16_wire"), [("nccl_cadence", False),
+                                                 pytest.param("cpu_cadence", True, marks=pytest.mark.extended)])
 def test_a_frozen_backbone_stays_bit_identical_and_costs_no_wire_bytes(tmp_path, mode, bf16_wire):
     frozen = frozen_fit(tmp_path / "frozen", mode, bf16_wire)
     assert_backbone_untouched(frozen)

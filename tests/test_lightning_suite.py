@@ -4,9 +4,9 @@ The cases of one mode run in ONE 2-process launch (``tests/scripts/lightning_sui
 the other in the same two processes, each with its own Trainer fit (importing torch and Lightning
 costs a process about 10 s on 2 cores, more than most cases); the first test of a mode starts the
 launch for every selected case of that mode, and every test reads its own case's result from both
-ranks. The default run covers every mode for the cases whose behaviour depends on
-the mode (checkpoints, stops, steps) and ``FEW_MODES`` for the rest; ``-m lightning_suite_full``
-adds the other modes.
+ranks. The default run covers ``FEW_MODES`` (both transports, every dispatch: three launches);
+``-m lightning_suite_full`` adds the other modes, for every case whose behaviour depends on the
+mode (checkpoints, stops, steps) and for the rest.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from multirank_helpers import clean_environment, free_port, run_together
 from ported import SUITES
-from ported.harness import MODES
+from ported.harness import FEW_MODES, MODES
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "lightning_suite.py"
 LAUNCH_BASE_S = 120.0
@@ -40,7 +40,8 @@ def _params() -> list[Any]:
     for suite_name in SUITES:
         for case in suite(suite_name).cases.values():
             for mode in MODES:
-                marks = [] if mode in case.modes else [pytest.mark.lightning_suite_full]
+                # CI: three launches (each transport and dispatch once); the rest of a case's modes run full.
+                marks = [] if mode in case.modes and mode in FEW_MODES else [pytest.mark.lightning_suite_full]
                 params.append(pytest.param(suite_name, mode, case.name, marks=marks,
                                            id=f"{suite_name}-{mode}-{case.name}"))
     return params

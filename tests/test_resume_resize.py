@@ -100,8 +100,11 @@ def assert_controller_resized(start: dict[str, Any], saved: dict[str, Any], rank
     assert start["rounds"] == saved["rounds"] and start["cohort_step"] == saved["cohort_step"]
 
 
-@pytest.mark.parametrize("mode", ["nccl_cadence", "nccl_sync"])
-@pytest.mark.parametrize(("before", "after"), [(3, 2), (2, 3)])
+@pytest.mark.parametrize(("before", "after", "mode"), [
+    (2, 3, "nccl_cadence"),
+    *(pytest.param(*case, marks=pytest.mark.extended) for case in [(3, 2, "nccl_cadence"), (3, 2, "nccl_sync"),
+                                                                   (2, 3, "nccl_sync")]),
+])
 def test_mid_epoch_checkpoint_resumes_on_another_world_size_exactly_once(tmp_path, mode, before, after):
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     first.mkdir()
@@ -141,6 +144,7 @@ def test_mid_epoch_checkpoint_resumes_on_another_world_size_exactly_once(tmp_pat
     assert sum(b - a for a, b in coverage2["remaining"]) == N - len(trained_before) - len(trained_since)
 
 
+@pytest.mark.extended
 def test_resume_checkpoint_resume_across_world_sizes_3_2_3(tmp_path):
     """cpu_async: 3 ranks save mid-epoch, 2 resume and save inside the resumed epoch, 3 resume that."""
     mode = "cpu_async"

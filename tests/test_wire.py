@@ -219,7 +219,7 @@ def wire_fit(out_dir: Path, mode: str, bf16_wire: bool, outer: Any = None, epoch
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async"])
+@pytest.mark.parametrize("mode", [pytest.param("cpu_cadence", marks=pytest.mark.extended), "cpu_async"])
 def test_bf16_wire_learns_like_the_f32_wire_with_f32_weights(tmp_path, mode):
     f32 = wire_fit(tmp_path / "f32", mode, bf16_wire=False)
     bf16 = wire_fit(tmp_path / "bf16", mode, bf16_wire=True)

@@ -283,7 +283,7 @@ def test_fit_keeps_parameters_in_the_flat_buffer_and_its_checkpoint_loads_into_a
 
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_async"])
+@pytest.mark.parametrize("mode", [pytest.param("nccl_sync", marks=pytest.mark.extended), "cpu_async"])
 def test_user_code_replacing_p_data_on_one_rank_is_relinked_at_the_next_round(tmp_path, mode):
     fit(tmp_path, mode, ConvClassifier("sgd"), ZeroCopyProbe(str(tmp_path), rebind_rank=1, rebind_step=3))
     records = load_probe_records(tmp_path)

@@ -18,10 +18,15 @@ rank is lost like a silent one and the survivors fence it (a looping process mus
 into a group that went on without it). Because the stillness is the stuck rank's own account, it
 is found one bound after its last progress, however late its peers started to wait for it.
 
-No bound is published before a rank's first round (nothing is measured yet: the sanity check,
-the first window's warm-up) unless ``ElCheStrategy(stall_timeout=...)`` fixes it, nor while the
-rank is inside a step it does not control and that has no steps of its own (a checkpoint's write,
-the rebuild of the process group): :meth:`ProgressStamp.held`.
+A rank is judged only while it trains: from a training batch's start to the round that ends its
+epoch's windows (:meth:`ProgressStamp.enter_training`, :meth:`ProgressStamp.leave_training`),
+its windows and rounds being what its measured bound describes. Validation, the sanity check,
+epoch-end hooks and callbacks may wait in collectives ElChe does not see (a metric's own
+``all_gather``, a logger's) for as long as a slower peer needs: judged there, a healthy rank would
+be fenced. No bound is published before a rank's first round either (nothing is measured yet)
+unless ``ElCheStrategy(stall_timeout=...)`` fixes it, nor while the rank is inside a step it does
+not control and that has no steps of its own (a checkpoint's write, the rebuild of the process
+group): :meth:`ProgressStamp.held`.
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ class ProgressStamp:
         self.window_s: Optional[float] = None
         self.sync_s: Optional[float] = None
         self._holds = 0
+        self.training = False
         self._seen: Optional[tuple[int, float]] = None  # (count, when it was first stamped), stamp()'s clock
 
     def advance(self) -> None:
@@ -125,9 +131,20 @@ class ProgressStamp:
         """This rank's own measured window and round time, after a round."""
         self.window_s, self.sync_s = window_s, sync_s
 
+    def enter_training(self) -> None:
+        """A training batch starts: judged from here (its steps and rounds are what the bound measures)."""
+        if not self.training:
+            self.training = True
+            self.advance()
+
+    def leave_training(self) -> None:
+        """The epoch's windows ended (or validation starts): not judged until the next training batch."""
+        self.training = False
+        self.advance()
+
     @property
     def bound_s(self) -> Optional[float]:
-        if self._holds:
+        if self._holds or not self.training:
             return None
         return stall_bound_s(self.window_s, self.sync_s, self.override)
 
