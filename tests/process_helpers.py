@@ -49,16 +49,19 @@ def fit_and_report_leftovers(rank: int, out_dir: str, port: int, scenario: str) 
                                snapshot_timeout=timedelta(seconds=4)),
         enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
     )
-    error, message = None, ""
+    error, message, where = None, "", ""
     try:
         trainer.fit(RecordingModel(out_dir, val=False))
     except BaseException as exc:  # noqa: BLE001 (the point is to look at what is left afterwards)
-        error, message = type(exc).__name__, str(exc)
+        import traceback
+
+        error, message, where = type(exc).__name__, str(exc), traceback.format_exc()[-3000:]
     strategy = trainer.strategy
     plane = strategy.engine.plane if strategy.engine is not None else None
     Path(out_dir, f"leftovers{rank}.json").write_text(json.dumps({
         "error": error,
         "message": message,
+        "traceback": where,
         "rounds": strategy.engine.state.rounds if strategy.engine is not None else -1,
         "threads": [t.name for t in threading.enumerate() if t.name.startswith("elche-cpu-plane")],
         "side_group_released": getattr(plane, "group", None) is None,
