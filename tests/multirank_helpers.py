@@ -292,3 +292,8 @@ def logs_tail(launched: Sequence[Launched], chars: int = 3000) -> str:
         text = item.log.read_text(errors="replace") if item.log.exists() else ""
         parts.append(f"--- launch {k} (exit {item.proc.returncode}) ---\n{text[-chars:]}")
     return "\n".join(parts)
+
+
+def rank_results(out: Path) -> dict[int, dict[str, Any]]:
+    """Each rank's ``result-rank<k>.json`` under ``out`` (written by ``scripts/fault_fit.py``), by rank."""
+    return {int(p.stem.removeprefix("result-rank")): json.loads(p.read_text()) for p in out.glob("result-rank*.json")}

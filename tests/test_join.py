@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from multirank_helpers import LAUNCH_TAG, clean_environment, free_port, kill_tagged, tagged_processes
+from multirank_helpers import LAUNCH_TAG, clean_environment, free_port, kill_tagged, rank_results, tagged_processes
 from test_rank_loss import consensus_samples
 
 SCRIPT = Path(__file__).parent / "scripts" / "fault_fit.py"
@@ -89,8 +89,7 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
                 proc.wait()
         still = kill_tagged(tag)
         assert not still, f"processes that could not be killed: {still}"
-    results = {int(p.stem.removeprefix("result-rank")): json.loads(p.read_text())
-               for p in out.glob("result-rank*.json")}
+    results = rank_results(out)
     return JoinJob(out, procs[0].returncode, procs[1].returncode, cohort_log.read_text(), joiner_log.read_text(),
                    results, leftover)
 

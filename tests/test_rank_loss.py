@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from multirank_helpers import LAUNCH_TAG, clean_environment, kill_tagged, tagged_processes
+from multirank_helpers import LAUNCH_TAG, clean_environment, kill_tagged, rank_results, tagged_processes
 
 SCRIPT = Path(__file__).parent / "scripts" / "fault_fit.py"
 MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
@@ -78,8 +78,7 @@ def run_job(out: Path, mode: str, faults: list[str], max_failure: Optional[str] 
             proc.wait()
         still = kill_tagged(tag)
         assert not still, f"processes that could not be killed: {still}"
-    results = {int(p.stem.removeprefix("result-rank")): json.loads(p.read_text())
-               for p in out.glob("result-rank*.json")}
+    results = rank_results(out)
     return Job(out, proc.returncode, log_path.read_text(), results, ranks, leftover, elapsed)
 
 
