@@ -11,7 +11,6 @@ from __future__ import annotations
 import pickle
 import random
 import threading
-import time
 from collections import Counter
 
 import pytest
@@ -182,38 +181,18 @@ def test_a_checkpoint_after_joins_resumes_on_another_world_size(dispatch, drop_l
 class JoiningCohort(ThreadCohort):
     """The threaded cohort, where a change may also add ranks (each a new thread)."""
 
-    def run_changes(self, changes: int) -> None:
-        threads = [threading.Thread(target=self.body, args=(lo,), daemon=True) for lo in self.epoch.loaders]
-        for t in threads:
-            t.start()
-        rng = self.epoch.rng
-        for _ in range(changes):
-            time.sleep(rng.uniform(0.0, 0.02))
-            with self.changed:
-                self.paused = True
-                assert self.changed.wait_for(self._all_quiet, timeout=30)
-                if not self.finished:
-                    lost = min(rng.choice((0, 1, 2)), len(self.epoch.alive) - 1)
-                    joiners = rng.choice((1, 1, 2)) if len(self.epoch.alive) - lost < MAX_WORLD else 0
-                    victims = rng.sample(self.epoch.alive, lost)
-                    self.lost |= {id(v) for v in victims}
-                    before = len(self.epoch.loaders)
-                    self.epoch.lose(victims, joiners=joiners)
-                    for joiner in self.epoch.loaders[before:]:
-                        threads.append(threading.Thread(target=self.body, args=(joiner,), daemon=True))
-                        threads[-1].start()
-                    self.out_of_work.clear()  # survivors look again (wants_reopen)
-                self.paused = False
-                self.changed.notify_all()
-        with self.changed:
-            done = lambda: self.finished or all(id(lo) in self.out_of_work for lo in self.epoch.alive)  # noqa: E731
-            assert self.changed.wait_for(done, timeout=60), "the threads never ran out of work"
-            self.finished = True
-            self.changed.notify_all()
-        for t in threads:
-            t.join(timeout=30)
-        assert not any(t.is_alive() for t in threads), "a rank thread hung"
-        assert not self.errors, self.errors
+    def change(self, rng: random.Random) -> list[threading.Thread]:
+        lost = min(rng.choice((0, 1, 2)), len(self.epoch.alive) - 1)
+        joiners = rng.choice((1, 1, 2)) if len(self.epoch.alive) - lost < MAX_WORLD else 0
+        victims = rng.sample(self.epoch.alive, lost)
+        self.lost |= {id(v) for v in victims}
+        before = len(self.epoch.loaders)
+        self.epoch.lose(victims, joiners=joiners)
+        added = [threading.Thread(target=self.body, args=(joiner,), daemon=True)
+                 for joiner in self.epoch.loaders[before:]]
+        for thread in added:
+            thread.start()
+        return added
 
 
 @pytest.mark.timeout(240)
@@ -227,7 +206,7 @@ def test_ranks_claiming_concurrently_as_threads_with_joins_lose_nothing(dispatch
         samplers = make_samplers(dispatch, world, rng, ThreadSafeStore(), rng.randint(world * batch * 4, 400), batch,
                                  drop_last=rng.random() < 0.5)
         cohort = JoiningCohort([Loader(s, prefetch=rng.choice((0, 1, 3))) for s in samplers], rng)
-        cohort.run_changes(changes=rng.randint(1, 3))
+        cohort.run(rng.randint(1, 3))
         assert_exactly_once(cohort.epoch.trained_keys(), epoch_keys(samplers[0]),
                             drop_slack(dispatch, samplers[0].drop_last, cohort.epoch, world))
         joined += cohort.epoch.joined

@@ -544,6 +544,16 @@ class ThreadCohort:
     def _all_quiet(self) -> bool:
         return all(id(lo) in self.quiet for lo in self.epoch.alive) or self.finished
 
+    def change(self, rng: random.Random) -> list[threading.Thread]:
+        """One change of members while every rank is quiet: here one or two losses (never the last
+        rank); the threads of ranks it adds, started."""
+        count = min(rng.choice((1, 2)), len(self.epoch.alive) - 1)
+        if count > 0:
+            victims = rng.sample(self.epoch.alive, count)
+            self.lost |= {id(v) for v in victims}
+            self.epoch.lose(victims)
+        return []
+
     def run(self, losses: int) -> None:
         threads = [threading.Thread(target=self.body, args=(lo,), daemon=True) for lo in self.epoch.loaders]
         for t in threads:
@@ -554,11 +564,8 @@ class ThreadCohort:
             with self.changed:
                 self.paused = True
                 assert self.changed.wait_for(self._all_quiet, timeout=30)
-                count = min(rng.choice((1, 2)), len(self.epoch.alive) - 1)
-                if count > 0 and not self.finished:
-                    victims = rng.sample(self.epoch.alive, count)
-                    self.lost |= {id(v) for v in victims}
-                    self.epoch.lose(victims)
+                if not self.finished:
+                    threads += self.change(rng)
                     self.out_of_work.clear()  # survivors look again (wants_reopen)
                 self.paused = False
                 self.changed.notify_all()
