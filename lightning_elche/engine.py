@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any, Optional, Protocol
 
@@ -183,7 +183,8 @@ class ElCheEngine:
         blocking: bool = True,
         epoch_batches: int = 0,
     ) -> list[RoundOutcome]:
-        """Join one round at this rank's window boundary; returns the rounds completed by this call.
+        """Join one round at this rank's window boundary; returns the rounds completed by this call
+        (:meth:`rounds_at_boundary`, run to its end).
 
         Blocking (every mode but ``cpu_async``, and any rank that is out of data): the round is
         started, completed and adopted here, and its outcome returned. Non-blocking: a round
@@ -193,12 +194,26 @@ class ElCheEngine:
         ``stop_level`` is this rank's stop request; an outcome carries the largest over all ranks.
         ``epoch_batches``: batches this rank started in the epoch (what a lost rank leaves trained).
         """
+        return list(self.rounds_at_boundary(epoch, out_of_data, stop_level, blocking, epoch_batches))
+
+    def rounds_at_boundary(
+        self,
+        epoch: int,
+        out_of_data: bool,
+        stop_level: StopRequest = StopRequest.NONE,
+        blocking: bool = True,
+        epoch_batches: int = 0,
+    ) -> Iterator[RoundOutcome]:
+        """:meth:`run_round`, yielding each outcome as soon as it is known: the round that was in
+        flight before the next one starts. Its caller acts on that outcome while it still speaks of
+        the current members; the next round may fail on a lost peer and renumber them."""
         compute_s = self.clock.close_window(self._steps)
         round_start = time.perf_counter()
-        completed = [self._finish()] if self._in_flight else []
-        if completed and completed[0].ends_window_sequence:
-            # The round that was in flight already decided that nobody trains on.
-            return completed
+        if self._in_flight:
+            finished = self._finish()
+            yield finished
+            if finished.ends_window_sequence:
+                return  # the round that was in flight already decided that nobody trains on
         # Read after finishing the in-flight round: its outcome may have asked for it.
         due = self._consensus_at is not None and self.state.rounds + 1 >= self._consensus_at
         if due:
@@ -208,13 +223,14 @@ class ElCheEngine:
         self.plane.start(self._sent)
         self._reset_window()
         if blocking or self._consensus_round or not self.plane.non_blocking:
-            completed.append(self._finish())
+            outcome = self._finish()
             self.clock.restart_window(after_sync=False)
+            self._last_sync_s = time.perf_counter() - round_start
+            yield outcome
         else:
             self._in_flight = True
             self.clock.restart_window()  # the gap since close_window is this sync's stall
-        self._last_sync_s = time.perf_counter() - round_start
-        return completed
+            self._last_sync_s = time.perf_counter() - round_start
 
     def poll(self) -> list[RoundOutcome]:
         """Per step in ``cpu_async``: adopt the round in flight once it is done, or once this rank
@@ -358,6 +374,8 @@ class ElCheEngine:
             reset_inner=weights.realized and self.outer.resets_inner,
             consensus=consensus,
             dispatch_shares=tuple(self.controller.speed_shares() or map(float, self.controller.batch_counts)),
+            idle=tuple(t.sync_s / (t.compute_s + t.sync_s) if t.compute_s + t.sync_s > 0 else 0.0
+                       for t in state.totals),
         )
         self.last_outcome = outcome
         return outcome
@@ -543,10 +561,9 @@ class ElCheEngine:
         moved = [r for r in outcome.reports if r.steps > 0]
         if moved:
             metrics["elche/train_loss"] = math.fsum(r.loss_sum for r in moved) / max(total_steps, 1)
-        for k, (report, totals) in enumerate(zip(outcome.reports, self.state.totals, strict=True)):
+        for k, (report, idle) in enumerate(zip(outcome.reports, outcome.idle, strict=True)):
             metrics[f"elche/batch_share/rank{k}"] = report.steps / total_steps if total_steps else 0.0
             if report.compute_s > 0 and report.samples > 0:
                 metrics[f"elche/samples_per_s/rank{k}"] = report.samples / report.compute_s
-            busy = totals.compute_s + totals.sync_s
-            metrics[f"elche/idle/rank{k}"] = totals.sync_s / busy if busy > 0 else 0.0
+            metrics[f"elche/idle/rank{k}"] = idle
         return metrics

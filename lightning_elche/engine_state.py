@@ -36,6 +36,9 @@ class RoundOutcome:
     dispatch_shares: tuple[float, ...] = ()
     """Each rank's share of the cohort's measured speed (the plan's counts until every rank has a
     reading), for the pooled dispatch: unlike ``planned`` not rounded to a window's whole batches."""
+    idle: tuple[float, ...] = ()
+    """Each rank's share of its fit time spent in rounds, up to this round. Kept with the outcome: a
+    membership change may renumber the running totals before the outcome is published."""
 
     @property
     def epoch(self) -> int:

@@ -99,7 +99,10 @@ class RoundDriver:
             request = self.session.take_stop_request()
             sampler = self.sampler()
             batches = (sampler.started_batches or 0) if sampler is not None else 0
-            for outcome in self.engine.run_round(trainer.current_epoch, out_of_data, request, blocking, batches):
+            # Each outcome is acted on before the next round starts: that round may lose a peer and
+            # renumber the members, and an outcome read after it would speak of the old numbering.
+            rounds = self.engine.rounds_at_boundary(trainer.current_epoch, out_of_data, request, blocking, batches)
+            for outcome in rounds:
                 self.after_round(trainer, outcome)
             # A rank out of data keeps joining rounds (with zero mass) until every rank is, so that
             # all ranks leave the epoch after the same round; unless a lost rank's work came its

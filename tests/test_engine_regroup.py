@@ -93,6 +93,43 @@ def test_the_failed_round_runs_again_on_the_survivors() -> None:
     assert engine.metrics(outcome)["elche/alive"] == 2.0
 
 
+def test_an_outcome_of_the_old_members_is_still_published_after_the_change() -> None:
+    # A round of three ranks published after the survivors renumbered their running totals to two
+    # (a KeyboardInterrupt on a cpu_async peer once ended rank 0's fit here with a zip error).
+    plane = FailingPeers(world_size=3, failures=0)
+    engine = engine_for(plane, 3)
+    engine.record_step(8, torch.tensor(0.25), 0.1)
+    (outcome,) = engine.run_round(epoch=0, out_of_data=False, epoch_batches=1)
+    engine.apply_change(Change(generation=1, before=(0, 1, 2), after=(0, 2)))
+    metrics = engine.metrics(outcome)
+    assert metrics["elche/alive"] == 3.0
+    assert {f"elche/idle/rank{k}" for k in range(3)} <= set(metrics)
+    assert all(0.0 <= metrics[f"elche/idle/rank{k}"] <= 1.0 for k in range(3))
+
+
+def test_the_round_in_flight_is_handed_out_before_the_next_round_can_renumber_the_members() -> None:
+    # cpu_async: the round in flight completes on three ranks; the next one loses rank 1. Its caller
+    # must act on the first outcome (dispatch shares, the rank's own report) while the engine still
+    # counts three members, not after the change renumbered them.
+    class LosesAPeerInTheNextRound(FailingPeers):
+        non_blocking = True
+
+        def start(self, local: torch.Tensor) -> None:
+            super().start(local)
+            self.failures = int(len(self.starts) == 2)
+
+    plane = LosesAPeerInTheNextRound(world_size=3, failures=0)
+    engine = engine_for(plane, 3)
+    Survivors(engine, Change(generation=1, before=(0, 1, 2), after=(0, 2)))
+    engine.record_step(8, torch.tensor(0.25), 0.1)
+    assert engine.run_round(epoch=0, out_of_data=False, blocking=False) == []  # in flight
+    engine.record_step(8, torch.tensor(0.25), 0.1)
+    seen: list[tuple[int, int]] = []
+    for outcome in engine.rounds_at_boundary(epoch=0, out_of_data=True, blocking=True):
+        seen.append((len(outcome.reports), engine.world_size))
+    assert seen == [(3, 3), (2, 2)]
+
+
 def test_a_rank_that_missed_a_round_takes_it_over_and_joins_the_next_one_without_mass() -> None:
     # Rank 1 of 3 died in the middle of a round's collectives: this rank's round failed, the
     # furthest survivor's completed; it hands over its round, this rank takes it and joins the
