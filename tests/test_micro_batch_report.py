@@ -75,9 +75,9 @@ def test_a_fit_without_micro_batch_has_no_micro_column() -> None:
 
 def test_a_rank_that_reported_no_micro_batch_shows_a_dash_and_lost_ranks_keep_theirs() -> None:
     totals = (RankTotals(steps=4, micro_batch=16), RankTotals(steps=4))
+    lost = (RankTotals(steps=2, micro_batch=2),)
     text = format_summary(FitProgress(mode="cpu_sync", rounds=4, cohort_step=10, anchor=2, plan=(2, 2),
-                                      epoch_batches=8, totals=totals, lost_totals=(RankTotals(steps=2, micro_batch=2),)),
-                          lost_ranks=[2])
+                                      epoch_batches=8, totals=totals, lost_totals=lost), lost_ranks=[2])
     rows = [line.split() for line in text.splitlines()[2:5]]
     assert [(r[0], r[6]) for r in rows] == [("0", "16"), ("1", "-"), ("lost2", "2")]
 
