@@ -112,6 +112,9 @@ class ElCheEngine:
         self._caught_up = False
         self.joiners_waiting: Optional[Callable[[], int]] = None
         """Rank 0's count of accepted joiners, read once per round into its metadata (admission)."""
+        self.micro_batch_size: Optional[Callable[[], Optional[int]]] = None
+        """This rank's micro-batch in samples (None until known), read once per round into its metadata
+        when the fit sets ``micro_batch``: every rank's choice reaches every rank without a collective."""
 
     # -- per step: no collective, no host sync --------------------------------------------
 
@@ -292,6 +295,7 @@ class ElCheEngine:
         values = [0.0] * META_SIZE
         values[Meta.EPOCH_BATCHES] = epoch_batches
         values[Meta.JOINERS] = self.joiners_waiting() if self.joiners_waiting is not None and self.rank == 0 else 0
+        values[Meta.MICRO_BATCH] = (self.micro_batch_size() or 0) if self.micro_batch_size is not None else 0
         values[Meta.STEPS] = self._steps
         values[Meta.SAMPLES] = self._samples
         values[Meta.COMPUTE_S] = compute_s
@@ -337,6 +341,8 @@ class ElCheEngine:
             if report.stall_ms is not None:
                 totals.stall_ms_sum += report.stall_ms
                 totals.stalls += 1
+            if report.micro_batch is not None:
+                totals.micro_batch = report.micro_batch
         state.cohort_step += sum(r.steps for r in reports)
         state.rounds += 1
         # The fastest arrival pays no wait, so the smallest round time is the pure reduce cost.
@@ -555,6 +561,8 @@ class ElCheEngine:
         for k, report in enumerate(outcome.reports):
             if report.stall_ms is not None:
                 metrics[f"elche/stall_ms/rank{k}"] = report.stall_ms
+            if report.micro_batch is not None:
+                metrics[f"elche/micro_batch/rank{k}"] = float(report.micro_batch)
         if not isinstance(self.outer, OuterAvg) and outcome.weights.realized:
             metrics["elche/outer_step_norm"] = self.outer.last_step_norm
         total_steps = sum(r.steps for r in outcome.reports)

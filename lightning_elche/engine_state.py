@@ -66,6 +66,8 @@ class RankTotals:
     sync_s: float = 0.0
     stall_ms_sum: float = 0.0
     stalls: int = 0
+    micro_batch: Optional[int] = None
+    """The rank's micro-batch in samples as its last round reported it (None: not reported)."""
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class Meta(IntEnum):
     STALL_MS = 17  # device stall of this rank's previous sync (cpu_async on CUDA), -1 when unmeasured
     EPOCH_BATCHES = 18  # batches this rank started in the current epoch (all trained by the round)
     JOINERS = 19  # rank 0's row: accepted joiners waiting for admission (read from the store once per round)
+    MICRO_BATCH = 20  # samples this rank trains per forward and backward (micro_batch set); 0: not reported
 
 
 META_SIZE = len(Meta)
@@ -78,6 +79,8 @@ class RankReport:
     epoch: int = 0
     epoch_batches: int = 0
     joiners: int = 0
+    micro_batch: Optional[int] = None
+    """This rank's micro-batch in samples (``ElCheStrategy(micro_batch=...)``), None when not reported."""
 
     @classmethod
     def from_row(cls, row: list[float]) -> RankReport:
@@ -98,6 +101,7 @@ class RankReport:
             epoch=int(row[Meta.EPOCH]),
             epoch_batches=int(row[Meta.EPOCH_BATCHES]),
             joiners=int(row[Meta.JOINERS]),
+            micro_batch=int(row[Meta.MICRO_BATCH]) or None,
         )
 
 

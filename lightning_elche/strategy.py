@@ -317,8 +317,10 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
             self._restored_coverage = None
         self._growth.dispatch_ready(self, self._sampler, dataloader)
         self._engine.set_epoch_size(self._sampler.num_batches)
-        self._micro_batching = MicroBatching(rank_micro_batch(self.elche.micro_batch, self.global_rank),
-                                             dataloader.batch_size, self, choose_micro_batch, logging_batch)
+        micro = self._micro_batching = MicroBatching(rank_micro_batch(self.elche.micro_batch, self.global_rank),
+                                                     dataloader.batch_size, self, choose_micro_batch, logging_batch)
+        # Every rank's choice reaches the summary and the metrics through the rounds' metadata.
+        self._engine.micro_batch_size = micro.reported_size if self.elche.micro_batch is not None else None
         return with_training_sampler(dataloader, self._sampler)
 
     @override

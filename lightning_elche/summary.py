@@ -46,6 +46,8 @@ def format_summary(progress: FitProgress, lost_ranks: Sequence[int] = (), joined
     get a row each below the survivors, labelled ``lost<rank>``; the survivors are numbered anew.
     Ranks that joined during the fit (``joined_ranks``: their current numbers, as
     :attr:`FitMembers.joined_ranks` gives them) are marked ``<rank>+``: their rows count from their join.
+    A fit with ``micro_batch`` set gets a last column, each rank's micro-batch in samples as its rounds
+    reported it (``-``: none reported).
     """
     fit_steps = sum(t.steps for t in progress.totals) + sum(t.steps for t in progress.lost_totals)
     total_steps = fit_steps or 1
@@ -56,16 +58,20 @@ def format_summary(progress: FitProgress, lost_ranks: Sequence[int] = (), joined
     else:
         steps = f"{progress.cohort_step} cohort steps"
         rows = "the whole run"
+    every = (*progress.totals, *progress.lost_totals)
+    micro = any(t.micro_batch is not None for t in every)
     lines = [
         f"ElChe summary: mode {progress.mode}, {progress.rounds} syncs, {steps}, final anchor {progress.anchor}, "
         f"window plan {list(progress.plan)}",
         f"{'rank':>6} {'steps':>8} {'share':>7} {'samples':>9} {'samples/s':>10} {'idle':>6}"
-        f"   (rows: {rows}; samples/s over compute time; idle = time in syncs / (compute + syncs))",
+        + (f" {'micro':>6}" if micro else "")
+        + f"   (rows: {rows}; samples/s over compute time; idle = time in syncs / (compute + syncs)"
+        + ("; micro = samples per forward and backward, micro_batch)" if micro else ")"),
     ]
     labels = [f"{rank}+" if rank in joined_ranks else str(rank) for rank in range(len(progress.totals))]
     labels += [f"lost{rank}" for rank in lost_ranks] or [f"lost{k}" for k in range(len(progress.lost_totals))]
-    for label, totals in zip(labels, (*progress.totals, *progress.lost_totals), strict=False):
-        lines.append(_row(label, totals, total_steps))
+    for label, totals in zip(labels, every, strict=False):
+        lines.append(_row(label, totals, total_steps, micro))
     if progress.lost_totals:
         lines.append(f"{len(progress.lost_totals)} rank(s) lost during the fit; the survivors were renumbered.")
     joined = [rank for rank in joined_ranks if rank < len(progress.totals)]
@@ -74,9 +80,12 @@ def format_summary(progress: FitProgress, lost_ranks: Sequence[int] = (), joined
     return "\n".join(lines)
 
 
-def _row(label: str, totals: RankTotals, total_steps: int) -> str:
+def _row(label: str, totals: RankTotals, total_steps: int, micro: bool) -> str:
     busy = totals.compute_s + totals.sync_s
     rate = totals.samples / totals.compute_s if totals.compute_s > 0 else 0.0
     idle = totals.sync_s / busy if busy > 0 else 0.0
-    return (f"{label:>6} {totals.steps:>8} {totals.steps / total_steps:>7.1%} {totals.samples:>9} "
-            f"{rate:>10.1f} {idle:>6.1%}")
+    row = (f"{label:>6} {totals.steps:>8} {totals.steps / total_steps:>7.1%} {totals.samples:>9} "
+           f"{rate:>10.1f} {idle:>6.1%}")
+    if micro:
+        row += f" {'-' if totals.micro_batch is None else totals.micro_batch:>6}"
+    return row

@@ -1,14 +1,18 @@
 """A model of the micro-batch fits that checks, at every optimizer step, the accumulated gradient
-against the whole batches' gradient, and the loss Lightning got against the whole batch's loss."""
+against the whole batches' gradient, and the loss Lightning got against the whole batch's loss; a
+logger and a callback that keep the micro-batch metrics and the end-of-fit summary of a fit."""
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import Logger
 from model_helpers import RecordingModel
 from torch import nn
 
@@ -58,3 +62,59 @@ class MicroBatchCheckModel(RecordingModel):
         record.update(grad_diff=self.grad_diff, loss_diff=self.loss_diff, step_calls=self.step_calls,
                       checked_steps=self.checked_steps)
         path.write_text(json.dumps(record))
+
+
+class MetricsFile(Logger):
+    """Appends every ``log_metrics`` call (the ``elche/micro_batch/*`` values) of its process to
+    ``metrics-rank<r>.jsonl``; ElChe logs its round metrics on rank 0."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    @property
+    def name(self) -> str:
+        return "metrics_file"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        micro = {k: v for k, v in metrics.items() if k.startswith("elche/micro_batch")}
+        with open(Path(self.out_dir, f"metrics-rank{rank}.jsonl"), "a") as sink:
+            sink.write(json.dumps({"step": step, "micro_batch": micro, "syncs": metrics.get("elche/syncs")}) + "\n")
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+class SummaryFile(Callback):
+    """Keeps what rank 0 logs through Lightning's logger during the fit and writes the end-of-fit
+    summary (``ElChe summary: ...``) to ``summary-rank<r>.txt`` after the strategy printed it."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self._handler: Optional[_Lines] = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._handler = _Lines()
+        logging.getLogger("lightning.pytorch").addHandler(self._handler)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        assert self._handler is not None
+        logging.getLogger("lightning.pytorch").removeHandler(self._handler)
+        summary = [line for line in self._handler.lines if line.startswith("ElChe summary")]
+        Path(self.out_dir, f"summary-rank{trainer.global_rank}.txt").write_text("\n".join(summary))

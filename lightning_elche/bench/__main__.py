@@ -170,6 +170,11 @@ def throughput_sections(config: BenchConfig, plan: list[Group], records: dict[st
             section = metrics.aggregate_passes(passes)
             section["setting"] = {"label": setting.label, "description": setting.describe()}
             section["description"] = setting.describe()
+            if setting.limited:
+                plan_record = records.get("micro_batch_plan", [{}])[0]
+                section["limits"] = {"memory_fraction": list(setting.rank_memory),
+                                     "micro_batch": list(setting.rank_micro_batch), "batch": config.budget.tp_batch,
+                                     "planned": plan_record.get("planned"), "searched": plan_record.get("searched")}
             sections[setting.label] = section
     return sections
 
@@ -235,6 +240,8 @@ def summarize(config: BenchConfig, plan: list[Group], records: dict[str, list[di
         "skipped_groups": records.get("skipped", [{"groups": []}])[0]["groups"],
         "elche_traces": elche_traces(config, plan, records),
     }
+    if headline.get("limits"):
+        result["limits"] = headline["limits"]
     return result
 
 

@@ -25,7 +25,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional, Union
 
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
@@ -84,8 +84,10 @@ class PostLocalSGDStrategy(DDPStrategy):
         return -(-(steps - self.warmup) // self.period)
 
 
-def make_strategy(arm: str, config: BenchConfig) -> Strategy:
-    """A fresh strategy for one 2-rank fit of ``arm`` (state such as hook counters is per fit).
+def make_strategy(arm: str, config: BenchConfig, micro_batch: Optional[list[Union[None, int, str]]] = None
+                  ) -> Strategy:
+    """A fresh strategy for one 2-rank fit of ``arm`` (state such as hook counters is per fit);
+    ``micro_batch``: the ElChe arms' ``ElCheStrategy(micro_batch=...)`` (:mod:`lightning_elche.bench.limits`).
 
     The rank processes are started by the harness (Lightning sees ``LOCAL_RANK`` and launches
     nothing, as under ``torchrun``) and the process group already exists, so ``timeout`` and
@@ -100,7 +102,7 @@ def make_strategy(arm: str, config: BenchConfig) -> Strategy:
     if arm == LOCAL_SGD:
         return PostLocalSGDStrategy(config.local_sgd_period, config.local_sgd_warmup, **common)
     if arm in config.elche_modes:
-        return ElCheStrategy(mode=arm, summary=False, **common)
+        return ElCheStrategy(mode=arm, summary=False, micro_batch=micro_batch, **common)
     raise ValueError(f"unknown arm {arm!r}")
 
 

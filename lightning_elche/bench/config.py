@@ -8,6 +8,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from lightning_elche.bench.limits import (
+    RankSize,
+    check_limits,
+    describe_limits,
+    parse_memory_fractions,
+    parse_micro_batch,
+)
 from lightning_elche.bench.workloads import THROUGHPUT_MODELS
 
 WORLD_SIZE = 2
@@ -30,6 +37,9 @@ class Setting:
         sms: SMs left to rank 1 by a CUDA green context (GPU); ``None`` = no SM limit.
         rank_slowdowns: N-rank CPU settings: the ``sleep`` factor of each rank (1 = none).
         rank_sms: N-rank GPU settings: the SMs of each rank's green context (``None`` = all).
+        rank_memory: ``--memory-fraction``: each rank's share of its GPU's memory in the throughput
+            fits (``None`` = no limit; empty: no rank limited). See :mod:`lightning_elche.bench.limits`.
+        rank_micro_batch: ``--micro-batch``: each rank's setting (``None``, a size, ``"auto"``; empty: none).
     """
 
     label: str
@@ -37,6 +47,8 @@ class Setting:
     sms: Optional[int] = None
     rank_slowdowns: tuple[float, ...] = ()
     rank_sms: tuple[Optional[int], ...] = ()
+    rank_memory: tuple[Optional[float], ...] = ()
+    rank_micro_batch: tuple[RankSize, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rank_slowdowns and self.rank_sms:
@@ -72,16 +84,35 @@ class Setting:
             return 1.0, self.rank_sms[rank]
         return (self.slowdown, self.sms) if rank == 1 else (1.0, None)
 
+    def memory_fraction(self, rank: int) -> Optional[float]:
+        """``rank``'s share of its GPU's memory in the throughput fits (None: no limit)."""
+        return self.rank_memory[rank] if rank < len(self.rank_memory) else None
+
+    def micro_batch(self, rank: int) -> RankSize:
+        """``rank``'s ``--micro-batch`` setting (None: the whole batch)."""
+        return self.rank_micro_batch[rank] if rank < len(self.rank_micro_batch) else None
+
+    @property
+    def limited(self) -> bool:
+        """Some rank has a memory limit or a micro-batch setting."""
+        return any(f is not None for f in self.rank_memory) or any(m is not None for m in self.rank_micro_batch)
+
     def representatives(self, world: int) -> list[int]:
-        """Per rank, the first rank with the same throttle (the one whose solo fit measures it)."""
-        first: dict[tuple[float, Optional[int]], int] = {}
-        return [first.setdefault(self.rank_throttle(rank), rank) for rank in range(world)]
+        """Per rank, the first rank with the same throttle, memory limit and micro-batch setting (the
+        one whose solo fit measures it)."""
+        first: dict[tuple[object, ...], int] = {}
+        return [first.setdefault((*self.rank_throttle(rank), self.memory_fraction(rank), self.micro_batch(rank)), rank)
+                for rank in range(world)]
 
     def solo_ranks(self, world: int) -> list[int]:
         """The ranks that run a solo fit: one per speed class."""
         return sorted(set(self.representatives(world)))
 
     def describe(self) -> str:
+        limits = describe_limits(self.rank_memory, self.rank_micro_batch)
+        return f"{self._describe_throttle()}; {limits}" if limits else self._describe_throttle()
+
+    def _describe_throttle(self) -> str:
         if self.rank_sms:
             sms = ", ".join("all" if n is None else str(n) for n in self.rank_sms)
             return f"ranks 0-{len(self.rank_sms) - 1} on CUDA green contexts of {sms} SMs"
@@ -340,6 +371,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--only-headline", action="store_true", help="skip the rig's other heterogeneity settings")
     # Hidden: for checking the memory columns on one GPU (docs/benchmarks.md, "Memory").
     parser.add_argument("--share-gpu", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-fraction", default=None,
+                        help="GPU rigs: RANK=FRACTION[,RANK=FRACTION]: the rank's process may allocate this share of "
+                             "its GPU's memory in the throughput fits (torch.cuda.set_per_process_memory_fraction); "
+                             "needs --micro-batch")
+    parser.add_argument("--micro-batch", default=None,
+                        help="auto, SIZE or RANK=SIZE[,RANK=SIZE] (SIZE a number or auto): ElChe arms of the "
+                             "throughput section train with ElCheStrategy(micro_batch=...); DDP runs every rank at "
+                             "the smallest micro-batch with gradient accumulation (lightning_elche/bench/limits.py)")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
     args = parser.parse_args(argv)
     if args.rig is None and args.replot is None:
@@ -453,6 +492,8 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         if unknown or "ddp" not in tp_arms:
             raise ValueError(f"--tp-arms={args.tp_arms!r} is invalid: expected a comma-separated subset of "
                              f"{', '.join(known)} that includes ddp (the speed-ups are against it); unknown: {unknown}")
+    memory, micro = _limits(args, rig.world_size, rig.accelerator, budget.tp_batch)
+    settings = tuple(replace(s, rank_memory=memory, rank_micro_batch=micro) for s in settings)
     if not budget.other_settings:
         settings = settings[:1]
     return BenchConfig(
@@ -474,3 +515,12 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         tp_arms=tp_arms,
         share_gpu=bool(args.share_gpu),
     )
+
+
+def _limits(args: argparse.Namespace, world: int, accelerator: str, batch: int
+            ) -> tuple[tuple[Optional[float], ...], tuple[RankSize, ...]]:
+    """``--memory-fraction`` and ``--micro-batch`` as the per-rank fields of every setting."""
+    memory = parse_memory_fractions(args.memory_fraction, world) if args.memory_fraction is not None else ()
+    micro = parse_micro_batch(args.micro_batch, world, batch) if args.micro_batch is not None else ()
+    check_limits(accelerator, memory, micro, args.memory_fraction)
+    return memory, micro

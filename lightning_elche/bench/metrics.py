@@ -23,6 +23,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
+from lightning_elche.bench.limits import optimizer_steps
 from lightning_elche.bench.plan import DDP, LOCAL_SGD, SOLO_PAIR
 
 TOLERANCE_ACC = 0.005
@@ -184,13 +185,14 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
     steps = [r["total_steps"] for r in records]
     samples = sum(r["total_samples"] for r in records)
     out: dict[str, Any] = {"kind": kind, "samples_per_s": steady_rate(records), "epochs": records[0]["epochs"]}
+    optimizer = optimizer_steps(steps[0], records[0])  # batches accumulated under a memory limit count once
     if kind == "ddp":
-        syncs = steps[0]
-        sent = ddp_bytes(steps[0], stats["grad_bytes"], stats["buffer_bytes"], world)
+        syncs = optimizer
+        sent = ddp_bytes(optimizer, stats["grad_bytes"], stats["buffer_bytes"], world)
     elif kind == "local_sgd":
         info = records[0]["local_sgd"]
-        syncs = min(steps[0], info["warmup"]) + info["averagings"]
-        sent = local_sgd_bytes(steps[0], info["warmup"], info["averagings"], stats["grad_bytes"],
+        syncs = min(optimizer, info["warmup"]) + info["averagings"]
+        sent = local_sgd_bytes(optimizer, info["warmup"], info["averagings"], stats["grad_bytes"],
                                stats["buffer_bytes"], world)
         out["local_sgd"] = info
     else:
@@ -224,6 +226,8 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
         "model": stats,
         "memory": memory_summary(records),
     })
+    if any("micro_batch" in r for r in records):  # --micro-batch: each rank's, as it ran this arm
+        out["micro_batch"] = [r.get("micro_batch") for r in records]
     return out
 
 
@@ -280,7 +284,8 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
         arms[f"solo_rank{rep}"] = {"kind": "solo", "samples_per_s": class_rate[rep], "syncs": 0,
                                    "bytes_per_sample": 0.0, "idle": [0.0], "idle_method": "single process",
                                    "epochs": record["epochs"], "throttle": record.get("throttle"),
-                                   "memory": memory_summary([record])}
+                                   "memory": memory_summary([record]),
+                                   **({"micro_batch": record["micro_batch"]} if "micro_batch" in record else {})}
         if len(reps) != 2:
             arms[f"solo_rank{rep}"]["ranks"] = [r for r, x in enumerate(reps) if x == rep]
     speed_share = [rate / ideal if ideal > 0 else 0.0 for rate in rates]

@@ -147,9 +147,53 @@ def breakdown_table(section: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _sizes(values: list[Optional[Any]]) -> str:
+    return " / ".join("-" if v is None else str(v) for v in values)
+
+
+def limits_lines(section: dict[str, Any], world: int) -> list[str]:
+    """``--memory-fraction`` / ``--micro-batch``: each arm's micro-batch per rank, the batches it
+    accumulated per optimizer step, its batch share and its efficiency (nothing without limits)."""
+    limits = section.get("limits")
+    if not limits:
+        return []
+    ranks = "r0 / r1" if world == 2 else " / ".join(f"r{r}" for r in range(world))
+    fractions = limits.get("memory_fraction") or []
+    limited = [f"rank {r} may allocate {f:.3g} of its GPU's memory" for r, f in enumerate(fractions) if f is not None]
+    searched = [f"r{r} {found['chosen']}" + (f" ({found['usable_bytes'] / 2**30:.2f} GiB usable)"
+                                             if found.get("usable_bytes") else "")
+                for r, found in enumerate(limits.get("searched") or []) if found is not None]
+    intro = [
+        f"Memory-limited ranks: {'; '.join(limited) or 'no memory limit'}; --micro-batch per rank "
+        f"{_sizes(limits.get('micro_batch') or [])} (- = the whole batch of {limits.get('batch')})"
+        + (f"; micro_batch='auto' searched before the fits: {', '.join(searched)}" if searched else "") + ".",
+        "Each solo fit trains its rank at that rank's micro-batch, accumulated to the whole batch per optimizer step "
+        "(the ideal); DDP and post-local SGD cannot give ranks different batches, so every rank runs the smallest "
+        "micro-batch, accumulated to the same samples per step (the job sized for the smallest card); the ElChe "
+        "arms train the whole batch, each rank in the micro-batches its fit chose (reported by its rounds).",
+    ]
+    lines = [f"| arm | micro-batch {ranks} | micro-batches per optimizer step {ranks} | batch share {ranks} | "
+             "efficiency |",
+             "|---|---:|---:|---:|---:|"]
+    for arm, row in section["arms"].items():
+        micro = row.get("micro_batch")
+        if row.get("kind") == "solo":
+            own = row.get("ranks") or [int(arm.removeprefix("solo_rank"))]
+            per_rank = [micro if r in own and isinstance(micro, dict) else None for r in range(world)]
+            share = "-"
+        else:
+            per_rank = list(micro) if isinstance(micro, list) else [None] * world
+            share = _pair(row.get("batch_share"))
+        sizes = _sizes([m.get("size") if m else None for m in per_rank])
+        steps = _sizes([m.get("per_step") if m else None for m in per_rank])
+        lines.append(f"| `{arm}` | {sizes} | {steps} | {share} | {_num(row.get('efficiency'))} |")
+    lines.append(f"| speed share (the balanced batch share) | | | {_pair(section.get('speed_share'))} | |")
+    return ["", *intro, "", *lines]
+
+
 def section_extras(section: dict[str, Any], world: int) -> list[str]:
-    """The memory and loss-breakdown tables of a throughput section (nothing for older results)."""
-    out: list[str] = []
+    """The memory-limit, memory and loss-breakdown tables of a throughput section (nothing for older results)."""
+    out: list[str] = [*limits_lines(section, world)]
     memory = memory_table(section, world)
     if memory:
         out += ["", "Memory of each fit (last pass; peaks per rank from `torch.cuda.max_memory_*`, reset before "

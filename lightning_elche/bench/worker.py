@@ -35,6 +35,8 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning_elche.averaging import AveragedLayout, FlatTensors, round_weights
 from lightning_elche.bench.arms import PostLocalSGDStrategy, make_strategy
 from lightning_elche.bench.config import PG_TIMEOUT_S, BenchConfig
+from lightning_elche.bench.limited import memory_limit, plan_micro_batches
+from lightning_elche.bench.limits import FitShape, multi_shape, optimizer_steps, solo_shape
 from lightning_elche.bench.memory import read_peaks, reset_peaks
 from lightning_elche.bench.meter import BenchMeter
 from lightning_elche.bench.plan import CONVERGENCE, SOLO_PAIR, SOLO_RANK0, THROUGHPUT, Group, Job
@@ -104,6 +106,8 @@ class RankContext:
     t0: float
     workloads: dict[str, Workload] = field(default_factory=dict)
     durations: dict[str, float] = field(default_factory=dict)
+    micro_batches: Optional[list[int]] = None
+    """Every rank's micro-batch in the throughput fits (``--micro-batch``; None: whole batches)."""
 
     @property
     def accelerator(self) -> str:
@@ -320,8 +324,9 @@ def _throttle(ctx: RankContext, job: Job, device_rank: int, fit_rank: int) -> Op
 
 
 def _trainer(ctx: RankContext, strategy: Any, devices: Any, max_epochs: int, callbacks: list[Any],
-             num_nodes: int = 1) -> Trainer:
+             num_nodes: int = 1, accumulate: int = 1) -> Trainer:
     return Trainer(
+        accumulate_grad_batches=accumulate,
         accelerator=ctx.accelerator,
         devices=devices,
         num_nodes=num_nodes,
@@ -389,6 +394,9 @@ def run_solo(ctx: RankContext, job: Job, as_rank: int) -> dict[str, Any]:
         batch, drop_last = budget.tp_batch, True
     else:
         share, batch, drop_last = 1.0, budget.conv_batch, False
+    shape = FitShape(batch)
+    if job.section == THROUGHPUT and ctx.micro_batches is not None:  # at its micro-batch, accumulated
+        shape = solo_shape(job.setting.rank_memory, as_rank, batch, ctx.micro_batches)
     seed_everything(_seed(job), verbose=False)
     module = workload.make_module()
     stats = model_stats(module)
@@ -397,14 +405,17 @@ def run_solo(ctx: RankContext, job: Job, as_rank: int) -> dict[str, Any]:
     throttle = _throttle(ctx, job, as_rank, 0)
     callbacks: list[Any] = [c for c in (throttle, meter) if c is not None]
     devices: Any = [ctx.device.index] if ctx.device.type == "cuda" else 1
-    trainer = _trainer(ctx, "auto", devices, max_epochs, callbacks)
-    baseline = reset_peaks(ctx.device)
-    started = time.time()
-    trainer.fit(module, train_dataloaders=train_loader(workload.train_set(share), batch, drop_last))
-    record = _common_record(job, trainer, meter, throttle, stats, time.time() - started)
-    record["memory"] = _memory(ctx, meter, baseline)
-    record.update({"arm": f"solo_rank{as_rank}", "solo_of_rank": as_rank, "batch_size": batch,
+    trainer = _trainer(ctx, "auto", devices, max_epochs, callbacks, accumulate=shape.accumulate)
+    with memory_limit(ctx.device, shape.memory_fraction):
+        baseline = reset_peaks(ctx.device)
+        started = time.time()
+        trainer.fit(module, train_dataloaders=train_loader(workload.train_set(share), shape.batch, drop_last))
+        record = _common_record(job, trainer, meter, throttle, stats, time.time() - started)
+        record["memory"] = _memory(ctx, meter, baseline)
+    record.update({"arm": f"solo_rank{as_rank}", "solo_of_rank": as_rank, "batch_size": shape.batch,
                    "train_samples": len(workload.train_set(share))})
+    if ctx.micro_batches is not None and job.section == THROUGHPUT:
+        record["micro_batch"] = shape.record(shape.batch)
     return record
 
 
@@ -421,26 +432,35 @@ def run_multi(ctx: RankContext, job: Job) -> dict[str, Any]:
                        trace_elche=job.arm in ctx.config.elche_modes)
     throttle = _throttle(ctx, job, ctx.rank, ctx.rank)
     callbacks: list[Any] = [c for c in (throttle, meter) if c is not None]
-    strategy = make_strategy(job.arm, ctx.config)
+    shape = FitShape(batch)
+    limited = job.section == THROUGHPUT and ctx.micro_batches is not None
+    if limited:
+        assert ctx.micro_batches is not None
+        shape = multi_shape(job.setting.rank_memory, job.setting.rank_micro_batch, job.arm in ctx.config.elche_modes,
+                            ctx.rank, batch, ctx.micro_batches)
+    strategy = make_strategy(job.arm, ctx.config, shape.micro_batch)
     if ctx.config.share_gpu:  # every rank a one-device node: Lightning maps each to cuda:0
-        trainer = _trainer(ctx, strategy, 1, max_epochs, callbacks, num_nodes=ctx.world)
+        trainer = _trainer(ctx, strategy, 1, max_epochs, callbacks, num_nodes=ctx.world, accumulate=shape.accumulate)
     else:
-        trainer = _trainer(ctx, strategy, ctx.world, max_epochs, callbacks)
-    baseline = reset_peaks(ctx.device)
-    started = time.time()
-    trainer.fit(module, train_dataloaders=train_loader(workload.train_set(), batch, drop_last))
-    record = _common_record(job, trainer, meter, throttle, stats, time.time() - started)
-    record["memory"] = _memory(ctx, meter, baseline)
-    record.update({"batch_size": batch, "train_samples": len(workload.train_set())})
+        trainer = _trainer(ctx, strategy, ctx.world, max_epochs, callbacks, accumulate=shape.accumulate)
+    with memory_limit(ctx.device, shape.memory_fraction):
+        baseline = reset_peaks(ctx.device)
+        started = time.time()
+        trainer.fit(module, train_dataloaders=train_loader(workload.train_set(), shape.batch, drop_last))
+        record = _common_record(job, trainer, meter, throttle, stats, time.time() - started)
+        record["memory"] = _memory(ctx, meter, baseline)
+    record.update({"batch_size": shape.batch, "train_samples": len(workload.train_set())})
     progress = strategy.progress if isinstance(strategy, ElCheStrategy) else None
+    if limited:  # an ElChe arm: the micro-batch this rank's fit chose, as its rounds reported it
+        record["micro_batch"] = shape.record(progress.totals[ctx.rank].micro_batch if progress else shape.batch)
     if progress is not None:
         record["elche"] = {
             "rounds": progress.rounds,
             "cohort_step": progress.cohort_step,
             "final_anchor": progress.anchor,
             "window_plan": list(progress.plan),
-            "totals": [{"steps": t.steps, "samples": t.samples, "compute_s": t.compute_s, "sync_s": t.sync_s}
-                       for t in progress.totals],
+            "totals": [{"steps": t.steps, "samples": t.samples, "compute_s": t.compute_s, "sync_s": t.sync_s,
+                        "micro_batch": t.micro_batch} for t in progress.totals],
             "meta_bytes": META_SIZE * 8,
             "bf16_wire": bool(getattr(getattr(strategy, "elche", None), "bf16_wire", False)),
         }
@@ -450,7 +470,7 @@ def run_multi(ctx: RankContext, job: Job) -> dict[str, Any]:
             "period": strategy.period,
             "warmup": strategy.warmup,
             "averager_steps": averager.step if averager is not None else None,
-            "averagings": strategy.averagings(meter.total_steps),
+            "averagings": strategy.averagings(optimizer_steps(meter.total_steps, record)),
         }
     return record
 
@@ -524,6 +544,13 @@ def worker_main(rank: int, config: BenchConfig, plan: list[Group], run_dir: str,
         ctx = RankContext(rank, config, run_dir, device, control, t0)
         write_record(run_dir, "device", rank, describe_device(device))
         write_record(run_dir, "micro", rank, microbenchmark(ctx))
+        headline = config.headline
+        if headline.limited:  # before the plan: the solo fits and the DDP arms need every rank's micro-batch
+            ctx.micro_batches, searched = plan_micro_batches(
+                ctx.workload(THROUGHPUT), headline.rank_micro_batch or (None,) * ctx.world, headline.rank_memory,
+                config.budget.tp_batch, rank, device, control)
+            if rank == 0:
+                write_record(run_dir, "micro_batch_plan", 0, {"planned": ctx.micro_batches, "searched": searched})
         if rank == 0:
             print(f"[bench {time.time() - t0:6.0f} s] set-up and all-reduce microbenchmark done", flush=True)
         status = run_plan(ctx, plan)
