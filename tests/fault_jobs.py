@@ -158,7 +158,24 @@ def check_survived(job: Job, lost_ranks: set[int]) -> None:
     for epoch, indices in trained.items():
         counts = torch.bincount(torch.tensor(indices), minlength=job.samples)
         missing, twice = int((counts == 0).sum()), int((counts > 1).sum())
-        assert missing == 0 and twice == 0, f"epoch {epoch}: {missing} samples never trained, {twice} twice"
+        assert missing == 0 and twice == 0, (f"epoch {epoch}: {missing} samples never trained, {twice} twice; "
+                                             f"{where_trained(job, epoch, counts, lost)}")
+
+
+def where_trained(job: Job, epoch: int, counts: torch.Tensor, lost: dict[int, tuple[int, int]]) -> str:
+    """Who recorded training the samples of ``epoch`` that are not in the consensus exactly once: a
+    lost rank's batch past its consensus point, or nobody (never handed out), or several ranks."""
+    wrong = [int(i) for i in torch.nonzero(counts != 1).flatten()]
+    trainers: dict[int, list[str]] = {i: [] for i in wrong}
+    batches = {}
+    for rank in range(job.ranks):
+        rows = [row for row in records(job.out, rank) if int(row["epoch"]) == epoch]
+        batches[rank] = len(rows)
+        for ordinal, row in enumerate(rows):
+            for index in set(row["indices"]) & set(trainers):
+                trainers[index].append(f"rank {rank} batch {ordinal}")
+    shown = "; ".join(f"{i}: {', '.join(trainers[i]) or 'nobody'}" for i in wrong[:12])
+    return f"records of the epoch by rank {batches}, lost (epoch, kept batches) {lost}; {shown}"
 
 
 def check_saving_stop(job: Job, max_failure: str) -> None:
