@@ -12,8 +12,8 @@ A trial whose fired faults (the records the faulty ranks wrote just before actin
 a slow rank may never come) reached ``max_failure`` must end in the saving stop
 (:func:`fault_jobs.check_saving_stop`); any other must survive (:func:`fault_jobs.check_survived`:
 the survivors finish, renumbered densely, identical replicas, every sample exactly once in the
-consensus, no process left). A rank that raised is reported with its error; a stalled rank, when
-it is the only fault, as stalled.
+consensus, no process left; with no fault fired, every rank finishes). A rank that raised is
+reported with its error; a stalled rank, when it is the only fault, as stalled.
 
 Faults are injected in the training windows only (before an optimizer step; a stalled rank's
 collective is the next round's): a rank lost during validation, the sanity check, an epoch-end
@@ -124,16 +124,14 @@ and a double fault in one window (SIGSTOP and an out-of-memory error)."""
 
 def run_trial(tmp_path: Path, trial: Trial) -> None:
     """Run ``trial``, check what its fired faults promise, and add its line to the report."""
-    started, fired, expected, outcome = time.monotonic(), 0, "", "failed"
+    started, expected, outcome = time.monotonic(), "", "failed"
     try:
         stalled = any(kind in STALLS for kind in trial.kinds)
         job = run_job(tmp_path, trial.mode, list(trial.faults), ranks=trial.ranks, epochs=trial.epochs,
                       samples=trial.samples, max_failure=None if trial.max_failure is None else str(trial.max_failure),
                       extra=("--stall-floor", str(STALL_FLOOR_S)) if stalled else (), timeout_s=180.0)
         faults = fired_faults(tmp_path)
-        fired = len(faults)
-        assert fired, f"no fault fired: {trial.faults}\n{job.log[-3000:]}"
-        if trial.max_failure is not None and fired >= trial.max_failure:
+        if trial.max_failure is not None and len(faults) >= trial.max_failure:
             expected = "saving stop"
             check_saving_stop(job, str(trial.max_failure))
         else:
@@ -147,9 +145,11 @@ def run_trial(tmp_path: Path, trial: Trial) -> None:
     finally:
         report = os.environ.get("ELCHE_SOAK_REPORT")
         if report:
-            line = {**asdict(trial), "faults": list(trial.faults), "kinds": trial.kinds, "fired": fired,
-                    "fired_kinds": [str(r["kind"]) for r in fired_faults(tmp_path).values()],
-                    "expected": expected, "outcome": outcome, "elapsed_s": round(time.monotonic() - started, 1)}
+            fired = [str(record["kind"]) for record in fired_faults(tmp_path).values()]
+            line = {**asdict(trial), "faults": list(trial.faults), "kinds": trial.kinds, "fired": len(fired),
+                    "fired_kinds": fired,
+                    "expected": expected, "outcome": outcome, "elapsed_s": round(time.monotonic() - started, 1),
+                    "out": str(tmp_path)}
             with open(report, "a") as sink:
                 sink.write(json.dumps(line) + "\n")
 
