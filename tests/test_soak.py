@@ -88,9 +88,13 @@ def fault_place(chooser: random.Random, kind: str, epochs: int) -> tuple[int, in
     else:  # a slow rank of a cadence mode may never reach it: then the fault does not fire
         epoch = epochs - 1 if chooser.random() < 0.5 else chooser.randrange(epochs)
         step = chooser.randrange(int(0.6 * PER_RANK_BATCHES), PER_RANK_BATCHES)
-    if kind in STALLS and epoch == 0:
-        step = max(step, 4)  # a stall has a bound from the rank's first round on (docs/failures.md)
     return epoch, step
+
+
+def after_first_round(kind: str, epoch: int, step: int) -> int:
+    """A stall's step: a stalled rank has a bound from its first round on (docs/failures.md), after
+    the two 2-step calibration windows."""
+    return max(step, 4) if kind in STALLS and epoch == 0 else step
 
 
 def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool = True) -> Trial:
@@ -108,6 +112,7 @@ def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool 
         epoch, step = fault_place(chooser, kind, epochs)
         if places and chooser.random() < 0.5:  # a step or two after the first: most often its window
             epoch, step = places[0][0], places[0][1] + chooser.randint(0, 2)
+        step = after_first_round(kind, epoch, step)
         places.append((epoch, step))
         faults.append(f"{kind}:{rank}:{step}:{epoch}")
     limit = chooser.random()
@@ -115,8 +120,16 @@ def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool 
     return Trial(seed, index, mode, ranks, epochs, tuple(faults), max_failure)
 
 
+def soak_size() -> int:
+    value = os.environ.get("ELCHE_SOAK_TRIALS", "240")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"ELCHE_SOAK_TRIALS={value!r} is invalid: expected a whole number of trials >= 1 "
+                         "(unset: 240).")
+    return int(value)
+
+
 SEED = os.environ.get("ELCHE_SOAK_SEED", "0")
-SOAK = [draw_trial(SEED, k) for k in range(int(os.environ.get("ELCHE_SOAK_TRIALS", "240")))]
+SOAK = [draw_trial(SEED, k) for k in range(soak_size())]
 CI = [draw_trial("ci8", k, ranks=3, stalls=False) for k in range(2)]
 """A fixed draw that has a saving stop (an out-of-memory error at the first step, ``max_failure=1``)
 and a double fault in one window (SIGSTOP and an out-of-memory error)."""
