@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+from fault_jobs import BATCH, EPOCHS, RANKS, SAMPLES, SCRIPT, Job, check_survived, records
 from multirank_helpers import LAUNCH_TAG, clean_environment, free_port, kill_tagged, tagged_processes
-from test_rank_loss import BATCH, EPOCHS, RANKS, SAMPLES, SCRIPT, Job, check_survived, records
 
 from lightning_elche.job_store import READY_LINE, STORE_ENV, store_place
 

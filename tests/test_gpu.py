@@ -51,7 +51,7 @@ def test_heterogeneous_run_with_green_context_throttle(tmp_path, mode):
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_async"])
 def test_a_killed_rank_is_survived_on_nccl_without_a_watchdog_abort(tmp_path, mode):
     """2 GPUs: rank 1 is killed mid-epoch; rank 0 goes on alone within 60 s (never a watchdog abort)."""
-    from test_rank_loss import check_survived, run_job
+    from fault_jobs import check_survived, run_job
 
     job = run_job(tmp_path, mode, ["kill:1:12"], liveness_s=10.0, ranks=2, accelerator="gpu", timeout_s=240.0)
     assert "watchdog" not in job.log.lower() and "SIGABRT" not in job.log, job.log[-3000:]

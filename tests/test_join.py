@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 import torch
+from fault_jobs import consensus_samples
 from multirank_helpers import LAUNCH_TAG, clean_environment, free_port, kill_tagged, rank_results, tagged_processes
-from test_rank_loss import consensus_samples
 
 SCRIPT = Path(__file__).parent / "scripts" / "fault_fit.py"
 SAMPLES, BATCH, EPOCHS = 480, 8, 4

@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from fault_jobs import run_job
 from test_monitor import run_chromium
-from test_rank_loss import run_job
 
 from lightning_elche import ElCheConfig
 from lightning_elche.membership.change import Change

@@ -1,5 +1,6 @@
 """Survive a lost rank: real 3-rank CPU jobs (gloo, Lightning's popen launcher) in which a rank is
-killed (-9), stopped (SIGSTOP) or raises in its training step, at chosen and at random points.
+killed (-9), stopped (SIGSTOP), raises (an error, a CUDA-style out-of-memory error) or exits in its
+training step, at chosen and at random points. The jobs and the checks are `fault_jobs.py`'s.
 
 Every run checks: the survivors finish every epoch, renumbered densely, with identical parameters;
 every sample of every epoch is in the consensus exactly once (what the survivors trained, plus the
@@ -13,147 +14,12 @@ from __future__ import annotations
 
 import json
 import random
-import secrets
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
 
 import pytest
-import torch
-from multirank_helpers import LAUNCH_TAG, clean_environment, kill_tagged, rank_results, tagged_processes
-
-SCRIPT = Path(__file__).parent / "scripts" / "fault_fit.py"
-MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
-SAMPLES, BATCH, VAL_SAMPLES, RANKS, EPOCHS = 480, 8, 96, 3, 3
+from fault_jobs import EPOCHS, MODES, RANKS, check_saving_stop, check_survived, run_job
 
 pytestmark = pytest.mark.distributed
-
-
-@dataclass
-class Job:
-    out: Path
-    returncode: int
-    log: str
-    results: dict[int, dict[str, Any]]  # by original rank, the ranks that finished
-    ranks: int
-    leftover: list[int]
-    elapsed_s: float
-
-
-def run_job(out: Path, mode: str, faults: list[str], max_failure: Optional[str] = None,
-            liveness_s: float = 5.0, timeout_s: float = 150.0, ranks: int = RANKS, accelerator: str = "cpu",
-            epochs: int = EPOCHS, extra: tuple[str, ...] = ()) -> Job:
-    """Run the job to its end (rank 0's process and every process it started, whichever ends last)."""
-    out.mkdir(parents=True, exist_ok=True)
-    tag = secrets.token_hex(8)
-    command = [sys.executable, str(SCRIPT), str(out), "--mode", mode, "--devices", str(ranks), "--accelerator",
-               accelerator, "--epochs", str(epochs), *extra, "--samples", str(SAMPLES), "--batch-size", str(BATCH),
-               "--liveness", str(liveness_s)]
-    for fault in faults:
-        command += ["--fault", fault]
-    if max_failure is not None:
-        command += ["--max-failure", max_failure]
-    log_path = out / "job.log"
-    started = time.monotonic()
-    with open(log_path, "w") as sink:
-        proc = subprocess.Popen(command, env={**clean_environment(), LAUNCH_TAG: tag}, stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 did not finish in {timeout_s} s:\n{log_path.read_text()[-4000:]}")
-        # Rank 0 may be the rank that was lost: the others go on without it.
-        deadline = time.monotonic() + timeout_s
-        while tagged_processes(tag) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        elapsed = time.monotonic() - started
-        leftover = tagged_processes(tag)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        still = kill_tagged(tag)
-        assert not still, f"processes that could not be killed: {still}"
-    results = rank_results(out)
-    return Job(out, proc.returncode, log_path.read_text(), results, ranks, leftover, elapsed)
-
-
-def records(out: Path, rank: int) -> list[dict[str, Any]]:
-    path = out / f"steps-rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def consensus_samples(job: Job, lost: dict[int, tuple[int, int]]) -> dict[int, list[int]]:
-    """Per epoch, every sample index in the consensus: all a survivor trained, and of a lost rank
-    the epochs before the one it was lost in, plus that epoch's first ``trained_batches`` batches.
-
-    ``lost``: original rank -> (epoch it was lost in, its batches of that epoch in the consensus)."""
-    by_epoch: dict[int, list[int]] = {}
-    for rank in range(job.ranks):
-        counted: dict[int, int] = {}
-        for row in records(job.out, rank):
-            epoch = int(row["epoch"])
-            if rank in lost:
-                lost_epoch, kept = lost[rank]
-                if epoch > lost_epoch or (epoch == lost_epoch and counted.get(epoch, 0) >= kept):
-                    continue
-            counted[epoch] = counted.get(epoch, 0) + 1
-            by_epoch.setdefault(epoch, []).extend(row["indices"])
-    return by_epoch
-
-
-def csv_rows(out: Path) -> list[dict[str, str]]:
-    import csv
-
-    path = out / "csv" / "version_0" / "metrics.csv"
-    with open(path) as handle:
-        return list(csv.DictReader(handle))
-
-
-def agreed(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """What the survivors must agree on about the losses (each notes its own detection time)."""
-    return [{k: v for k, v in loss.items() if k != "detected_at"} for loss in result["losses"]]
-
-
-def check_survived(job: Job, lost_ranks: set[int]) -> None:
-    """The acceptance checks of a job whose lost ranks stay under max_failure."""
-    assert not job.leftover, f"processes left behind: {job.leftover}\n{job.log[-3000:]}"
-    survivors = sorted(set(range(job.ranks)) - lost_ranks)
-    assert sorted(job.results) == survivors, f"finished: {sorted(job.results)}, expected {survivors}\n{job.log[-4000:]}"
-    first = job.results[survivors[0]]
-    for rank in survivors:
-        result = job.results[rank]
-        assert result["world_size"] == len(survivors)
-        assert result["global_rank"] == survivors.index(rank), "survivors renumber densely, in original order"
-        assert result["is_global_zero"] == (result["global_rank"] == 0)
-        assert result["params"] == first["params"], f"rank {rank}'s parameters differ from rank {survivors[0]}'s"
-        assert agreed(result) == agreed(first), "every survivor saw the same losses"
-        assert result["val_count"] == VAL_SAMPLES, "validation covers the whole validation set after renumbering"
-    # Rank-zero-only work follows rank 0: the epoch-end checkpoint and the logger's rows after the loss.
-    last = torch.load(job.out / "ckpt" / "last.ckpt", weights_only=False, map_location="cpu")
-    assert last["epoch"] == EPOCHS - 1 and last["elche"]["rounds"] > 0
-    alive = [float(row["elche/alive"]) for row in csv_rows(job.out) if row.get("elche/alive")]
-    # From the first logged sync (a killed rank 0 takes the rows it had not flushed with it; an early
-    # fault comes before any), the count only falls, to the survivors.
-    assert alive and alive[-1] == len(survivors), f"elche/alive logged: {alive}"
-    assert alive == sorted(alive, reverse=True) and set(alive) <= set(range(len(survivors), job.ranks + 1)), alive
-    reported = {r for loss in first["losses"] for r in loss["lost"]}
-    assert reported == lost_ranks, f"reported lost {reported}, expected {lost_ranks}"
-    lost: dict[int, tuple[int, int]] = {}
-    for loss in first["losses"]:
-        for rank in loss["lost"]:
-            fault = json.loads((job.out / f"fault-rank{rank}.json").read_text())
-            lost[rank] = (int(fault["epoch"]), int(loss["trained_batches"][str(rank)]))
-    trained = consensus_samples(job, lost)
-    assert sorted(trained) == list(range(EPOCHS))
-    for epoch, indices in trained.items():
-        counts = torch.bincount(torch.tensor(indices), minlength=SAMPLES)
-        missing, twice = int((counts == 0).sum()), int((counts > 1).sum())
-        assert missing == 0 and twice == 0, f"epoch {epoch}: {missing} samples never trained, {twice} twice"
 
 
 FAULTS = {
@@ -162,6 +28,7 @@ FAULTS = {
     "stop-rank2": (["stop:2:{step}"], {2}),
     "raise-rank1": (["raise:1:{step}"], {1}),
     "exit-rank0": (["exit:0:{step}"], {0}),
+    "oom-rank2": (["oom:2:{step}"], {2}),
 }
 CI_CASES = [(mode, "kill-rank1") for mode in MODES] + [
     ("nccl_cadence", "kill-rank0"), ("cpu_async", "stop-rank2"), ("cpu_sync", "raise-rank1"),
@@ -202,12 +69,8 @@ def test_a_fault_at_a_random_point(tmp_path: Path, seed: int) -> None:
 
 def test_max_failure_reached_saves_and_stops_every_survivor(tmp_path: Path) -> None:
     job = run_job(tmp_path, "cpu_cadence", ["kill:1:8", "kill:2:14"], max_failure="2")
-    assert not job.leftover, f"processes left behind: {job.leftover}"
-    assert job.returncode != 0, "the survivor must exit non-zero when max_failure is reached"
-    assert not job.results, "no rank may finish the fit normally"
-    assert "max_failure=2 reached" in job.log and "lost rank 1" in job.log and "rank 2" in job.log, job.log[-4000:]
-    checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False)
-    assert checkpoint["elche"]["rounds"] > 0
+    check_saving_stop(job, "2")
+    assert "lost rank 1" in job.log and "rank 2" in job.log, job.log[-4000:]
 
 
 @pytest.mark.parametrize("mode", ["cpu_async", *(pytest.param(m, marks=pytest.mark.faults) for m in MODES[:-1])])
@@ -216,11 +79,7 @@ def test_max_failure_reached_in_the_last_window_still_saves_and_raises(tmp_path:
     # are already draining it, was acted on at the fit's last round, and the fit then ended as if
     # nothing had happened (exit 0, no checkpoint).
     job = run_job(tmp_path, mode, [f"raise:0:17:{EPOCHS - 1}"], max_failure="1")
-    assert not job.leftover, f"processes left behind: {job.leftover}"
-    assert not job.results, "no rank may finish the fit normally"
-    assert "RanksLost" in job.log and "max_failure=1 reached" in job.log, job.log[-4000:]
-    checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False)
-    assert checkpoint["elche"]["rounds"] > 0
+    check_saving_stop(job, "1")
 
 
 def test_two_losses_under_the_limit_leave_one_rank_training_alone(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@
 A fault is ``KIND:RANK:STEP[:EPOCH]``: on original rank ``RANK``, before its optimizer step number ``STEP``
 (with ``EPOCH``: its ``STEP``-th step of that epoch, from 0)
 (its own count), ``kill`` sends itself SIGKILL, ``stop`` SIGSTOP, ``raise`` raises in the step,
+``oom`` raises ``torch.OutOfMemoryError`` as a CUDA allocation that fails inside the step would,
 ``exit`` ends the process with ``os._exit(1)`` (no exception, no notice), ``loop`` spins in an
 endless loop inside the step (its heartbeat goes on), ``sleep_in_collective`` makes the rank's next
 collective (the next round's, whichever thread runs it) block forever (its heartbeat goes on; the
@@ -50,6 +51,7 @@ from lightning_elche import ElCheMonitor, ElCheStrategy  # noqa: E402
 # One node: the rank given at launch (a joiner: the name the test gives it).
 ORIGINAL_RANK = int(os.environ.get("ELCHE_TEST_MEMBER", os.environ.get("LOCAL_RANK", "0")))
 CHANGES: list[dict[str, Any]] = []
+KINDS = ("kill", "stop", "raise", "oom", "exit", "loop", "sleep_in_collective")
 
 
 class FaultLogModel(pl.LightningModule):
@@ -103,8 +105,8 @@ class FaultLogModel(pl.LightningModule):
 
 
 class InjectFault(pl.Callback):
-    """Before this rank's optimizer step number ``step`` (of epoch ``epoch``, when given): kill, stop,
-    exit or raise (once)."""
+    """Before this rank's optimizer step number ``step`` (of epoch ``epoch``, when given): the fault
+    ``kind`` (once; the module's docstring lists them)."""
 
     def __init__(self, out_dir: str, kind: str, step: int, epoch: Optional[int] = None) -> None:
         self.out_dir, self.kind, self.step, self.epoch = out_dir, kind, step, epoch
@@ -136,6 +138,9 @@ class InjectFault(pl.Callback):
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.kind == "exit":
             os._exit(1)
+        elif self.kind == "oom":
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected on rank "
+                                         f"{ORIGINAL_RANK})")
         else:
             raise RuntimeError(f"injected fault on rank {ORIGINAL_RANK}")
 
@@ -201,6 +206,8 @@ def main(args: argparse.Namespace) -> None:
         callbacks.append(HoldForJoiner(args.hold_for_joiner))
     for fault in args.fault:
         kind, rank, step, *epoch = fault.split(":")
+        if kind not in KINDS:
+            raise SystemExit(f"--fault {fault} is invalid: expected KIND:RANK:STEP[:EPOCH] with KIND one of {KINDS}")
         if int(rank) == ORIGINAL_RANK:
             callbacks.append(InjectFault(args.out_dir, kind, int(step), int(epoch[0]) if epoch else None))
     if args.monitor is not None:

@@ -1,0 +1,193 @@
+"""A fault-injection soak, torchft-style: many short real CPU jobs, each with random faults.
+
+Each trial is drawn from ``random.Random(f"{seed}:{index}")`` (so trial ``k`` of a seed is the same
+whatever the soak's size): a mode (all five), 3 to 8 ranks (mostly 3 to 5), one or two faults on
+distinct random ranks (``kill``, ``stop``, ``raise``, ``exit``, ``oom``, and at a lower rate the
+stalls ``loop`` and ``sleep_in_collective`` with a short ``--stall-floor``), each at a random
+step of a random epoch: in the first windows, anywhere, or late in an epoch (the last included).
+A second fault comes a step or two after the first (most often the same window) or anywhere else
+(another window). Some trials set ``max_failure`` at or below the number of faults.
+
+A trial whose fired faults (the records the faulty ranks wrote just before acting; a late step on
+a slow rank may never come) reached ``max_failure`` must end in the saving stop
+(:func:`fault_jobs.check_saving_stop`); any other must survive (:func:`fault_jobs.check_survived`:
+the survivors finish, renumbered densely, identical replicas, every sample exactly once in the
+consensus, no process left; with no fault fired, every rank finishes). A rank that raised is
+reported with its error; a stalled rank, when it is the only fault, as stalled.
+
+Faults are injected in the training windows only (before an optimizer step; a stalled rank's
+collective is the next round's): a rank lost during validation, the sanity check, an epoch-end
+``sync_dist`` or a checkpoint's save is not survived yet (``docs/failures.md``), so the soak does not
+inject there.
+
+The full soak is marked ``faults``; ``ELCHE_SOAK_TRIALS`` (default 240) and ``ELCHE_SOAK_SEED``
+(default 0) set its size and draw, and with ``ELCHE_SOAK_REPORT=path`` every trial appends one
+JSON line there (``tools/soak_report.py`` totals them). CI runs a few fixed 3-rank trials.
+
+    ELCHE_SOAK_TRIALS=240 ELCHE_SOAK_SEED=0 ELCHE_SOAK_REPORT=soak.jsonl pytest -m faults tests/test_soak.py -n 8
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+from fault_jobs import BATCH, MODES, Job, check_saving_stop, check_survived, fired_faults, run_job
+
+pytestmark = pytest.mark.distributed
+
+EXITS = ("kill", "stop", "raise", "exit", "oom")
+STALLS = ("loop", "sleep_in_collective")
+KIND_WEIGHTS = {**dict.fromkeys(EXITS, 3), **dict.fromkeys(STALLS, 1)}
+RANK_WEIGHTS = {3: 4, 4: 3, 5: 3, 6: 1, 7: 1, 8: 1}
+PER_RANK_BATCHES = 20
+"""Batches per rank and epoch (an even share; the samples grow with the ranks)."""
+STALL_FLOOR_S = 8.0
+"""``--stall-floor`` of a trial with a stall: its bound comes to the floor (short windows)."""
+RAISED = {"raise": "RuntimeError", "oom": "OutOfMemoryError"}
+"""The error a raising kind's survivors report (its failure notice)."""
+
+
+@dataclass(frozen=True)
+class Trial:
+    seed: str
+    index: int
+    mode: str
+    ranks: int
+    epochs: int
+    faults: tuple[str, ...]  # KIND:RANK:STEP:EPOCH
+    max_failure: Optional[int]
+
+    @property
+    def samples(self) -> int:
+        return PER_RANK_BATCHES * BATCH * self.ranks
+
+    @property
+    def kinds(self) -> list[str]:
+        return [fault.split(":")[0] for fault in self.faults]
+
+    @property
+    def name(self) -> str:
+        return f"{self.seed}.{self.index:03d}-{self.mode}-{self.ranks}r-{'+'.join(self.kinds)}" + (
+            f"-max{self.max_failure}" if self.max_failure is not None else "")
+
+
+def fault_place(chooser: random.Random, kind: str, epochs: int) -> tuple[int, int]:
+    """``(epoch, step of that epoch)`` for a fault: the first windows, anywhere, or late in an epoch."""
+    where = chooser.choices(("first", "anywhere", "late"), weights=(1, 2, 1))[0]
+    if where == "first":
+        epoch, step = 0, chooser.randint(0, 5)
+    elif where == "anywhere":
+        epoch, step = chooser.randrange(epochs), chooser.randrange(int(0.6 * PER_RANK_BATCHES))
+    else:  # a slow rank of a cadence mode may never reach it: then the fault does not fire
+        epoch = epochs - 1 if chooser.random() < 0.5 else chooser.randrange(epochs)
+        step = chooser.randrange(int(0.6 * PER_RANK_BATCHES), PER_RANK_BATCHES)
+    return epoch, step
+
+
+def after_first_round(kind: str, epoch: int, step: int) -> int:
+    """A stall's step: a stalled rank has a bound from its first round on (docs/failures.md), after
+    the two 2-step calibration windows."""
+    return max(step, 4) if kind in STALLS and epoch == 0 else step
+
+
+def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool = True) -> Trial:
+    chooser = random.Random(f"{seed}:{index}")
+    mode = chooser.choice(MODES)
+    drawn_ranks = chooser.choices(list(RANK_WEIGHTS), weights=list(RANK_WEIGHTS.values()))[0]
+    ranks = drawn_ranks if ranks is None else ranks
+    epochs = chooser.choice((2, 3))
+    count = chooser.choices((1, 2), weights=(2, 3))[0]
+    kinds = {k: w for k, w in KIND_WEIGHTS.items() if stalls or k not in STALLS}
+    faults: list[str] = []
+    places: list[tuple[int, int]] = []
+    for rank in chooser.sample(range(ranks), count):
+        kind = chooser.choices(list(kinds), weights=list(kinds.values()))[0]
+        epoch, step = fault_place(chooser, kind, epochs)
+        if places and chooser.random() < 0.5:  # a step or two after the first: most often its window
+            epoch, step = places[0][0], places[0][1] + chooser.randint(0, 2)
+        step = after_first_round(kind, epoch, step)
+        places.append((epoch, step))
+        faults.append(f"{kind}:{rank}:{step}:{epoch}")
+    limit = chooser.random()
+    max_failure = chooser.randint(1, count) if limit < 0.2 else count + 1 if limit < 0.3 else None
+    return Trial(seed, index, mode, ranks, epochs, tuple(faults), max_failure)
+
+
+def soak_size() -> int:
+    value = os.environ.get("ELCHE_SOAK_TRIALS", "240")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"ELCHE_SOAK_TRIALS={value!r} is invalid: expected a whole number of trials >= 1 "
+                         "(unset: 240).")
+    return int(value)
+
+
+SEED = os.environ.get("ELCHE_SOAK_SEED", "0")
+SOAK = [draw_trial(SEED, k) for k in range(soak_size())]
+CI = [draw_trial("ci8", k, ranks=3, stalls=False) for k in range(2)]
+"""A fixed draw that has a saving stop (an out-of-memory error at the first step, ``max_failure=1``)
+and a double fault in one window (SIGSTOP and an out-of-memory error)."""
+
+
+def run_trial(tmp_path: Path, trial: Trial) -> None:
+    """Run ``trial``, check what its fired faults promise, and add its line to the report."""
+    started, expected, outcome = time.monotonic(), "", "failed"
+    try:
+        stalled = any(kind in STALLS for kind in trial.kinds)
+        job = run_job(tmp_path, trial.mode, list(trial.faults), ranks=trial.ranks, epochs=trial.epochs,
+                      samples=trial.samples, max_failure=None if trial.max_failure is None else str(trial.max_failure),
+                      extra=("--stall-floor", str(STALL_FLOOR_S)) if stalled else (), timeout_s=180.0)
+        faults = fired_faults(tmp_path)
+        if trial.max_failure is not None and len(faults) >= trial.max_failure:
+            expected = "saving stop"
+            check_saving_stop(job, str(trial.max_failure))
+        else:
+            expected = "survived"
+            check_survived(job, set(faults))
+            check_reasons(job, {rank: str(record["kind"]) for rank, record in faults.items()})
+        outcome = "passed"
+    except BaseException as error:  # pytest.fail and a timeout too: the report counts every failure
+        outcome = f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        raise
+    finally:
+        report = os.environ.get("ELCHE_SOAK_REPORT")
+        if report:
+            fired = [str(record["kind"]) for record in fired_faults(tmp_path).values()]
+            line = {**asdict(trial), "faults": list(trial.faults), "kinds": trial.kinds, "fired": len(fired),
+                    "fired_kinds": fired,
+                    "expected": expected, "outcome": outcome, "elapsed_s": round(time.monotonic() - started, 1),
+                    "out": str(tmp_path)}
+            with open(report, "a") as sink:
+                sink.write(json.dumps(line) + "\n")
+
+
+def check_reasons(job: Job, kinds: dict[int, str]) -> None:
+    """A rank that raised is lost with its error (its failure notice, read before anything else);
+    a stall that is the only fault is found as a stall (its heartbeat went on)."""
+    for result in job.results.values():
+        for loss in result["losses"]:
+            for rank in loss["lost"]:
+                reason, kind = loss["reasons"][str(rank)], kinds[rank]
+                if kind in RAISED:
+                    assert f"it failed: {RAISED[kind]}" in reason, f"rank {rank} ({kind}): {reason}"
+                if kind in STALLS and len(kinds) == 1:
+                    assert "stalled" in reason, f"rank {rank} ({kind}): {reason}"
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("trial", CI, ids=lambda trial: trial.name)
+def test_a_few_random_faults(tmp_path: Path, trial: Trial) -> None:
+    run_trial(tmp_path, trial)
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("trial", SOAK, ids=lambda trial: trial.name)
+def test_soak(tmp_path: Path, trial: Trial) -> None:
+    run_trial(tmp_path, trial)
