@@ -20,7 +20,8 @@ collective is the next round's): a rank lost during validation, the sanity check
 ``sync_dist`` or a checkpoint's save is not survived yet (``docs/failures.md``), so the soak does not
 inject there.
 
-The full soak is marked ``faults``; ``ELCHE_SOAK_TRIALS`` (default 240) and ``ELCHE_SOAK_SEED``
+The full soak is marked ``faults``; ``ELCHE_SOAK_TRIALS`` (default 240), ``ELCHE_SOAK_FIRST``
+(default 0: the first trial's index, to split a soak over several runs) and ``ELCHE_SOAK_SEED``
 (default 0) set its size and draw, and with ``ELCHE_SOAK_REPORT=path`` every trial appends one
 JSON line there (``tools/soak_report.py`` totals them). CI runs a few fixed 3-rank trials.
 
@@ -120,16 +121,17 @@ def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool 
     return Trial(seed, index, mode, ranks, epochs, tuple(faults), max_failure)
 
 
-def soak_size() -> int:
-    value = os.environ.get("ELCHE_SOAK_TRIALS", "240")
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"ELCHE_SOAK_TRIALS={value!r} is invalid: expected a whole number of trials >= 1 "
-                         "(unset: 240).")
+def soak_count(name: str, default: int, least: int) -> int:
+    value = os.environ.get(name, str(default))
+    if not value.isdigit() or int(value) < least:
+        raise ValueError(f"{name}={value!r} is invalid: expected a whole number >= {least} (unset: {default}).")
     return int(value)
 
 
 SEED = os.environ.get("ELCHE_SOAK_SEED", "0")
-SOAK = [draw_trial(SEED, k) for k in range(soak_size())]
+FIRST = soak_count("ELCHE_SOAK_FIRST", 0, 0)
+"""The first trial's index: a soak split over several runs draws trials FIRST .. FIRST + TRIALS - 1."""
+SOAK = [draw_trial(SEED, k) for k in range(FIRST, FIRST + soak_count("ELCHE_SOAK_TRIALS", 240, 1))]
 CI = [draw_trial("ci8", k, ranks=3, stalls=False) for k in range(2)]
 """A fixed draw that has a saving stop (an out-of-memory error at the first step, ``max_failure=1``)
 and a double fault in one window (SIGSTOP and an out-of-memory error)."""
