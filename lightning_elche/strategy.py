@@ -45,6 +45,7 @@ from lightning_elche.coverage import EpochCoverage
 from lightning_elche.dispatch import ElCheSampler
 from lightning_elche.elastic_ddp import ElasticDDPStrategy
 from lightning_elche.engine import ElCheEngine
+from lightning_elche.evaluation_recovery import EvaluationRecovery
 from lightning_elche.fit_view import ElCheFitView
 from lightning_elche.growth import Growth, RankJoinedWarning, dispatch_store
 from lightning_elche.loop_glue import (
@@ -342,12 +343,16 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
     def _guard_fit(self, trainer: Trainer) -> None:
         """For the rest of the fit: stop signals become stop requests and always end the process
         (:mod:`lightning_elche.stop_guard`); collectives outside the rounds are checked
-        (:mod:`lightning_elche.checked_collectives`), gathers of collections included."""
+        (:mod:`lightning_elche.checked_collectives`), gathers of collections included; a rank lost in
+        validation is survived (:mod:`lightning_elche.evaluation_recovery`)."""
         self._stop_watchdog = guard_stops(self, trainer, self._patches, self._session.request_stop)
         self._collectives = CheckedCollectives(lambda: self._membership, lambda: lightning_phase(trainer),
                                                process_group_timeout(self) or default_pg_timeout)
         assert self.lightning_module is not None
         self._patches.check_gathered_collections(self.lightning_module, self._checked_gather)
+        recovery = EvaluationRecovery(trainer, lambda: self._engine.failures if self._engine is not None else None,
+                                      lambda: self._sampler, self.elche.max_failure)
+        self._patches.redo_evaluation_after_losses(trainer, recovery.recovered)  # a rank lost while validating
 
     def _stop_saving(self) -> contextlib.AbstractContextManager[None]:
         watchdog = self._stop_watchdog

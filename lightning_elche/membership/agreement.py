@@ -271,7 +271,8 @@ class Membership:
         ``max_failure``; the record holds it in place of its generations."""
         furthest = records[round_leader(records)].epoch_batches
         lost_ids = change.lost_ids
-        trained = {m: int(furthest[k]) for k, m in enumerate(before) if m in lost_ids and k < len(furthest)}
+        # 0 for a rank no round reported yet (lost before the first round: in the sanity check).
+        trained = {m: int(furthest[k]) if k < len(furthest) else 0 for k, m in enumerate(before) if m in lost_ids}
         del self.changes[-generations:]
         lost = self.lost_count + len(change.lost_ids)
         change = replace(change, trained_batches=trained, ends_fit=self.limit is not None and lost >= self.limit,
