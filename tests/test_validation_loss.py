@@ -122,3 +122,19 @@ def test_a_validation_fault_at_a_random_point(tmp_path: Path, seed: int) -> None
     epoch = chooser.choice([0, 1, None])
     run_validation_case(tmp_path, chooser.choice(MODES), chooser.choice(KINDS), chooser.randrange(3),
                         chooser.randrange(VAL_BATCHES_PER_RANK), epoch)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("epoch", [0, None])
+def test_max_failure_reached_in_validation_saves_the_consensus_and_stops_every_survivor(tmp_path: Path,
+                                                                                       epoch: Optional[int]) -> None:
+    where = "sanity" if epoch is None else str(epoch)
+    job = run_job(tmp_path, "cpu_cadence", [], max_failure="1",
+                  extra=("--val-fault", f"kill:2:1:{where}", "--sanity-steps", "-1" if epoch is None else "0"))
+    assert not job.leftover, f"processes left behind: {job.leftover}"
+    assert job.returncode != 0, "the survivors must exit non-zero when max_failure is reached"
+    assert not job.results, "no rank may finish the fit normally"
+    assert "RanksLost" in job.log and "max_failure=1 reached while evaluating: lost rank 2" in job.log, job.log[-4000:]
+    checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False, map_location="cpu")
+    assert checkpoint["epoch"] == 0
+    assert (checkpoint["elche"]["rounds"] > 0) == (epoch is not None), "saved where the loss was"
