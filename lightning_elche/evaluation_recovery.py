@@ -31,14 +31,9 @@ from typing import Any, Optional, Protocol
 from lightning.pytorch import Trainer
 
 from lightning_elche.checked_collectives import CollectiveMismatch
-from lightning_elche.membership.change import Change, PeerFailure, RanksLost
+from lightning_elche.engine import ElCheEngine
+from lightning_elche.membership.change import Change, RanksLost
 from lightning_elche.stop_checkpoint import RANKS_LOST_CHECKPOINT_NAME, stop_checkpoint_path
-
-
-class MembershipChanges(Protocol):
-    """The fit's one place for membership changes (:class:`~lightning_elche.membership.survival.Survival`)."""
-
-    def after_failed_round(self, failure: PeerFailure) -> Change: ...
 
 
 class EpochWork(Protocol):
@@ -49,23 +44,36 @@ class EpochWork(Protocol):
 
 
 class EvaluationRecovery:
-    """Decides whether an interrupted evaluation runs again, after carrying the fit past the loss.
+    """Follows the fit's evaluation runs; decides whether an interrupted one runs again, after
+    carrying the fit past the loss.
 
     Args:
         trainer: the fitting trainer.
-        changes: the fit's survival (None where lost ranks are not survived: no membership).
+        engine: the fit's round protocol (its ``failures`` is the fit's survival; None before it
+            exists or where lost ranks are not survived).
         dispatch: the training dispatch (None before it exists).
         max_failure: the knob, for the message when the change reaches it.
     """
 
-    def __init__(self, trainer: Trainer, changes: Callable[[], Optional[MembershipChanges]],
+    def __init__(self, trainer: Trainer, engine: Callable[[], Optional[ElCheEngine]],
                  dispatch: Callable[[], Optional[EpochWork]], max_failure: Any = None) -> None:
         self.trainer = trainer
-        self.changes = changes
+        self.engine = engine
         self.dispatch = dispatch
         self.max_failure = max_failure
         self.redone: list[Change] = []
         """The changes each evaluation was run again after, in order."""
+        self.evaluating = -1
+        """The rounds completed when the run in progress began (-1: none in progress)."""
+        self.evaluated = -1
+        """The rounds completed when the last run that finished began (-1: none yet)."""
+
+    def starting(self) -> None:
+        engine = self.engine()
+        self.evaluating = engine.state.rounds if engine is not None else 0
+
+    def finished(self) -> None:
+        self.evaluated, self.evaluating = self.evaluating, -1
 
     def recovered(self, error: BaseException) -> bool:
         """Whether the evaluation ``error`` interrupted may run again: the error is a lost peer
@@ -75,7 +83,8 @@ class EvaluationRecovery:
             RanksLost: the others declared this rank lost, or the change reached ``max_failure``
                 (after the survivors saved the consensus).
         """
-        changes = self.changes()
+        engine = self.engine()
+        changes = engine.failures if engine is not None else None
         if not isinstance(error, CollectiveMismatch) or error.lost is None or changes is None:
             return False
         change = changes.after_failed_round(error.lost)

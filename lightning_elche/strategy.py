@@ -166,6 +166,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         self._averaged_buffers: list[Tensor] = []  # the buffer tensors the rounds reduce
         self._stop_watchdog: Optional[StopWatchdog] = None
         self._collectives: Optional[CheckedCollectives] = None
+        self._evaluations: Optional[EvaluationRecovery] = None
         self._micro_batching: Optional[MicroBatching] = None
         self._growth = Growth()  # a rank joining a running fit (ELCHE_JOIN=1), and the members' admissions
 
@@ -274,6 +275,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         continue_the_cohort(previous, self._engine)
         self._rounds = RoundDriver(self._engine, self._session, lambda: self._sampler, self._round_listeners,
                                    self.elche.log_every_n_syncs, lambda: self.global_rank, self._fitting_trainer)
+        self._rounds.evaluations = self._evaluations
         self._engine.failures = self._survival(module.trainer, self._rounds)
         self._rounds.stall_stamp = self._membership.progress if self._membership is not None else None
 
@@ -350,9 +352,9 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
                                                process_group_timeout(self) or default_pg_timeout)
         assert self.lightning_module is not None
         self._patches.check_gathered_collections(self.lightning_module, self._checked_gather)
-        recovery = EvaluationRecovery(trainer, lambda: self._engine.failures if self._engine is not None else None,
-                                      lambda: self._sampler, self.elche.max_failure)
-        self._patches.redo_evaluation_after_losses(trainer, recovery.recovered)  # a rank lost while validating
+        self._evaluations = EvaluationRecovery(trainer, lambda: self._engine, lambda: self._sampler,
+                                               self.elche.max_failure)
+        self._patches.redo_evaluation_after_losses(trainer, self._evaluations)  # a rank lost while validating
 
     def _stop_saving(self) -> contextlib.AbstractContextManager[None]:
         watchdog = self._stop_watchdog

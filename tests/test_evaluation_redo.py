@@ -71,10 +71,17 @@ class RunAgain(pl.Callback):
 
     def __init__(self) -> None:
         self.recoveries: list[dict[str, bool]] = []
+        self.runs: list[str] = []
         self.undo: Any = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.undo = run_evaluation_again_after(trainer, self.recovered)
+        self.undo = run_evaluation_again_after(trainer, self)
+
+    def starting(self) -> None:
+        self.runs.append("starting")
+
+    def finished(self) -> None:
+        self.runs.append("finished")
 
     def recovered(self, error: BaseException) -> bool:
         if not isinstance(error, CollectiveMismatch) or error.lost is None:
@@ -99,6 +106,7 @@ def test_an_interrupted_validation_and_sanity_check_run_again_whole():
     assert all(module.trained_in_train_mode) and module.trained_in_train_mode, "eval mode undone"
     # The recovery runs outside the run's no-grad or inference context: the regroup may build tensors.
     assert callback.recoveries == [{"grad": True, "inference": False}] * 2
+    assert callback.runs == ["starting", "finished"] * 3, "a run and its redo are one run"
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     assert val_loop.batch_progress.current.completed == VAL_SAMPLES // BATCH, "the counters of the last run only"
     callback.undo()
@@ -111,3 +119,4 @@ def test_an_error_that_was_not_survived_goes_on(error: BaseException):
     with pytest.raises(type(error), match=str(error)):
         fit(module, callback, epochs=1)
     assert callback.recoveries == [] and module.starts == ["sanity", 0], "not run again"
+    assert callback.runs == ["starting", "finished", "starting"]

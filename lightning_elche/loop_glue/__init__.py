@@ -27,6 +27,7 @@ from lightning_elche.loop_glue.ddp import (
     sync_module_states,
 )
 from lightning_elche.loop_glue.evaluation import (
+    EvaluationRuns,
     discard_interrupted_evaluation,
     run_evaluation_again_after,
 )
@@ -80,6 +81,7 @@ from lightning_elche.loop_glue.versions import (
 
 __all__ = [
     "ChildObserver",
+    "EvaluationRuns",
     "LightningPatches",
     "LightningRankView",
     "SUPPORTED_LIGHTNING",

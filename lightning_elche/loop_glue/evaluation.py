@@ -13,27 +13,42 @@ loader), its hooks run again, and what it logs is the new run's only.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from lightning.pytorch import Trainer
 
 
-def run_evaluation_again_after(trainer: Trainer, recovered: Callable[[BaseException], bool]) -> Callable[[], None]:
-    """Make the fit's evaluation loop run again whenever ``recovered(error)`` says that the
+class EvaluationRuns(Protocol):
+    """What follows the fit's evaluation runs: where they start and end, and whether an error was survived."""
+
+    def starting(self) -> None: ...
+
+    def finished(self) -> None: ...
+
+    def recovered(self, error: BaseException) -> bool: ...
+
+
+def run_evaluation_again_after(trainer: Trainer, runs: EvaluationRuns) -> Callable[[], None]:
+    """Make the fit's evaluation loop run again whenever ``runs.recovered(error)`` says that the
     error which interrupted it was survived (it raises, or returns False, otherwise: the error
-    then goes on). Returns the undo."""
+    then goes on); ``runs.starting()`` comes before a run, ``runs.finished()`` after it ended
+    normally. Returns the undo."""
     loop = trainer.fit_loop.epoch_loop.val_loop
     run = loop.run
 
     def run_again_after_a_loss() -> Any:
         before = loop.batch_progress.state_dict()
+        runs.starting()
         while True:
             try:
-                return run()
+                outputs = run()
+                break
             except Exception as error:
-                if not recovered(error):
+                if not runs.recovered(error):
                     raise
                 discard_interrupted_evaluation(trainer, before)
+        runs.finished()
+        return outputs
 
     loop.run = run_again_after_a_loss  # type: ignore[method-assign]
     return lambda: vars(loop).pop("run", None)  # back to the class's method
