@@ -50,7 +50,17 @@ _MARKERS_EVERY_S = 0.1
 
 
 class CollectiveMismatch(RuntimeError):
-    """A collective outside ElChe's rounds that can never complete (raised on every rank involved)."""
+    """A collective outside ElChe's rounds that can never complete (raised on every rank involved).
+
+    ``lost`` is set when the cause is a lost peer (it left the fit with an exception, its process is
+    gone, it went silent) rather than ranks that called different collectives: what the agreement
+    on the loss starts from. A phase the survivors can run again (the fit's validation and its
+    sanity check, :mod:`lightning_elche.evaluation_recovery`) survives such an error; anywhere else
+    it ends the fit like any mismatch."""
+
+    def __init__(self, message: str, lost: Optional[PeerFailure] = None) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 @dataclass(frozen=True)
@@ -252,7 +262,7 @@ class CheckedCollectives:
                     membership.check()
                 except PeerFailure as failure:
                     cause = _lost_peers(membership, failure)
-                    raise self._cannot_complete(membership, number, entry, cause) from failure
+                    raise self._cannot_complete(membership, number, entry, cause, failure) from failure
                 if time.monotonic() > deadline:
                     late = ", ".join(f"rank {self._rank_of(membership, peer)}" for peer in pending)
                     raise self._cannot_complete(
@@ -280,6 +290,11 @@ class CheckedCollectives:
             count = int(json.loads(store.get(closed))["count"])
             if count >= number:  # it entered this one (and went on) between the two looks: not evidence
                 return
+            why = membership.detect_lost().get(peer)
+            if why is not None:  # it left the fit with an exception (its notice, then its teardown): a lost rank
+                failure = PeerFailure(f"rank(s) [{peer}] (original numbering) left the fit")
+                raise self._cannot_complete(membership, number, entry,
+                                            f"rank {self._rank_of(membership, peer)} left the fit: {why}", failure)
             raise self._cannot_complete(
                 membership, number, entry,
                 f"rank {self._rank_of(membership, peer)} ended its fit after {count} collective(s) outside the "
@@ -332,11 +347,13 @@ class CheckedCollectives:
         )
 
     @staticmethod
-    def _cannot_complete(membership: Membership, number: int, entry: Entry, cause: str) -> CollectiveMismatch:
-        return CollectiveMismatch(
-            f"ElCheStrategy: {entry.describe()} on rank {membership.rank} (collective #{number} outside ElChe's "
-            f"rounds) can never complete: {cause}. Every rank must call the same collectives in the same order."
-        )
+    def _cannot_complete(membership: Membership, number: int, entry: Entry, cause: str,
+                         lost: Optional[PeerFailure] = None) -> CollectiveMismatch:
+        message = (f"ElCheStrategy: {entry.describe()} on rank {membership.rank} (collective #{number} outside "
+                   f"ElChe's rounds) can never complete: {cause}.")
+        if lost is not None:  # nobody called it wrongly
+            return CollectiveMismatch(message, lost)
+        return CollectiveMismatch(message + " Every rank must call the same collectives in the same order.")
 
     # -- the collectives themselves ----------------------------------------------------------------
 
@@ -347,7 +364,7 @@ class CheckedCollectives:
         except PeerFailure as failure:
             raise CollectiveMismatch(
                 f"ElCheStrategy: {kind} in {self._phase()} on rank {membership.rank} failed while waiting for its "
-                f"peers: {failure}."
+                f"peers: {failure}.", failure
             ) from failure
 
     def barrier(self, name: Optional[str], device_ids: Optional[Sequence[int]]) -> bool:

@@ -12,7 +12,8 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn, Optional
+from dataclasses import replace
+from typing import Any, NoReturn, Optional, Protocol
 
 import torch.distributed as dist
 from lightning.pytorch import Trainer
@@ -37,6 +38,13 @@ from lightning_elche.session import RoundAction, Session
 from lightning_elche.stop_checkpoint import RANKS_LOST_CHECKPOINT_NAME, stop_checkpoint_path
 
 RoundListener = Callable[[RoundOutcome, dict[str, float]], None]
+
+
+class EvaluationPlace(Protocol):
+    """Where a rank is in the fit's validations (:class:`~lightning_elche.evaluation_recovery.EvaluationRecovery`)."""
+
+    evaluating: int
+    evaluated: int
 
 
 class RoundDriver:
@@ -73,6 +81,8 @@ class RoundDriver:
         """This rank's progress stamp (the strategy sets it): its bound follows its measured window."""
         self.after_each_round: Optional[Callable[[Trainer, RoundOutcome], None]] = None
         """Called last after every round (membership growth: an admission happens there)."""
+        self.evaluations: Optional[EvaluationPlace] = None
+        """Where this rank is in the fit's validations (the strategy sets it): published with an agreement."""
 
     # -- per step -----------------------------------------------------------------------------
 
@@ -173,7 +183,8 @@ class RoundDriver:
     # -- a round some members missed (a peer died in the middle of its collectives) -----------------
 
     def progress(self, epoch: Optional[int]) -> RoundProgress:
-        return self.engine.progress_at_failure(epoch)
+        progress, place = self.engine.progress_at_failure(epoch), self.evaluations
+        return progress if place is None else replace(progress, evaluating=place.evaluating, evaluated=place.evaluated)
 
     def round_record(self) -> bytes:
         return self.engine.round_record()

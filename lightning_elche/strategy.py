@@ -45,6 +45,7 @@ from lightning_elche.coverage import EpochCoverage
 from lightning_elche.dispatch import ElCheSampler
 from lightning_elche.elastic_ddp import ElasticDDPStrategy
 from lightning_elche.engine import ElCheEngine
+from lightning_elche.evaluation_recovery import EvaluationRecovery
 from lightning_elche.fit_view import ElCheFitView
 from lightning_elche.growth import Growth, RankJoinedWarning, dispatch_store
 from lightning_elche.loop_glue import (
@@ -165,6 +166,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         self._averaged_buffers: list[Tensor] = []  # the buffer tensors the rounds reduce
         self._stop_watchdog: Optional[StopWatchdog] = None
         self._collectives: Optional[CheckedCollectives] = None
+        self._evaluations: Optional[EvaluationRecovery] = None
         self._micro_batching: Optional[MicroBatching] = None
         self._growth = Growth()  # a rank joining a running fit (ELCHE_JOIN=1), and the members' admissions
 
@@ -273,6 +275,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         continue_the_cohort(previous, self._engine)
         self._rounds = RoundDriver(self._engine, self._session, lambda: self._sampler, self._round_listeners,
                                    self.elche.log_every_n_syncs, lambda: self.global_rank, self._fitting_trainer)
+        self._rounds.evaluations = self._evaluations
         self._engine.failures = self._survival(module.trainer, self._rounds)
         self._rounds.stall_stamp = self._membership.progress if self._membership is not None else None
 
@@ -344,12 +347,16 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
     def _guard_fit(self, trainer: Trainer) -> None:
         """For the rest of the fit: stop signals become stop requests and always end the process
         (:mod:`lightning_elche.stop_guard`); collectives outside the rounds are checked
-        (:mod:`lightning_elche.checked_collectives`), gathers of collections included."""
+        (:mod:`lightning_elche.checked_collectives`), gathers of collections included; a rank lost in
+        validation is survived (:mod:`lightning_elche.evaluation_recovery`)."""
         self._stop_watchdog = guard_stops(self, trainer, self._patches, self._session.request_stop)
         self._collectives = CheckedCollectives(lambda: self._membership, lambda: lightning_phase(trainer),
                                                process_group_timeout(self) or default_pg_timeout)
         assert self.lightning_module is not None
         self._patches.check_gathered_collections(self.lightning_module, self._checked_gather)
+        self._evaluations = EvaluationRecovery(trainer, lambda: self._engine, lambda: self._sampler,
+                                               self.elche.max_failure)
+        self._patches.redo_evaluation_after_losses(trainer, self._evaluations)  # a rank lost while validating
 
     def _stop_saving(self) -> contextlib.AbstractContextManager[None]:
         watchdog = self._stop_watchdog

@@ -124,6 +124,13 @@ def agreed(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v for k, v in loss.items() if k != "detected_at"} for loss in result["losses"]]
 
 
+def padded_validation(world_size: int, samples: int = VAL_SAMPLES) -> int:
+    """Samples a validation epoch visits on ``world_size`` ranks: Lightning's ``DistributedSampler``
+    pads every shard to ``ceil(samples / world_size)`` (repeating the first samples) when the set
+    does not divide evenly; ElChe re-shards validation over the survivors the same way."""
+    return -(-samples // world_size) * world_size
+
+
 def check_survived(job: Job, lost_ranks: set[int]) -> None:
     """The acceptance checks of a job whose lost ranks stay under max_failure."""
     assert not job.leftover, f"processes left behind: {job.leftover}\n{job.log[-3000:]}"
@@ -137,7 +144,8 @@ def check_survived(job: Job, lost_ranks: set[int]) -> None:
         assert result["is_global_zero"] == (result["global_rank"] == 0)
         assert result["params"] == first["params"], f"rank {rank}'s parameters differ from rank {survivors[0]}'s"
         assert agreed(result) == agreed(first), "every survivor saw the same losses"
-        assert result["val_count"] == VAL_SAMPLES, "validation covers the whole validation set after renumbering"
+        assert result["val_count"] == padded_validation(len(survivors)), (
+            "validation covers the whole validation set after renumbering")
     # Rank-zero-only work follows rank 0: the epoch-end checkpoint and the logger's rows after the loss.
     last = torch.load(job.out / "ckpt" / "last.ckpt", weights_only=False, map_location="cpu")
     assert last["epoch"] == job.epochs - 1 and last["elche"]["rounds"] > 0

@@ -230,6 +230,35 @@ def test_a_peer_that_left_the_fit_fails_the_waiting_rank_with_its_reason():
         zero.enter("barrier()")
 
 
+def test_a_lost_peer_is_named_as_a_loss_a_wrong_call_is_not():
+    # Validation survives the first kind (lightning_elche.evaluation_recovery): it needs to tell them apart.
+    store = dist.HashStore()
+    (membership, zero), _ = ranks_of(store)
+    membership.lost = {1: "its process (pid 7) is gone"}
+    with pytest.raises(CollectiveMismatch) as lost:
+        zero.enter("reduce()")
+    assert isinstance(lost.value.lost, PeerFailure)
+    (_, zero), (_, one) = ranks_of(dist.HashStore())
+    mismatched = on_both([lambda: zero.enter("barrier()"), lambda: one.enter("reduce()")])
+    assert all(isinstance(error, CollectiveMismatch) and error.lost is None for error, _ in mismatched)
+
+
+def test_a_peer_that_left_with_an_exception_and_then_closed_its_fit_is_a_loss():
+    # A rank that raises leaves its notice (on_exception), then closes its fit (teardown): whichever
+    # the waiting rank sees first, the cause is a lost rank, not one that ended its fit early.
+    store = dist.HashStore()
+    (m0, zero), (_, one) = ranks_of(store)
+    one.close()
+    m0.lost = {1: "it failed: RuntimeError: injected"}
+    with pytest.raises(CollectiveMismatch, match=r"rank 1 left the fit: it failed: RuntimeError") as left:
+        zero._check_peer_can_come(m0, "fit/collectives/gen0", 1, Entry("barrier()"), 1)
+    assert left.value.lost is not None
+    m0.lost = {}
+    with pytest.raises(CollectiveMismatch, match="ended its fit") as ended:
+        zero._check_peer_can_come(m0, "fit/collectives/gen0", 1, Entry("barrier()"), 1)
+    assert ended.value.lost is None
+
+
 def test_a_live_peer_that_never_enters_fails_at_the_process_groups_timeout():
     store = dist.HashStore()
     membership = FakeMembership(store, 0)

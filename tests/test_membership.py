@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from lightning_elche import ElCheStrategy
 from lightning_elche.job_store import heartbeat_key, proc_key
-from lightning_elche.membership.agreement import Membership, RoundProgress
+from lightning_elche.membership.agreement import Membership, RoundProgress, stranded_members
 from lightning_elche.membership.change import PeerFailure, RanksLost, check_max_failure, failure_limit
 from lightning_elche.membership.liveness import check_liveness_timeout
 
@@ -186,6 +186,35 @@ def test_a_survivor_that_missed_the_round_that_ended_the_epoch_leaves_too() -> N
     finally:
         for m in ms:
             m.close()
+
+
+def test_a_survivor_still_in_a_validation_another_finished_leaves_too() -> None:
+    # Rank 1 died inside the last collective of the validation after round 6: rank 0 finished that
+    # validation and went on to train (it fails in round 7), rank 2 did not (it cannot run it again
+    # alone). In the sanity check (round 0) the same holds. Both in it, or a member that never
+    # validated (a joiner): nobody is stranded.
+    import socket
+
+    store = dist.HashStore()
+    store.set(proc_key(1), f"{socket.gethostname()}:999999999")
+    ms = members(store, [0, 2], world=3)
+    progress = {0: RoundProgress(6, (5, 4, 5), True, evaluating=-1, evaluated=6),
+                2: RoundProgress(6, (5, 4, 5), True, evaluating=6, evaluated=0)}
+    try:
+        outcome = agree_together(ms, timeout_s=10, progress=progress)
+        assert isinstance(outcome[2], RanksLost) and "still in the validation after round 6" in str(outcome[2])
+        assert outcome[0].lost_original == [1, 2] and ms[0].members == [0]
+    finally:
+        for m in ms:
+            m.close()
+    sanity = {0: RoundProgress(0, (), evaluated=0), 2: RoundProgress(0, (), evaluating=0)}
+    assert list(stranded_members(sanity)) == [2]
+    both_in = {m: RoundProgress(6, (5, 4, 5), True, evaluating=6, evaluated=0) for m in (0, 2)}
+    assert stranded_members(both_in) == {}
+    joiner = {0: RoundProgress(9, (2, 2, 2), evaluated=6), 3: RoundProgress(9, (2, 2, 2))}
+    assert stranded_members(joiner) == {}
+    assert RoundProgress.from_json(progress[2].to_json()) == progress[2]
+    assert RoundProgress.from_json('{"rounds": 3, "epoch_batches": [1], "ended_sequence": false}').evaluating == -1
 
 
 def test_a_rank_the_others_declared_lost_leaves() -> None:

@@ -13,7 +13,8 @@ One module per part of Lightning it adapts: :mod:`.versions`, :mod:`.trainer_rea
 and its callbacks' private state), :mod:`.ddp` (process groups and DDP internals), :mod:`.loaders`
 (the training loader and its sampler), :mod:`.patches`, :mod:`.signals`, :mod:`.launcher` (the popen
 launcher that spares survivors), :mod:`.ranks` (rank numbers after a membership change), :mod:`.results`
-(the batch ``self.log`` sizes its epoch means by).
+(the batch ``self.log`` sizes its epoch means by), :mod:`.evaluation` (the validation run again
+after a lost rank).
 """
 
 from lightning_elche.loop_glue.ddp import (
@@ -24,6 +25,11 @@ from lightning_elche.loop_glue.ddp import (
     process_group_timeout,
     register_ddp_comm_hook,
     sync_module_states,
+)
+from lightning_elche.loop_glue.evaluation import (
+    EvaluationRuns,
+    discard_interrupted_evaluation,
+    run_evaluation_again_after,
 )
 from lightning_elche.loop_glue.launcher import (
     ChildObserver,
@@ -75,6 +81,7 @@ from lightning_elche.loop_glue.versions import (
 
 __all__ = [
     "ChildObserver",
+    "EvaluationRuns",
     "LightningPatches",
     "LightningRankView",
     "SUPPORTED_LIGHTNING",
@@ -88,6 +95,7 @@ __all__ = [
     "configure_launcher",
     "ddp_model_averager",
     "default_group_store",
+    "discard_interrupted_evaluation",
     "distributed_is_initialized",
     "init_process_group_on_job_store",
     "lightning_phase",
@@ -99,6 +107,7 @@ __all__ = [
     "register_ddp_comm_hook",
     "renumber_lightning_ranks",
     "reopen_training_epoch",
+    "run_evaluation_again_after",
     "sampler_for",
     "save_and_requeue_slurm_job",
     "save_checkpoint_now",

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_elche.dispatch import ElCheSampler
+from lightning_elche.loop_glue.evaluation import EvaluationRuns, run_evaluation_again_after
 from lightning_elche.loop_glue.signals import chained_user_handler, stop_signal_requests
 from lightning_elche.loop_glue.versions import SUPPORTED_LIGHTNING
 from lightning_elche.rounds import StopRequest
@@ -110,6 +111,12 @@ class LightningPatches:
             vars(epoch_loop).pop("on_advance_end", None)
 
         self._undo.append(restore)
+
+    def redo_evaluation_after_losses(self, trainer: Trainer, runs: EvaluationRuns) -> None:
+        """Run the fit's evaluation loop (a validation epoch, the sanity check) again from its start
+        when ``runs.recovered(error)`` says the error that interrupted it was survived (a lost rank
+        the survivors agreed on and regrouped without): see :mod:`.evaluation`."""
+        self._undo.append(run_evaluation_again_after(trainer, runs))
 
     def silence_per_step_sigterm_broadcast(self, trainer: Trainer) -> None:
         """Stop Lightning's broadcast of a SIGTERM flag before every training batch.

@@ -271,7 +271,8 @@ class Membership:
         ``max_failure``; the record holds it in place of its generations."""
         furthest = records[round_leader(records)].epoch_batches
         lost_ids = change.lost_ids
-        trained = {m: int(furthest[k]) for k, m in enumerate(before) if m in lost_ids and k < len(furthest)}
+        # 0 for a rank no round reported yet (lost before the first round: in the sanity check).
+        trained = {m: int(furthest[k]) if k < len(furthest) else 0 for k, m in enumerate(before) if m in lost_ids}
         del self.changes[-generations:]
         lost = self.lost_count + len(change.lost_ids)
         change = replace(change, trained_batches=trained, ends_fit=self.limit is not None and lost >= self.limit,
@@ -365,16 +366,22 @@ class RoundProgress:
     epoch at the last round it completed (0 for a rank whose report was of an earlier epoch)."""
     ended_sequence: bool = False
     """Its last completed round ended the window sequence (the epoch, a stop, the step budget)."""
+    evaluating: int = -1
+    """The rounds completed when the validation it is in began (the sanity check: 0); -1: not validating."""
+    evaluated: int = -1
+    """The rounds completed when the last validation it finished began; -1: none."""
 
     def to_json(self) -> str:
         return json.dumps({"rounds": self.rounds, "epoch_batches": list(self.epoch_batches),
-                           "ended_sequence": self.ended_sequence})
+                           "ended_sequence": self.ended_sequence, "evaluating": self.evaluating,
+                           "evaluated": self.evaluated})
 
     @classmethod
     def from_json(cls, value: Any) -> RoundProgress:
         fields = json.loads(value)
         batches = tuple(int(b) for b in fields["epoch_batches"])
-        return cls(int(fields["rounds"]), batches, bool(fields["ended_sequence"]))
+        return cls(int(fields["rounds"]), batches, bool(fields["ended_sequence"]), int(fields.get("evaluating", -1)),
+                   int(fields.get("evaluated", -1)))
 
 
 def round_leader(records: dict[int, RoundProgress]) -> int:
@@ -385,9 +392,17 @@ def round_leader(records: dict[int, RoundProgress]) -> int:
 
 def stranded_members(records: dict[int, RoundProgress]) -> dict[int, str]:
     """Members that missed a round which ended the window sequence for the others: they cannot
-    rejoin a round of the same epoch, so they leave the fit (their work is in that round)."""
+    rejoin a round of the same epoch, so they leave the fit (their work is in that round). And
+    members still inside a validation that another member finished (the lost rank died in its
+    last collective): they cannot run it again alone, so they leave too."""
     furthest = records[round_leader(records)]
-    if not furthest.ended_sequence:
-        return {}
-    return {m: f"it missed round {furthest.rounds} (which ended the epoch for the others) when a peer was lost"
-            for m, r in records.items() if r.rounds < furthest.rounds}
+    stranded = {}
+    if furthest.ended_sequence:
+        stranded = {m: f"it missed round {furthest.rounds} (which ended the epoch for the others) when a peer was lost"
+                    for m, r in records.items() if r.rounds < furthest.rounds}
+    finished = {r.evaluated for r in records.values()}
+    for m, r in records.items():
+        if r.evaluating >= 0 and r.evaluating in finished and m not in stranded:
+            stranded[m] = (f"it was still in the validation after round {r.evaluating}, which other ranks had "
+                           "finished, when a peer was lost")
+    return stranded

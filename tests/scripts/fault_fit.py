@@ -20,6 +20,12 @@ A process started with ``ELCHE_JOIN=1`` (and ``LOCAL_RANK``, ``MASTER_ADDR``/``M
 joins the running job; ``ELCHE_TEST_MEMBER`` names its files. ``--joiner-dies`` makes it die right after
 its request (before it acknowledges admission); ``--width`` changes the model (a bad join).
 
+``--val-fault KIND:RANK:BATCH:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` on original rank ``RANK``
+at its validation batch ``BATCH`` of the validation after training epoch ``EPOCH`` (``sanity``: in the
+sanity check; ``--sanity-steps N`` runs one, ``-1`` over the whole validation set). Every rank appends
+each validation it finishes to ``val-rank<original rank>.jsonl``: the synced ``val_*`` metrics, the
+parameters it validated and its numbering.
+
 ``--monitor DIR`` attaches an ``ElCheMonitor`` writing its record log to ``DIR/records``, its
 dashboard to ``DIR/dashboard.html`` and its timeline to ``DIR/timeline.json``.
 """
@@ -74,6 +80,10 @@ class FaultLogModel(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         idx, x, y = batch
         self.log("val_count", float(len(idx)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+        # Sums over the whole set once reduced: each sample counted once, under the parameters validated.
+        self.log("val_index_sum", float(idx.sum()), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+        squared = nn.functional.mse_loss(self.net(x), y, reduction="sum")
+        self.log("val_sq_err", squared, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -132,17 +142,55 @@ class InjectFault(pl.Callback):
             spin = 0
             while True:  # an endless loop in user code: the GIL is released between bytecodes only
                 spin += 1
-        elif self.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif self.kind == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        elif self.kind == "exit":
-            os._exit(1)
-        elif self.kind == "oom":
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected on rank "
-                                         f"{ORIGINAL_RANK})")
         else:
-            raise RuntimeError(f"injected fault on rank {ORIGINAL_RANK}")
+            fail_now(self.kind)
+
+
+def fail_now(kind: str) -> None:
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "exit":
+        os._exit(1)
+    elif kind == "oom":
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected on rank "
+                                     f"{ORIGINAL_RANK})")
+    else:
+        raise RuntimeError(f"injected fault on rank {ORIGINAL_RANK}")
+
+
+class InjectValidationFault(pl.Callback):
+    """At this rank's validation batch ``batch`` of the validation after epoch ``epoch`` (None: the
+    sanity check): kill, stop, exit or raise (once)."""
+
+    def __init__(self, out_dir: str, kind: str, batch: int, epoch: Optional[int]) -> None:
+        self.out_dir, self.kind, self.batch, self.epoch = out_dir, kind, batch, epoch
+        self.fired = False
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        here = trainer.sanity_checking if self.epoch is None else (
+            not trainer.sanity_checking and trainer.current_epoch == self.epoch)
+        if self.fired or not here or batch_idx != self.batch:
+            return
+        self.fired = True
+        record = {"kind": self.kind, "time": time.time(), "epoch": trainer.current_epoch,
+                  "phase": "sanity" if trainer.sanity_checking else "validation"}
+        Path(self.out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(json.dumps(record))
+        fail_now(self.kind)
+
+
+class RecordValidation(pl.Callback):
+    """Every validation this rank finished: the synced metrics and the parameters it validated."""
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+        record = {"epoch": trainer.current_epoch, "sanity": trainer.sanity_checking, "metrics": metrics,
+                  "world_size": trainer.world_size, "global_rank": trainer.global_rank,
+                  "params": [p.detach().flatten().tolist() for p in pl_module.parameters()]}
+        with open(Path(trainer.default_root_dir, f"val-rank{ORIGINAL_RANK}.jsonl"), "a") as sink:
+            sink.write(json.dumps(record) + "\n")
 
 
 def sleep_in_next_collective(out_dir: str, trainer: pl.Trainer, record: dict[str, Any]) -> None:
@@ -201,7 +249,12 @@ def main(args: argparse.Namespace) -> None:
     if args.joiner_dies:
         die_after_the_request()
     pl.seed_everything(0)
-    callbacks: list[pl.Callback] = [StepDelay(args.delays_ms), RecordChanges()]
+    callbacks: list[pl.Callback] = [StepDelay(args.delays_ms), RecordChanges(), RecordValidation()]
+    for fault in args.val_fault:
+        kind, rank, batch, epoch = fault.split(":")
+        if int(rank) == ORIGINAL_RANK:
+            callbacks.append(InjectValidationFault(args.out_dir, kind, int(batch),
+                                                   None if epoch == "sanity" else int(epoch)))
     if args.hold_for_joiner is not None and ORIGINAL_RANK == 0 and not os.environ.get("ELCHE_JOIN"):
         callbacks.append(HoldForJoiner(args.hold_for_joiner))
     for fault in args.fault:
@@ -231,7 +284,7 @@ def main(args: argparse.Namespace) -> None:
                                liveness_timeout=timedelta(seconds=args.liveness), stall_timeout=stall_timeout,
                                snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120)),
         callbacks=callbacks, logger=CSVLogger(args.out_dir, name="csv", version=0), enable_progress_bar=True,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=args.out_dir,
+        enable_model_summary=False, num_sanity_val_steps=args.sanity_steps, default_root_dir=args.out_dir,
         log_every_n_steps=1,
     )
     trainer.fit(FaultLogModel(args.out_dir, args.samples, args.batch_size, args.width))
@@ -248,6 +301,8 @@ if __name__ == "__main__":
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--fault", action="append", default=[])
     parser.add_argument("--max-failure", default=None)
+    parser.add_argument("--val-fault", action="append", default=[], help="KIND:RANK:BATCH:EPOCH (EPOCH: or sanity)")
+    parser.add_argument("--sanity-steps", type=int, default=0, help="Trainer(num_sanity_val_steps)")
     parser.add_argument("--liveness", type=float, default=5.0)
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[2.0, 5.0, 3.0])
     parser.add_argument("--stall", type=float, default=None, help="stall_timeout in seconds (default: derived)")
