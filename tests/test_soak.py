@@ -15,10 +15,10 @@ the survivors finish, renumbered densely, identical replicas, every sample exact
 consensus, no process left; with no fault fired, every rank finishes). A rank that raised is
 reported with its error; a stalled rank, when it is the only fault, as stalled.
 
-Faults are injected in the training windows only (before an optimizer step; a stalled rank's
-collective is the next round's): a rank lost during validation, the sanity check, an epoch-end
-``sync_dist`` or a checkpoint's save is not survived yet (``docs/failures.md``), so the soak does not
-inject there.
+The training faults come before an optimizer step (a stalled rank's collective is the next
+round's). A quarter of the trials also lose one more rank at a random batch of a validation epoch or
+of the sanity check (:func:`draw_validation_fault`). An epoch-end ``sync_dist`` or a checkpoint's
+save is not survived yet (``docs/failures.md``), so the soak does not inject there.
 
 The full soak is marked ``faults``; ``ELCHE_SOAK_TRIALS`` (default 240), ``ELCHE_SOAK_FIRST``
 (default 0: the first trial's index, to split a soak over several runs) and ``ELCHE_SOAK_SEED``
@@ -64,6 +64,7 @@ class Trial:
     epochs: int
     faults: tuple[str, ...]  # KIND:RANK:STEP:EPOCH
     max_failure: Optional[int]
+    val_faults: tuple[str, ...] = ()  # KIND:RANK:BATCH:EPOCH|sanity (fault_fit.py's --val-fault)
 
     @property
     def samples(self) -> int:
@@ -71,11 +72,16 @@ class Trial:
 
     @property
     def kinds(self) -> list[str]:
-        return [fault.split(":")[0] for fault in self.faults]
+        return [fault.split(":")[0] for fault in (*self.faults, *self.val_faults)]
+
+    @property
+    def sanity_steps(self) -> int:
+        return 2 if any(fault.endswith(":sanity") for fault in self.val_faults) else 0
 
     @property
     def name(self) -> str:
         return f"{self.seed}.{self.index:03d}-{self.mode}-{self.ranks}r-{'+'.join(self.kinds)}" + (
+            "-val" if self.val_faults else "") + (
             f"-max{self.max_failure}" if self.max_failure is not None else "")
 
 
@@ -98,7 +104,29 @@ def after_first_round(kind: str, epoch: int, step: int) -> int:
     return max(step, 4) if kind in STALLS and epoch == 0 else step
 
 
-def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool = True) -> Trial:
+VALIDATION_SHARE = 0.25
+"""Trials that also lose a rank in a validation epoch or the sanity check (docs/failures.md)."""
+VAL_BATCHES = 12  # fault_fit.py's 96 validation samples in batches of 8
+
+
+def draw_validation_fault(chooser: random.Random, ranks: int, taken: set[int], epochs: int) -> Optional[str]:
+    """A fault in the validation after a random epoch, or in the sanity check, on a rank no training
+    fault names; drawn after everything else, so a trial's training faults are the same with or
+    without it."""
+    if chooser.random() >= VALIDATION_SHARE:
+        return None
+    free = [rank for rank in range(ranks) if rank not in taken]
+    if len(free) < 2:
+        return None  # one rank must survive every fault
+    kind = chooser.choice(EXITS)
+    rank = chooser.choice(free)
+    batch = chooser.randrange(max(1, VAL_BATCHES // ranks))
+    where = "sanity" if chooser.random() < 0.3 else str(chooser.randrange(epochs))
+    return f"{kind}:{rank}:{batch if where != 'sanity' else 0}:{where}"
+
+
+def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool = True,
+               validation: bool = True) -> Trial:
     chooser = random.Random(f"{seed}:{index}")
     mode = chooser.choice(MODES)
     drawn_ranks = chooser.choices(list(RANK_WEIGHTS), weights=list(RANK_WEIGHTS.values()))[0]
@@ -118,7 +146,12 @@ def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool 
         faults.append(f"{kind}:{rank}:{step}:{epoch}")
     limit = chooser.random()
     max_failure = chooser.randint(1, count) if limit < 0.2 else count + 1 if limit < 0.3 else None
-    return Trial(seed, index, mode, ranks, epochs, tuple(faults), max_failure)
+    val_fault = draw_validation_fault(chooser, ranks, {int(f.split(":")[1]) for f in faults}, epochs) if (
+        validation) else None
+    if val_fault is not None and max_failure is not None and max_failure > count:
+        max_failure += 1  # the limit stays above the faults it was drawn above
+    return Trial(seed, index, mode, ranks, epochs, tuple(faults), max_failure,
+                 () if val_fault is None else (val_fault,))
 
 
 def soak_count(name: str, default: int, least: int) -> int:
@@ -132,7 +165,7 @@ SEED = os.environ.get("ELCHE_SOAK_SEED", "0")
 FIRST = soak_count("ELCHE_SOAK_FIRST", 0, 0)
 """The first trial's index: a soak split over several runs draws trials FIRST .. FIRST + TRIALS - 1."""
 SOAK = [draw_trial(SEED, k) for k in range(FIRST, FIRST + soak_count("ELCHE_SOAK_TRIALS", 240, 1))]
-CI = [draw_trial("ci8", k, ranks=3, stalls=False) for k in range(2)]
+CI = [draw_trial("ci8", k, ranks=3, stalls=False, validation=False) for k in range(2)]
 """A fixed draw that has a saving stop (an out-of-memory error at the first step, ``max_failure=1``)
 and a double fault in one window (SIGSTOP and an out-of-memory error)."""
 
@@ -142,9 +175,13 @@ def run_trial(tmp_path: Path, trial: Trial) -> None:
     started, expected, outcome = time.monotonic(), "", "failed"
     try:
         stalled = any(kind in STALLS for kind in trial.kinds)
+        extra = ("--stall-floor", str(STALL_FLOOR_S)) if stalled else ()
+        for fault in trial.val_faults:
+            extra += ("--val-fault", fault)
+        extra += ("--sanity-steps", str(trial.sanity_steps))
         job = run_job(tmp_path, trial.mode, list(trial.faults), ranks=trial.ranks, epochs=trial.epochs,
                       samples=trial.samples, max_failure=None if trial.max_failure is None else str(trial.max_failure),
-                      extra=("--stall-floor", str(STALL_FLOOR_S)) if stalled else (), timeout_s=180.0)
+                      extra=extra, timeout_s=180.0)
         faults = fired_faults(tmp_path)
         if trial.max_failure is not None and len(faults) >= trial.max_failure:
             expected = "saving stop"
@@ -152,7 +189,9 @@ def run_trial(tmp_path: Path, trial: Trial) -> None:
         else:
             expected = "survived"
             check_survived(job, set(faults))
-            check_reasons(job, {rank: str(record["kind"]) for rank, record in faults.items()})
+            # A rank lost in validation is checked by the survival checks; its reason's wording is
+            # the validation recovery's (tests/test_validation_loss.py).
+            check_reasons(job, {rank: str(record["kind"]) for rank, record in faults.items() if "phase" not in record})
         outcome = "passed"
     except BaseException as error:  # pytest.fail and a timeout too: the report counts every failure
         outcome = f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
@@ -161,7 +200,8 @@ def run_trial(tmp_path: Path, trial: Trial) -> None:
         report = os.environ.get("ELCHE_SOAK_REPORT")
         if report:
             fired = [str(record["kind"]) for record in fired_faults(tmp_path).values()]
-            line = {**asdict(trial), "faults": list(trial.faults), "kinds": trial.kinds, "fired": len(fired),
+            line = {**asdict(trial), "faults": list(trial.faults), "val_faults": list(trial.val_faults),
+                    "kinds": trial.kinds, "fired": len(fired),
                     "fired_kinds": fired,
                     "expected": expected, "outcome": outcome, "elapsed_s": round(time.monotonic() - started, 1),
                     "out": str(tmp_path)}
@@ -175,7 +215,9 @@ def check_reasons(job: Job, kinds: dict[int, str]) -> None:
     for result in job.results.values():
         for loss in result["losses"]:
             for rank in loss["lost"]:
-                reason, kind = loss["reasons"][str(rank)], kinds[rank]
+                reason, kind = loss["reasons"][str(rank)], kinds.get(rank)
+                if kind is None:
+                    continue
                 if kind in RAISED:
                     assert f"it failed: {RAISED[kind]}" in reason, f"rank {rank} ({kind}): {reason}"
                 if kind in STALLS and len(kinds) == 1:
