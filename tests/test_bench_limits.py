@@ -186,6 +186,7 @@ def test_the_report_shows_each_ranks_micro_batch_share_and_efficiency() -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.extended  # CI runs the cpu2 tiny benchmark once (test_bench.py); the limits' parsing and rows here
 @pytest.mark.timeout(330)
 def test_cpu2_tiny_with_a_micro_batched_rank_reports_it_per_arm(tmp_path: Path) -> None:
     out = tmp_path / "bench"

@@ -139,6 +139,7 @@ def test_a_rank_joins_a_running_fit(tmp_path: Path, mode: str) -> None:
     check_joined(run_join_job(tmp_path, mode))
 
 
+@pytest.mark.extended  # CI refuses a wrong token; every refusal runs the same admission check
 def test_a_joiner_with_another_model_is_refused(tmp_path: Path) -> None:
     job = run_join_job(tmp_path, "cpu_cadence", joiner_extra=("--width", "17"))
     assert job.joiner_rc != 0

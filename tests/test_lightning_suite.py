@@ -4,7 +4,7 @@ The cases of one mode run in ONE 2-process launch (``tests/scripts/lightning_sui
 the other in the same two processes, each with its own Trainer fit (importing torch and Lightning
 costs a process about 10 s on 2 cores, more than most cases); the first test of a mode starts the
 launch for every selected case of that mode, and every test reads its own case's result from both
-ranks. The default run covers ``FEW_MODES`` (both transports, every dispatch: three launches);
+ranks. The default run covers ``CI_MODES`` (both transports, both dispatches: two launches);
 ``-m lightning_suite_full`` adds the other modes, for every case whose behaviour depends on the
 mode (checkpoints, stops, steps) and for the rest.
 """
@@ -22,7 +22,10 @@ from typing import Any
 import pytest
 from multirank_helpers import clean_environment, free_port, run_together
 from ported import SUITES
-from ported.harness import FEW_MODES, MODES
+from ported.harness import MODES
+
+CI_MODES = ("nccl_sync", "cpu_async")
+"""The collective plane with the sharded dispatch, the CPU plane with the shared pool, not blocking."""
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "lightning_suite.py"
 LAUNCH_BASE_S = 120.0
@@ -40,8 +43,8 @@ def _params() -> list[Any]:
     for suite_name in SUITES:
         for case in suite(suite_name).cases.values():
             for mode in MODES:
-                # CI: three launches (each transport and dispatch once); the rest of a case's modes run full.
-                marks = [] if mode in case.modes and mode in FEW_MODES else [pytest.mark.lightning_suite_full]
+                # CI: two launches (each transport and each dispatch once); the rest of a case's modes run full.
+                marks = [] if mode in case.modes and mode in CI_MODES else [pytest.mark.lightning_suite_full]
                 params.append(pytest.param(suite_name, mode, case.name, marks=marks,
                                            id=f"{suite_name}-{mode}-{case.name}"))
     return params

@@ -47,7 +47,7 @@ def reported_fit(tmp_path: Path, micro_batch: Any) -> tuple[list[str], list[dict
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("micro_batch", "expected"), [
-    pytest.param({1: 3}, [B, 3], id="mapping"),  # rank 0 left out: the whole batch
+    pytest.param({1: 3}, [B, 3], id="mapping", marks=pytest.mark.extended),  # rank 0 left out: the whole batch
     pytest.param([4, "auto"], [4, B], id="list-int-auto"),  # "auto" on a CPU rank: the whole batch
 ])
 def test_the_summary_and_the_metrics_show_each_ranks_micro_batch(tmp_path: Path, micro_batch: Any,
