@@ -99,16 +99,29 @@ def consensus_samples(job: Job, lost: dict[int, tuple[int, int]]) -> dict[int, l
     ``lost``: original rank -> (epoch it was lost in, its batches of that epoch in the consensus)."""
     by_epoch: dict[int, list[int]] = {}
     for rank in range(job.ranks):
-        counted: dict[int, int] = {}
-        for row in records(job.out, rank):
-            epoch = int(row["epoch"])
+        for epoch, batch, row in numbered_batches(records(job.out, rank)):
             if rank in lost:
                 lost_epoch, kept = lost[rank]
-                if epoch > lost_epoch or (epoch == lost_epoch and counted.get(epoch, 0) >= kept):
+                if epoch > lost_epoch or (epoch == lost_epoch and batch >= kept):
                     continue
-            counted[epoch] = counted.get(epoch, 0) + 1
             by_epoch.setdefault(epoch, []).extend(row["indices"])
     return by_epoch
+
+
+def numbered_batches(rows: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]]:
+    """``(epoch, batch number in the epoch, row)`` of a rank's step rows: consecutive rows of one
+    ``batch_idx`` are the micro-batches of one batch (a row without it is a batch)."""
+    numbered: list[tuple[int, int, dict[str, Any]]] = []
+    counted: dict[int, int] = {}
+    previous: Optional[tuple[int, Any]] = None
+    for row in rows:
+        epoch = int(row["epoch"])
+        key = (epoch, row.get("batch_idx", object()))
+        if key != previous:
+            counted[epoch] = counted.get(epoch, 0) + 1
+        previous = key
+        numbered.append((epoch, counted[epoch] - 1, row))
+    return numbered
 
 
 def csv_rows(out: Path) -> list[dict[str, str]]:
@@ -186,9 +199,9 @@ def where_trained(job: Job, epoch: int, counts: torch.Tensor, lost: dict[int, tu
     trainers: dict[int, list[str]] = {i: [] for i in wrong}
     batches = {}
     for rank in range(job.ranks):
-        rows = [row for row in records(job.out, rank) if int(row["epoch"]) == epoch]
-        batches[rank] = len(rows)
-        for ordinal, row in enumerate(rows):
+        rows = [(ordinal, row) for e, ordinal, row in numbered_batches(records(job.out, rank)) if e == epoch]
+        batches[rank] = rows[-1][0] + 1 if rows else 0
+        for ordinal, row in rows:
             for index in set(row["indices"]) & set(trainers):
                 trainers[index].append(f"rank {rank} batch {ordinal}")
     shown = "; ".join(f"{i}: {', '.join(trainers[i]) or 'nobody'}" for i in wrong[:12])

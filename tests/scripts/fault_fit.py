@@ -71,7 +71,10 @@ class FaultLogModel(pl.LightningModule):
         idx, x, y = batch
         if self._log is None:
             self._log = open(Path(self.out_dir, f"steps-rank{ORIGINAL_RANK}.jsonl"), "a")  # noqa: SIM115
-        self._log.write(json.dumps({"epoch": self.current_epoch, "indices": idx.tolist(), "time": time.time()}) + "\n")
+        # One row per training_step call: per micro-batch when the rank splits its batches (the
+        # batch's index tells which rows make one batch).
+        self._log.write(json.dumps({"epoch": self.current_epoch, "batch_idx": batch_idx, "indices": idx.tolist(),
+                                    "time": time.time()}) + "\n")
         self._log.flush()
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
@@ -244,6 +247,13 @@ def die_after_the_request() -> None:
     admission.JoinerLink.wait_admission = die  # type: ignore[method-assign]
 
 
+def micro_batch(value: Optional[str]) -> Any:
+    """``--micro-batch``: ``M`` (every rank) or ``RANK=M,...`` (by rank at the fit's start)."""
+    if value is None or "=" not in value:
+        return None if value is None else int(value)
+    return {int(rank): int(size) for rank, size in (pair.split("=") for pair in value.split(","))}
+
+
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     if args.joiner_dies:
@@ -281,6 +291,7 @@ def main(args: argparse.Namespace) -> None:
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, max_epochs=args.epochs,
         strategy=ElCheStrategy(mode=args.mode, max_failure=max_failure, summary=True,
+                               micro_batch=micro_batch(args.micro_batch),
                                liveness_timeout=timedelta(seconds=args.liveness), stall_timeout=stall_timeout,
                                snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120)),
         callbacks=callbacks, logger=CSVLogger(args.out_dir, name="csv", version=0), enable_progress_bar=True,
@@ -302,6 +313,7 @@ if __name__ == "__main__":
     parser.add_argument("--fault", action="append", default=[])
     parser.add_argument("--max-failure", default=None)
     parser.add_argument("--val-fault", action="append", default=[], help="KIND:RANK:BATCH:EPOCH (EPOCH: or sanity)")
+    parser.add_argument("--micro-batch", default=None, help="ElCheStrategy(micro_batch): M or RANK=M,...")
     parser.add_argument("--sanity-steps", type=int, default=0, help="Trainer(num_sanity_val_steps)")
     parser.add_argument("--liveness", type=float, default=5.0)
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[2.0, 5.0, 3.0])
