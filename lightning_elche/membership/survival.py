@@ -144,7 +144,8 @@ class Survival:
                     f"{membership.limit}): every "
                     "survivor saves a consensus checkpoint and stops.")
         else:
-            then = f"{membership.world_size} rank(s) go on; its untrained data of this epoch is re-dispatched."
+            then = (f"{membership.world_size} rank(s) go on; what it had not trained of this epoch goes to them, and a "
+                    "validation it was in runs again on them.")
         message = f"ElCheStrategy {change.describe()} (original ranks). {then}"
         log.warning(message)
         warnings.warn(message, RankLostWarning, stacklevel=2)
