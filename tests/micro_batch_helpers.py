@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import Logger
 from model_helpers import RecordingModel
+from multirank_helpers import JsonLinesLogger
 from torch import nn
 
 
@@ -64,32 +64,16 @@ class MicroBatchCheckModel(RecordingModel):
         path.write_text(json.dumps(record))
 
 
-class MetricsFile(Logger):
+class MetricsFile(JsonLinesLogger):
     """Appends every ``log_metrics`` call (the ``elche/micro_batch/*`` values) of its process to
     ``metrics-rank<r>.jsonl``; ElChe logs its round metrics on rank 0."""
 
-    def __init__(self, out_dir: str) -> None:
-        super().__init__()
-        self.out_dir = out_dir
+    file_stem = "metrics"
+    rank_outside_a_group = 0
 
-    @property
-    def name(self) -> str:
-        return "metrics_file"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_initialized() else 0
+    def line(self, metrics: dict[str, float], step: Optional[int]) -> dict[str, Any]:
         micro = {k: v for k, v in metrics.items() if k.startswith("elche/micro_batch")}
-        with open(Path(self.out_dir, f"metrics-rank{rank}.jsonl"), "a") as sink:
-            sink.write(json.dumps({"step": step, "micro_batch": micro, "syncs": metrics.get("elche/syncs")}) + "\n")
+        return {"step": step, "micro_batch": micro, "syncs": metrics.get("elche/syncs")}
 
 
 class _Lines(logging.Handler):

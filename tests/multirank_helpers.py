@@ -118,9 +118,13 @@ class RankIdentity(Callback):
         }))
 
 
-class CallRecordingLogger(Logger):
-    """A logger that records every ``log_metrics`` call of every process, with the caller's global
-    rank: unlike Lightning's loggers it is not rank-zero-only, so it shows who logs what."""
+class JsonLinesLogger(Logger):
+    """A logger that appends one JSON line per ``log_metrics`` call to ``<file_stem>-rank<r>.jsonl``
+    under ``out_dir``, in every process (unlike Lightning's loggers it is not rank-zero-only, so it
+    shows who logs what). Subclasses say what a line holds (:meth:`line`)."""
+
+    file_stem = "calls"
+    rank_outside_a_group = -1
 
     def __init__(self, out_dir: str) -> None:
         super().__init__()
@@ -128,7 +132,7 @@ class CallRecordingLogger(Logger):
 
     @property
     def name(self) -> str:
-        return "calls"
+        return self.file_stem
 
     @property
     def version(self) -> int:
@@ -137,13 +141,23 @@ class CallRecordingLogger(Logger):
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass
 
+    def line(self, metrics: dict[str, float], step: Optional[int]) -> dict[str, Any]:
+        raise NotImplementedError
+
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         import torch.distributed as dist
 
-        rank = dist.get_rank() if dist.is_initialized() else -1
+        rank = dist.get_rank() if dist.is_initialized() else self.rank_outside_a_group
         Path(self.out_dir).mkdir(parents=True, exist_ok=True)
-        with open(Path(self.out_dir, f"calls-rank{rank}.jsonl"), "a") as sink:
-            sink.write(json.dumps({"step": step, "keys": sorted(metrics)}) + "\n")
+        with open(Path(self.out_dir, f"{self.file_stem}-rank{rank}.jsonl"), "a") as sink:
+            sink.write(json.dumps(self.line(metrics, step)) + "\n")
+
+
+class CallRecordingLogger(JsonLinesLogger):
+    """Records the keys of every ``log_metrics`` call of every process, with the caller's global rank."""
+
+    def line(self, metrics: dict[str, float], step: Optional[int]) -> dict[str, Any]:
+        return {"step": step, "keys": sorted(metrics)}
 
 
 def free_port() -> int:
