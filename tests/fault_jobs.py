@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import json
 import secrets
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import pytest
 import torch
-from multirank_helpers import LAUNCH_TAG, clean_environment, kill_tagged, rank_results, tagged_processes
+from multirank_helpers import (
+    LAUNCH_TAG,
+    clean_environment,
+    end_launch,
+    launch_logged,
+    rank_results,
+    tagged_processes,
+    wait_for_launch,
+)
 
 SCRIPT = Path(__file__).parent / "scripts" / "fault_fit.py"
 MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
@@ -58,26 +64,13 @@ def run_job(out: Path, mode: str, faults: list[str], max_failure: Optional[str] 
         command += ["--max-failure", max_failure]
     log_path = out / "job.log"
     started = time.monotonic()
-    with open(log_path, "w") as sink:
-        proc = subprocess.Popen(command, env={**clean_environment(), LAUNCH_TAG: tag}, stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    proc = launch_logged(command, {**clean_environment(), LAUNCH_TAG: tag}, log_path)
     try:
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 did not finish in {timeout_s} s:\n{log_path.read_text()[-4000:]}")
-        # Rank 0 may be the rank that was lost: the others go on without it.
-        deadline = time.monotonic() + timeout_s
-        while tagged_processes(tag) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for_launch(proc, tag, log_path, timeout_s)  # rank 0 may be the rank that was lost
         elapsed = time.monotonic() - started
         leftover = tagged_processes(tag)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        still = kill_tagged(tag)
-        assert not still, f"processes that could not be killed: {still}"
+        end_launch([proc], tag)
     results = rank_results(out)
     return Job(out, proc.returncode, log_path.read_text(), results, ranks, leftover, elapsed, samples, epochs)
 

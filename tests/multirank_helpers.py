@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
@@ -266,6 +267,34 @@ def run_together(commands: Sequence[tuple[list[str], dict[str, str]]], log_dir: 
                 item.proc.wait()
         survivors = kill_tagged(tag)
         assert not survivors, f"processes left behind by the launch: {survivors}"
+
+
+def launch_logged(command: Sequence[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """Start ``command`` in a session of its own, its output to ``log_path``."""
+    with open(log_path, "w") as sink:
+        return subprocess.Popen(list(command), env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_launch(proc: subprocess.Popen, tag: str, log_path: Path, timeout_s: float, what: str = "rank 0") -> None:
+    """Wait for ``proc`` (failing the test after ``timeout_s``), then for every process of the
+    launch ``tag`` for as long again: a lost rank 0's peers go on without it."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} did not finish in {timeout_s} s:\n{log_path.read_text()[-4000:]}")
+    deadline = time.monotonic() + timeout_s
+    while tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def end_launch(procs: Sequence[subprocess.Popen], tag: str) -> None:
+    """Kill whatever of the launch ``tag`` is still alive; fail if a process cannot be killed."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    still = kill_tagged(tag)
+    assert not still, f"processes that could not be killed: {still}"
 
 
 def kill_tagged(tag: str, grace_s: float = 10.0) -> list[int]:

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import json
 import secrets
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from multirank_helpers import LAUNCH_TAG, clean_environment, kill_tagged, tagged_processes
+from multirank_helpers import LAUNCH_TAG, clean_environment, end_launch, launch_logged, wait_for_launch
 
 SCRIPT = Path(__file__).parent / "scripts" / "checkpoint_agreement_fit.py"
 
@@ -37,22 +35,11 @@ def run_job(out: Path, tag: str, mode: str, devices: int, epochs: int, extra: tu
     command = [sys.executable, str(SCRIPT), str(out), "--mode", mode, "--devices", str(devices), "--epochs",
                str(epochs), "--tag", tag, *extra]
     log = out / f"{tag}.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(command, env={**clean_environment(), LAUNCH_TAG: launch}, stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    proc = launch_logged(command, {**clean_environment(), LAUNCH_TAG: launch}, log)
     try:
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 of {tag} did not finish in {timeout_s} s:\n{log.read_text()[-4000:]}")
-        deadline = time.monotonic() + timeout_s
-        while tagged_processes(launch) and time.monotonic() < deadline:  # a lost rank 0's peers go on
-            time.sleep(0.2)
+        wait_for_launch(proc, launch, log, timeout_s, what=f"rank 0 of {tag}")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        assert not kill_tagged(launch)
+        end_launch([proc], launch)
     results = {int(p.stem.rsplit("-rank", 1)[1]): json.loads(p.read_text())
                for p in out.glob(f"result-{tag}-rank*.json")}
     assert results, f"no rank of {tag} finished:\n{log.read_text()[-4000:]}"

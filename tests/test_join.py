@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from fault_jobs import consensus_samples
-from multirank_helpers import LAUNCH_TAG, clean_environment, free_port, kill_tagged, rank_results, tagged_processes
+from multirank_helpers import LAUNCH_TAG, clean_environment, end_launch, free_port, rank_results, tagged_processes
 
 SCRIPT = Path(__file__).parent / "scripts" / "fault_fit.py"
 SAMPLES, BATCH, EPOCHS = 480, 8, 4
@@ -83,12 +83,7 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
             time.sleep(0.2)
         leftover = tagged_processes(tag)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        still = kill_tagged(tag)
-        assert not still, f"processes that could not be killed: {still}"
+        end_launch(procs, tag)
     results = rank_results(out)
     return JoinJob(out, procs[0].returncode, procs[1].returncode, cohort_log.read_text(), joiner_log.read_text(),
                    results, leftover)
