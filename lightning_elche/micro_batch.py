@@ -347,10 +347,6 @@ class MicroBatching:
         elif setting is None or host.root_device.type != "cuda":
             self._resolve(batch_size)  # "auto" on a CPU rank: the whole batch
 
-    def reported_size(self) -> Optional[int]:
-        """The micro-batch this rank's rounds report (None until ``"auto"`` has chosen, at the first batch)."""
-        return self.size
-
     def _params(self) -> list[Parameter]:
         module = self._host.lightning_module
         return list(module.parameters()) if module is not None else []

@@ -323,7 +323,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         micro = self._micro_batching = MicroBatching(rank_micro_batch(self.elche.micro_batch, self.global_rank),
                                                      dataloader.batch_size, self, choose_micro_batch, logging_batch)
         # Every rank's choice reaches the summary and the metrics through the rounds' metadata.
-        self._engine.micro_batch_size = micro.reported_size if self.elche.micro_batch is not None else None
+        self._engine.micro_batch_size = (lambda: micro.size) if self.elche.micro_batch is not None else None
         return with_training_sampler(dataloader, self._sampler)
 
     @override
