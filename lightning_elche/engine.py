@@ -197,19 +197,23 @@ class ElCheEngine:
         ``stop_level`` is this rank's stop request; an outcome carries the largest over all ranks.
         ``epoch_batches``: batches this rank started in the epoch (what a lost rank leaves trained).
         """
-        return list(self.rounds_at_boundary(epoch, out_of_data, stop_level, blocking, epoch_batches))
+        return list(self.rounds_at_boundary(epoch, lambda: out_of_data, stop_level, blocking, epoch_batches))
 
     def rounds_at_boundary(
         self,
         epoch: int,
-        out_of_data: bool,
+        out_of_data: Callable[[], bool],
         stop_level: StopRequest = StopRequest.NONE,
         blocking: bool = True,
         epoch_batches: int = 0,
     ) -> Iterator[RoundOutcome]:
         """:meth:`run_round`, yielding each outcome as soon as it is known: the round that was in
         flight before the next one starts. Its caller acts on that outcome while it still speaks of
-        the current members; the next round may fail on a lost peer and renumber them."""
+        the current members; the next round may fail on a lost peer and renumber them.
+
+        ``out_of_data`` is asked when the next round starts, after the caller acted on the in-flight
+        one: that round may have lost a peer whose untrained work now comes to this rank, and a rank
+        that reported itself out of data on its stale view would end the epoch without it."""
         compute_s = self.clock.close_window(self._steps)
         round_start = time.perf_counter()
         if self._in_flight:
@@ -222,7 +226,7 @@ class ElCheEngine:
         if due:
             self._consensus_at = None
         self._consensus_round, self._consensus_next = self._consensus_next or due, False
-        self._sent = self._local_metadata(epoch, out_of_data, stop_level, compute_s, epoch_batches)
+        self._sent = self._local_metadata(epoch, out_of_data(), stop_level, compute_s, epoch_batches)
         self.plane.start(self._sent)
         self._reset_window()
         if blocking or self._consensus_round or not self.plane.non_blocking:

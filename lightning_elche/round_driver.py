@@ -47,6 +47,20 @@ class EvaluationPlace(Protocol):
     evaluated: int
 
 
+class OutOfDataView:
+    """Whether a rank at its last batch is still out of data: once work came its way (``reopen``
+    continued its epoch), it is not, for the rest of this boundary."""
+
+    def __init__(self, out_of_data: bool, reopen: Callable[[], bool]) -> None:
+        self._out_of_data = out_of_data
+        self._reopen = reopen
+
+    def __call__(self) -> bool:
+        if self._out_of_data and self._reopen():
+            self._out_of_data = False
+        return self._out_of_data
+
+
 class RoundDriver:
     """Joins this rank's rounds from the training loop and applies their outcomes to Lightning.
 
@@ -111,13 +125,17 @@ class RoundDriver:
             batches = (sampler.started_batches or 0) if sampler is not None else 0
             # Each outcome is acted on before the next round starts: that round may lose a peer and
             # renumber the members, and an outcome read after it would speak of the old numbering.
-            rounds = self.engine.rounds_at_boundary(trainer.current_epoch, out_of_data, request, blocking, batches)
+            # The in-flight round's loss may also hand this rank work: it asks again before the next.
+            still_out_of_data = OutOfDataView(out_of_data, lambda: not self.session.leaving and self.reopen(trainer))
+            rounds = self.engine.rounds_at_boundary(
+                trainer.current_epoch, still_out_of_data, request, blocking, batches
+            )
             for outcome in rounds:
                 self.after_round(trainer, outcome)
             # A rank out of data keeps joining rounds (with zero mass) until every rank is, so that
             # all ranks leave the epoch after the same round; unless a lost rank's work came its
             # way, which it trains first.
-            if not out_of_data or (not self.session.leaving and self.reopen(trainer)):
+            if not still_out_of_data():
                 break
 
     def reopen(self, trainer: Trainer) -> bool:

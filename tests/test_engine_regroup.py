@@ -125,9 +125,41 @@ def test_the_round_in_flight_is_handed_out_before_the_next_round_can_renumber_th
     assert engine.run_round(epoch=0, out_of_data=False, blocking=False) == []  # in flight
     engine.record_step(8, torch.tensor(0.25), 0.1)
     seen: list[tuple[int, int]] = []
-    for outcome in engine.rounds_at_boundary(epoch=0, out_of_data=True, blocking=True):
+    for outcome in engine.rounds_at_boundary(epoch=0, out_of_data=lambda: True, blocking=True):
         seen.append((len(outcome.reports), engine.world_size))
     assert seen == [(3, 3), (2, 2)]
+
+
+def test_work_a_lost_peer_leaves_in_the_round_in_flight_keeps_the_epoch_open() -> None:
+    # cpu_async, soak trial 58: the survivors reached their last batch with a round in flight; that
+    # round lost a peer (regrouped and retried, it used up the "epoch stays open" mark) and its
+    # untrained work came back to the epoch. The next round must be sent after the caller looked
+    # for that work: sent with the stale "out of data", every survivor ended the epoch without it.
+    class LosesAPeerInFlight(FailingPeers):
+        non_blocking = True
+
+        def start(self, local: torch.Tensor) -> None:
+            super().start(local)
+            self.failures = int(len(self.starts) == 1)
+
+    plane = LosesAPeerInFlight(world_size=3, failures=0)
+    plane.peer_out_of_data = True
+    engine = engine_for(plane, 3)
+    Survivors(engine, Change(generation=1, before=(0, 1, 2), after=(0, 2)), keep_epoch_open=True)
+    engine.record_step(8, torch.tensor(0.25), 0.1)
+    assert engine.run_round(epoch=0, out_of_data=False, blocking=False) == []  # in flight
+    engine.record_step(8, torch.tensor(0.25), 0.1)
+    work_came = {"asked": 0}
+
+    def still_out_of_data() -> bool:
+        work_came["asked"] += 1
+        return engine.world_size == 3  # after the regroup, the lost peer's batches are this rank's
+
+    outcomes = list(engine.rounds_at_boundary(epoch=0, out_of_data=still_out_of_data, blocking=True))
+    assert [len(outcome.reports) for outcome in outcomes] == [2, 2]
+    assert work_came["asked"] == 1, "out_of_data is asked once, when the next round starts"
+    assert plane.starts[-1][Meta.OUT_OF_DATA] == 0.0
+    assert not any(outcome.epoch_over for outcome in outcomes)
 
 
 def test_a_rank_that_missed_a_round_takes_it_over_and_joins_the_next_one_without_mass() -> None:
