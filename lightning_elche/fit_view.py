@@ -56,12 +56,17 @@ class ElCheFitView:
         """The changes of the last fit that lost ranks (empty when none was lost)."""
         return self._membership.losses if self._membership is not None else []
 
-    def tolerates_rank_loss(self) -> bool:
+    def tolerates_rank_loss(self, member: Optional[int] = None) -> bool:
         """Whether a rank may be lost now without ending the job (the launcher then spares the
-        survivors when a rank's process fails). Called from the launcher's observer thread."""
+        survivors when a rank's process fails), or, given its launch rank ``member``, whether that
+        rank's loss was already agreed in this fit. Called from the launcher's observer thread."""
         # Also once max_failure is reached: the survivors then save and exit by themselves, and a
         # kill from the launcher must not cut the save short.
-        return self._membership is not None and self._membership.active
+        membership = self._membership
+        if membership is None:
+            return False
+        return membership.active or (member is not None and any(member in change.lost_ids
+                                                                  for change in membership.losses))
 
     # -- what callbacks may use ---------------------------------------------------------------------
 

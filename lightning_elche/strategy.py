@@ -181,7 +181,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
     @override
     def _configure_launcher(self) -> None:
         # Late-bound: the answer may change during the fit (and tests replace the method).
-        configure_launcher(self, tolerates_loss=lambda: self.tolerates_rank_loss())
+        configure_launcher(self, tolerates_loss=lambda member: self.tolerates_rank_loss(member))
 
     @override
     def setup_distributed(self) -> None:

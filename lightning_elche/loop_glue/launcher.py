@@ -20,13 +20,14 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 
-def configure_launcher(strategy: Any, tolerates_loss: Callable[[], bool]) -> None:
+def configure_launcher(strategy: Any, tolerates_loss: Callable[[int], bool]) -> None:
     """``DDPStrategy._configure_launcher``, with a popen launcher that spares the survivors of a loss.
 
     Lightning's popen launcher (the default for ``devices=N``) kills every rank as soon as one
     child exits non-zero; :class:`TolerantSubprocessLauncher` only reports such an exit while
-    ``tolerates_loss()``. The ``spawn``/``fork`` start methods keep Lightning's launcher, whose
-    ``torch.multiprocessing`` context ends every process when one fails.
+    ``tolerates_loss(member)`` (``member``: the child's launch rank). The ``spawn``/``fork`` start
+    methods keep Lightning's launcher, whose ``torch.multiprocessing`` context ends every process
+    when one fails.
     """
     if strategy._start_method != "popen":
         DDPStrategy._configure_launcher(strategy)
@@ -45,7 +46,7 @@ class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
     """
 
     def __init__(self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int,
-                 tolerates_loss: Callable[[], bool]) -> None:
+                 tolerates_loss: Callable[[int], bool]) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.tolerates_loss = tolerates_loss
 
@@ -53,7 +54,8 @@ class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            ChildObserver(self.procs, os.getpid(), self.tolerates_loss).start()
+            first_member = self.cluster_environment.node_rank() * self.num_processes
+            ChildObserver(self.procs, os.getpid(), self.tolerates_loss, first_member).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
@@ -61,18 +63,21 @@ class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
 class ChildObserver(threading.Thread):
     """Watches the children of rank 0 for a non-zero exit.
 
-    While ``tolerates_loss()`` a failed child is only reported, once, and never held against the
-    job later; otherwise every child and rank 0 are killed, as Lightning's ``_ChildProcessObserver``
+    While ``tolerates_loss(member)`` a failed child is only reported, once, and never held against
+    the job later; otherwise every child and rank 0 are killed, as Lightning's ``_ChildProcessObserver``
     does (a rank blocked in a collective with a dead peer would hang). The tolerance is read when
-    the exit is seen, at most ``period_s`` after it.
+    the exit is seen, at most ``period_s`` after it; ``member`` is the child's launch rank
+    (``first_member`` + its local rank), so that an exit the survivors already agreed on is tolerated
+    even when it is seen only after the fit (a fit may be shorter than ``period_s``).
     """
 
-    def __init__(self, children: list[subprocess.Popen], main_pid: int, tolerates_loss: Callable[[], bool],
-                 period_s: float = 1.0) -> None:
+    def __init__(self, children: list[subprocess.Popen], main_pid: int, tolerates_loss: Callable[[int], bool],
+                 first_member: int = 0, period_s: float = 1.0) -> None:
         super().__init__(daemon=True, name="elche-child-observer")  # ends with rank 0
         self.children = children
         self.main_pid = main_pid
         self.tolerates_loss = tolerates_loss
+        self.first_member = first_member
         self.period_s = period_s
         self.tolerated: set[int] = set()
 
@@ -89,7 +94,7 @@ class ChildObserver(threading.Thread):
             if code is None or code == 0 or index in self.tolerated:
                 continue
             local_rank = index + 1
-            if self._tolerating():
+            if self._tolerating(self.first_member + local_rank):
                 self.tolerated.add(index)
                 rank_zero_warn(f"The process of local rank {local_rank} (pid {child.pid}) exited with code {code}; "
                                "ElCheStrategy tolerates the loss: the other ranks go on.")
@@ -103,8 +108,8 @@ class ChildObserver(threading.Thread):
             return True
         return all(child.returncode is not None for child in self.children)
 
-    def _tolerating(self) -> bool:
+    def _tolerating(self, member: int) -> bool:
         try:
-            return bool(self.tolerates_loss())
+            return bool(self.tolerates_loss(member))
         except Exception:  # noqa: BLE001 (a broken answer must not keep a doomed job alive)
             return False
