@@ -38,7 +38,8 @@ class Throttle(Callback):
     """Make rank ``rank`` about ``slowdown`` times slower than it would be.
 
     * ``sleep`` (the CPU default): after each backward pass the rank sleeps ``slowdown - 1`` times
-      the host time from the batch start to the moment the last parameter gradient was computed.
+      the host time from the batch start (for a later backward of the same batch, a micro-batch's:
+      from the end of the last pause) to the moment the last parameter gradient was computed.
       The sleep frees the core, as a slower device would. Ending the span at the last gradient
       keeps communication out of it: DDP's gradient all-reduce finishes after that point, so a
       DDP run is not slowed more than an ElChe run by the same throttle.
@@ -145,6 +146,11 @@ class Throttle(Callback):
             pause = (self.slowdown - 1.0) * (end - self._t0)
             self.sleep_s += pause
             time.sleep(pause)
+            # A batch trained as micro-batches (ElCheStrategy(micro_batch=...)) or with a user's manual
+            # backward runs several backwards: the next one is slowed for its own compute, not again
+            # for this span and its pause (which would grow the pauses geometrically).
+            self._t0 = time.perf_counter()
+            self._t_grads = None
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._leave_green_context()

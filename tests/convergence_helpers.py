@@ -20,8 +20,11 @@ CONVERGENCE_ARMS = ("nccl_sync", "cpu_sync", "cpu_cadence", "cpu_cadence+bf16", 
                     "nccl_cadence+no_guard",
                     "nccl_cadence+slowmo", "nccl_cadence+slowmo+no_guard", "nccl_cadence+diloco",
                     "nccl_cadence+diloco+no_guard")
-"""Each arm is a mode, optionally ``+slowmo`` or ``+diloco`` (outer optimizer), ``+no_guard`` and ``+bf16``
-(``bf16_wire``, cpu_* modes)."""
+"""Each arm is a mode, optionally ``+slowmo`` or ``+diloco`` (outer optimizer), ``+no_guard``, ``+bf16``
+(``bf16_wire``, cpu_* modes) and ``+micro`` (:data:`MIXED_MICRO_BATCH`)."""
+
+MIXED_MICRO_BATCH = {0: 8, 1: 5}
+"""The ``+micro`` arms' ``micro_batch``: batches of 32 as 4 x 8 on rank 0, as 6 x 5 + 2 on the slow rank 1."""
 
 # Outer momentum 0.5: ElChe's windows here are ~20 steps, and the 0.9 of DiLoCo's paper (windows of
 # hundreds of steps) amplifies each window's drift about lr / (1 - momentum) times: see docs/benchmarks.md.
@@ -44,7 +47,8 @@ def _convergence_strategy(arm: str) -> Any:
     if "bf16" in variants:
         config = replace(config, bf16_wire=True)
     return ElCheStrategy(elche=config, outer_optimizer=outers[0] if outers else None, timeout=timedelta(seconds=30),
-                         snapshot_timeout=timedelta(seconds=30), summary=False)
+                         snapshot_timeout=timedelta(seconds=30), summary=False,
+                         micro_batch=MIXED_MICRO_BATCH if "micro" in variants else None)
 
 
 def digits_convergence(rank: int, out_dir: str, port: int, seeds: int, epochs: int,

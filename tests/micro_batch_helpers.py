@@ -19,7 +19,7 @@ from torch import nn
 
 class MicroBatchCheckModel(RecordingModel):
     """``RecordingModel`` plus, per rank, the largest gradient and loss differences from the reference
-    (the same batches trained whole), and how many training_step calls it took."""
+    (the same batches trained whole), how many training_step calls it took and the size of each batch."""
 
     def __init__(self, out_dir: str, **kwargs: Any) -> None:
         super().__init__(out_dir, **kwargs)
@@ -29,6 +29,7 @@ class MicroBatchCheckModel(RecordingModel):
         self.loss_diff = 0.0
         self.step_calls = 0
         self.checked_steps = 0
+        self.batch_sizes: list[int] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.step_calls += 1
@@ -36,6 +37,7 @@ class MicroBatchCheckModel(RecordingModel):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         _, x, y = batch
+        self.batch_sizes.append(len(x))
         self.pending.append((x, y))
         with torch.no_grad():
             self.reference_loss = float(nn.functional.mse_loss(self(x), y))
@@ -60,7 +62,7 @@ class MicroBatchCheckModel(RecordingModel):
         path = Path(self.out_dir, f"rank{self.global_rank}.json")
         record = json.loads(path.read_text())
         record.update(grad_diff=self.grad_diff, loss_diff=self.loss_diff, step_calls=self.step_calls,
-                      checked_steps=self.checked_steps)
+                      checked_steps=self.checked_steps, batch_sizes=self.batch_sizes)
         path.write_text(json.dumps(record))
 
 

@@ -62,11 +62,13 @@ def assert_same_params(a: dict[str, Any], b: dict[str, Any], atol: float = 1e-5)
         assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=atol, rtol=0)
 
 
-# (mode, accumulate_grad_batches, gradient_clip_val): two in CI, the rest of the modes behind -m faults.
+# (mode, accumulate_grad_batches, gradient_clip_val): every mode with and without accumulation, clipping
+# in one of each pair; two in CI, the rest behind -m extended.
 CI_CASES = [("nccl_sync", 1, None), ("cpu_cadence", 2, 0.05)]
-MORE_CASES = [("nccl_cadence", 2, None), ("cpu_sync", 1, 0.05), ("cpu_async", 2, 0.05)]
+MORE_CASES = [("nccl_sync", 2, 0.05), ("cpu_sync", 1, 0.05), ("cpu_sync", 2, None), ("nccl_cadence", 1, 0.05),
+              ("nccl_cadence", 2, None), ("cpu_cadence", 1, None), ("cpu_async", 1, None), ("cpu_async", 2, 0.05)]
 CASES = [pytest.param(*c, id="-".join(map(str, c))) for c in CI_CASES] + [
-    pytest.param(*c, id="-".join(map(str, c)), marks=pytest.mark.faults) for c in MORE_CASES]
+    pytest.param(*c, id="-".join(map(str, c)), marks=pytest.mark.extended) for c in MORE_CASES]
 
 
 @pytest.mark.distributed

@@ -35,3 +35,22 @@ def test_sm_limit_without_green_contexts_names_the_torch_version_and_the_alterna
 def test_green_context_sms_round_down_to_the_partition_granularity():
     assert green_context_sms(132, 2.2) == 56
     assert green_context_sms(132, 100.0) == 8
+
+
+def test_sleep_slows_each_backward_of_a_batch_by_its_own_compute(monkeypatch):
+    # A batch trained as three micro-batches: three backwards, 1 s of compute each on a fake clock.
+    clock = [0.0]
+    monkeypatch.setattr(testing.time, "perf_counter", lambda: clock[0])
+
+    def sleep(seconds):
+        clock[0] += seconds
+
+    monkeypatch.setattr(testing.time, "sleep", sleep)
+    throttle = Throttle(0, 3.0)
+    throttle.active_method = "sleep"
+    throttle.on_train_batch_start(None, None, None, 0)
+    for _ in range(3):
+        clock[0] += 1.0
+        throttle.on_after_backward(None, None)
+    assert throttle.sleep_s == pytest.approx(6.0)  # 3x slower: 2 s of pause per 1 s of compute
+    assert clock[0] == pytest.approx(9.0)
