@@ -22,7 +22,8 @@ survivors and validation is sharded again for them.
 
 Inside an evaluation run (a validation epoch, the sanity check) nothing is run again here: the
 whole run is (:mod:`lightning_elche.evaluation_recovery`), so that no partial result of the
-interrupted run is kept.
+interrupted run is kept. From ``on_train_end`` on every sample is trained: a loss there ends the
+fit, naming it, as before.
 
 Saves: every rank keeps the checkpoint it was last handed to save (:class:`CheckpointSaves`);
 rank 0 marks each save written in the job's store once its file is in place (whole:
@@ -36,19 +37,20 @@ fit with :class:`~lightning_elche.membership.change.RanksLost`, as in validation
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Optional
 
 from lightning.pytorch import Trainer
 
 from lightning_elche.checked_collectives import CollectiveMismatch
+from lightning_elche.elastic_ddp import ElasticDDPStrategy
 from lightning_elche.engine import ElCheEngine
 from lightning_elche.evaluation_recovery import EvaluationRecovery
-from lightning_elche.loop_glue import lightning_phase
+from lightning_elche.loop_glue import lightning_phase, training_over
 from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import Change
-
-Write = Callable[[dict[str, Any], Any, Optional[Any]], None]
+from lightning_elche.stop_checkpoint import written_whole
 
 
 class CheckpointSaves:
@@ -56,21 +58,30 @@ class CheckpointSaves:
     and the one rank 0 may have been lost writing.
 
     Args:
-        membership: the fit's members (their store holds the written marks; None: not marked).
-        write: writes a checkpoint (``Strategy.save_checkpoint``'s: on the global rank 0 only).
-        is_global_zero: whether this rank is rank 0 now (after a change too).
+        strategy: the strategy whose saves these are (its membership's store holds the written
+            marks; its rank 0, after a change too, writes).
     """
 
-    def __init__(self, membership: Callable[[], Optional[Membership]], write: Write,
-                 is_global_zero: Callable[[], bool]) -> None:
-        self.membership = membership
-        self.write = write
-        self.is_global_zero = is_global_zero
+    def __init__(self, strategy: ElasticDDPStrategy) -> None:
+        self.strategy = strategy
         self.count = 0
         self._fit = ""
         self._last: Optional[tuple[dict[str, Any], Any, Optional[Any]]] = None
         self.rewritten: list[Any] = []
         """The files this rank wrote after a loss in place of the rank 0 that was lost writing them."""
+
+    def membership(self) -> Optional[Membership]:
+        return self.strategy._membership
+
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    def write(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
+        """Lightning's save (on rank 0 only), into a temporary file renamed over ``filepath``."""
+        membership = self.membership()
+        held = membership.progress.held() if membership is not None else contextlib.nullcontext()
+        with held, written_whole(filepath) as partial:  # a write has no steps: not judged as a stall
+            super(ElasticDDPStrategy, self.strategy).save_checkpoint(checkpoint, partial, storage_options)
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         membership = self.membership()
@@ -130,8 +141,9 @@ class CollectiveRecovery:
 
     def recovered(self, error: CollectiveMismatch) -> bool:
         """Whether the collective ``error`` interrupted may run again: the error is a lost peer,
-        outside an evaluation run, and every survivor took the change. False leaves ``error`` to the
-        caller (the evaluation's redo, or the end of the fit).
+        outside an evaluation run and before the hooks after training (``on_train_end`` on: every
+        sample is trained, a loss there ends the fit as it did), and every survivor took the change.
+        False leaves ``error`` to the caller (the evaluation's redo, or the end of the fit).
 
         Raises:
             RanksLost: the others declared this rank lost, or the change reached ``max_failure``
@@ -139,7 +151,7 @@ class CollectiveRecovery:
         """
         engine = self.engine()
         changes = engine.failures if engine is not None else None
-        if error.lost is None or changes is None or self.evaluations.evaluating >= 0:
+        if error.lost is None or changes is None or self.evaluations.evaluating >= 0 or training_over(self.trainer):
             return False
         phase = lightning_phase(self.trainer)
         change = changes.after_failed_round(error.lost)
