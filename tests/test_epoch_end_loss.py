@@ -88,7 +88,7 @@ def check_checkpoint_writes(job: Job, rank: int, phase: str, epoch: int) -> None
         names = sorted(w["name"] for w in writes if w["epoch"] == e)
         assert len(names) == 2 and "last.ckpt" in names, f"epoch {e}: written {names} (expected each file once)"
         writers = {w["rank"] for w in writes if w["epoch"] == e}
-        first_rank_zero = 1 if rank == 0 and (e > epoch or (e == epoch and phase == "checkpoint_save")) else 0
+        first_rank_zero = 1 if rank == 0 and e >= epoch else 0  # every phase comes before (or in) the save
         assert writers == {first_rank_zero}, f"epoch {e}: written by {writers}, expected rank {first_rank_zero}"
     files = sorted(p.name for p in (job.out / "ckpt").glob("*.ckpt"))
     assert len(files) == 2 and files[0].startswith(f"epoch={EPOCHS - 1}-") and files[1] == "last.ckpt", files
@@ -107,6 +107,7 @@ CI_CASES = [("cpu_cadence", "kill", 1, "epoch_end_log", 0), ("nccl_sync", "raise
             ("cpu_async", "kill", 0, "checkpoint_save", 0)]
 
 
+@pytest.mark.timeout(300)  # a 3-rank job on a loaded 2-core machine
 @pytest.mark.parametrize(("mode", "kind", "rank", "phase", "epoch"), CI_CASES)
 def test_survivors_go_on_after_a_rank_lost_at_an_epoch_end(tmp_path: Path, mode: str, kind: str, rank: int,
                                                            phase: str, epoch: int) -> None:
@@ -122,6 +123,7 @@ FULL_CASES = [
 
 
 @pytest.mark.faults
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(("mode", "kind", "rank", "phase", "epoch"), FULL_CASES)
 def test_every_mode_survives_every_fault_at_an_epoch_end(tmp_path: Path, mode: str, kind: str, rank: int,
                                                          phase: str, epoch: int) -> None:
@@ -129,6 +131,7 @@ def test_every_mode_survives_every_fault_at_an_epoch_end(tmp_path: Path, mode: s
 
 
 @pytest.mark.faults
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("phase", PHASES)
 def test_max_failure_reached_at_an_epoch_end_saves_the_consensus_and_stops_every_survivor(tmp_path: Path,
                                                                                           phase: str) -> None:
