@@ -19,6 +19,13 @@ Only then is the collective started, asynchronously where torch allows it, and w
 cheap here: these calls come at epoch level, never per training step (a per-step ``reduce`` is
 rank-local under ElChe).
 
+A peer lost in a collective raises :class:`CollectiveMismatch` with ``lost`` set on every survivor.
+Outside an evaluation run (which is run again as a whole) the fit's ``recover`` (see
+:mod:`lightning_elche.collective_recovery`) carries the survivors past the loss, and the collective is
+run again on the new group: what it returns is the survivors'. A collective entered again names the
+one it replaces in its signature, so that survivors which failed in different collectives (a peer
+that died inside one let some complete it) fail with a mismatch instead of pairing up wrongly.
+
 Records are kept under ``<fit prefix>/collectives/gen<g>/<registry rank>/``: ``<n>`` for the
 collective number ``n`` (counted from 1 in each generation of the fit's membership: a regroup
 happens in a round, where every survivor has entered the same number), ``training`` (the epoch the
@@ -33,7 +40,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -43,6 +50,8 @@ from torch.distributed.constants import default_pg_timeout
 from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import PeerFailure
 from lightning_elche.membership.survival import fence_members
+
+T = TypeVar("T")
 
 _POLL_FIRST_S = 0.001
 _POLL_MAX_S = 0.02
@@ -183,6 +192,9 @@ class CheckedCollectives:
         """Collectives this rank entered in the current generation of the fit."""
         self._trained_epoch = -1
         self._covered = False
+        self.recover: Optional[Callable[[CollectiveMismatch], bool]] = None
+        """Carries the survivors past a lost peer (True: regrouped, run the collective again)."""
+        self._again = ""
 
     def active(self, group: Optional[Any] = None) -> Optional[Membership]:
         """The membership to check a collective on ``group`` with, or None (not checked)."""
@@ -227,15 +239,35 @@ class CheckedCollectives:
 
     def enter(self, kind: str, signature: str = "", summary: str = "") -> Optional[Membership]:
         """Enter the next collective (``kind`` with ``signature``) if checked: record it and wait
-        until every peer entered the same one. Returns the membership (None: not checked).
+        until every peer entered the same one (again on the new group after a survived loss).
+        Returns the membership (None: not checked).
 
         Raises:
             CollectiveMismatch: a peer entered another collective, or can never enter this one.
         """
+        return self._retried(lambda: self._enter(kind, signature, summary))
+
+    def _retried(self, attempt: Callable[[], T], restore: Callable[[], object] = lambda: None) -> T:
+        """``attempt()``; each time a peer is lost in it and ``recover`` carried the survivors past
+        the loss, ``restore()`` (the inputs a half-run collective may have changed) and again."""
+        while True:
+            try:
+                result = attempt()
+                self._again = ""
+                return result
+            except CollectiveMismatch as error:
+                failed = f" (again after collective #{self.count} of generation {self._scope[1]})"
+                if error.lost is None or self.recover is None or not self.recover(error):
+                    self._again = ""
+                    raise
+                self._again = failed
+                restore()
+
+    def _enter(self, kind: str, signature: str = "", summary: str = "") -> Optional[Membership]:
         membership = self.active()
         if membership is None or self._covered:
             return membership
-        entry = Entry(kind, signature, summary, self._phase())
+        entry = Entry(kind, signature + self._again, summary, self._phase())
         base = self._base(membership)
         self.count += 1
         number = self.count
@@ -369,12 +401,33 @@ class CheckedCollectives:
 
     def barrier(self, name: Optional[str], device_ids: Optional[Sequence[int]]) -> bool:
         """Lightning's ``barrier``; False when not checked here."""
-        membership = self.enter(f"barrier({name!r})" if name is not None else "barrier()")
-        if membership is None:
-            return False
-        kwargs: dict[str, Any] = {"device_ids": list(device_ids)} if device_ids and _uses_nccl() else {}
-        self._wait(membership, dist.barrier(async_op=True, **kwargs), "barrier()")
-        return True
+
+        def attempt() -> bool:
+            membership = self._enter(f"barrier({name!r})" if name is not None else "barrier()")
+            if membership is None:
+                return False
+            kwargs: dict[str, Any] = {"device_ids": list(device_ids)} if device_ids and _uses_nccl() else {}
+            self._wait(membership, dist.barrier(async_op=True, **kwargs), "barrier()")
+            return True
+
+        return self._retried(attempt)
+
+    def broadcast(self, src: int, broadcast: Callable[[], T]) -> T:
+        """Lightning's object ``broadcast`` (``broadcast()``, which has no asynchronous form), once
+        checked. A peer that dies inside it fails gloo at once: that error becomes the loss it is."""
+
+        def attempt() -> T:
+            membership = self._enter("broadcast()", f"src={src}")
+            try:
+                return broadcast()
+            except RuntimeError as error:
+                failure = None if membership is None else _lost_within_liveness(membership)
+                if membership is None or failure is None:
+                    raise
+                raise CollectiveMismatch(f"ElCheStrategy: broadcast() in {self._phase()} on rank {membership.rank} "
+                                         f"failed: {str(error).splitlines()[0]}; {failure}.", failure) from error
+
+        return self._retried(attempt)
 
     def all_gather(self, tensor: Tensor, group: Optional[Any], sync_grads: bool) -> Optional[Tensor]:
         """Lightning's ``all_gather`` without gradients: ``(world_size, *tensor.shape)``. None when
@@ -382,14 +435,18 @@ class CheckedCollectives:
         if self.active(group) is None:
             return None
         kind = "all_gather(sync_grads=True)" if sync_grads else "all_gather()"
-        membership = self.enter(kind, tensor_signature(tensor), collection_summary(tensor))
-        if membership is None or sync_grads:
-            return None
-        with torch.no_grad():
-            tensor = tensor.contiguous()
-            gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-            self._wait(membership, dist.all_gather(gathered, tensor, async_op=True), kind)
-            return torch.stack(gathered)
+
+        def attempt() -> Optional[Tensor]:
+            membership = self._enter(kind, tensor_signature(tensor), collection_summary(tensor))
+            if membership is None or sync_grads:
+                return None
+            with torch.no_grad():
+                sent = tensor.contiguous()
+                gathered = [torch.empty_like(sent) for _ in range(dist.get_world_size())]
+                self._wait(membership, dist.all_gather(gathered, sent, async_op=True), kind)
+                return torch.stack(gathered)
+
+        return self._retried(attempt)
 
     def reduce(self, tensor: Any, group: Optional[Any], reduce_op: Optional[Union[dist.ReduceOp, str]]
                ) -> Optional[Tensor]:
@@ -398,13 +455,19 @@ class CheckedCollectives:
         if not isinstance(tensor, Tensor) or self.active(group) is None:
             return None
         op, divide = reduce_op_for(reduce_op, str(dist.get_backend()))
-        membership = self.enter("reduce()", f"{tensor_signature(tensor)} {_op_name(op)}")
-        assert membership is not None
-        self._wait(membership, dist.all_reduce(tensor, op=op, async_op=True), "reduce()")
-        if not divide:
-            return tensor
-        world_size = dist.get_world_size()
-        return tensor.copy_(tensor / world_size) if not torch.is_floating_point(tensor) else tensor.div_(world_size)
+        sent = tensor.clone()  # what to reduce again if a peer is lost in the middle of the reduce
+
+        def attempt() -> Optional[Tensor]:
+            membership = self._enter("reduce()", f"{tensor_signature(tensor)} {_op_name(op)}")
+            if membership is None:  # a lone survivor: Lightning's own reduce
+                return None
+            self._wait(membership, dist.all_reduce(tensor, op=op, async_op=True), "reduce()")
+            if not divide:
+                return tensor
+            world_size = dist.get_world_size()
+            return tensor.copy_(tensor / world_size) if not torch.is_floating_point(tensor) else tensor.div_(world_size)
+
+        return self._retried(attempt, lambda: tensor.copy_(sent))
 
 
 def _lost_peers(membership: Membership, failure: PeerFailure) -> str:
@@ -417,6 +480,18 @@ def _lost_peers(membership: Membership, failure: PeerFailure) -> str:
         return str(failure)
     fence_members(lost, membership)  # the fit ends here: a stopped or stalled peer must not outlive it
     return "; ".join(f"rank {membership.members.index(peer)} left the fit: {why}" for peer, why in sorted(lost.items()))
+
+
+def _lost_within_liveness(membership: Membership) -> Optional[PeerFailure]:
+    """The loss behind a transport error, once the liveness signals show it (None: no peer is lost)."""
+    deadline = time.monotonic() + membership.liveness_timeout_s + 1.0
+    while time.monotonic() < deadline:
+        try:
+            membership.check()
+        except PeerFailure as failure:
+            return failure
+        time.sleep(0.05)
+    return None
 
 
 def _uses_nccl() -> bool:

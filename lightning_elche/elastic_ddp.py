@@ -6,7 +6,8 @@ after a membership change, and collectives between ElChe's rounds checked.
 ``reduce``, ``barrier``, ``broadcast`` and ``all_gather`` are refused where a peer may never reach
 them (inside a window); between the fit's set-up and teardown they go through the fit's
 :class:`~lightning_elche.checked_collectives.CheckedCollectives` (entry-checked, waited on with
-liveness checks); outside a fit, and on other groups, they are Lightning's own.
+liveness checks; run again on the survivors after a rank lost in them,
+:mod:`lightning_elche.collective_recovery`); outside a fit, and on other groups, they are Lightning's own.
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ class ElasticDDPStrategy(DDPStrategy):
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._session.refuse_collective("broadcast()")
-        if self._collectives is not None:  # an object broadcast has no asynchronous form: Lightning's, once checked
-            self._collectives.enter("broadcast()", f"src={src}")
-        return super().broadcast(obj, src)
+        lightning = super().broadcast  # an object broadcast has no asynchronous form: Lightning's, once checked
+        return lightning(obj, src) if self._collectives is None else self._collectives.broadcast(
+            src, lambda: lightning(obj, src))
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:

@@ -97,16 +97,21 @@ class EvaluationRecovery:
             ) from error
         self.redone.append(change)
         if change.ends_fit:
-            self._save_and_stop(change)
+            self.save_and_stop(change)
         return True
 
-    def _save_and_stop(self, change: Change) -> None:
+    def save_and_stop(self, change: Change, where: str = "while evaluating") -> None:
+        """``change`` reached ``max_failure``: save the consensus the survivors hold
+        (``last-ranks-lost.ckpt``) and end the fit.
+
+        Raises:
+            RanksLost: always, once saved."""
         started = time.perf_counter()
         path = stop_checkpoint_path(self.trainer, RANKS_LOST_CHECKPOINT_NAME)
         self.trainer.save_checkpoint(path)
         lost = ", ".join(f"rank {r} ({why})" for r, why in change.reasons.items())
         raise RanksLost(
-            f"ElCheStrategy: max_failure={self.max_failure!r} reached while evaluating: lost {lost} (original "
+            f"ElCheStrategy: max_failure={self.max_failure!r} reached {where}: lost {lost} (original "
             f"ranks). The {change.world_size_after} survivor(s) saved the consensus checkpoint {path} in "
             f"{time.perf_counter() - started:.2f} s; resume with Trainer.fit(ckpt_path=...)."
         )

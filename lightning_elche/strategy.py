@@ -40,6 +40,7 @@ from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checked_collectives import CheckedCollectives
 from lightning_elche.checks import require_timedelta
 from lightning_elche.cohort_callbacks import continue_the_cohort, follow_the_cohort, stop_if_the_budget_is_spent
+from lightning_elche.collective_recovery import CheckpointSaves, CollectiveRecovery
 from lightning_elche.config import FIT_KNOBS, ElCheConfig, ElCheMode, resolve_config
 from lightning_elche.coverage import EpochCoverage
 from lightning_elche.dispatch import ElCheSampler
@@ -78,7 +79,6 @@ from lightning_elche.planes import PlaneSetup, build_plane
 from lightning_elche.planes.collective import default_group_device
 from lightning_elche.round_driver import RoundDriver, RoundListener
 from lightning_elche.session import Session
-from lightning_elche.stop_checkpoint import written_whole
 from lightning_elche.stop_guard import guard_stops
 from lightning_elche.stop_signals import StopWatchdog, resolve_stop_grace
 from lightning_elche.summary import format_summary
@@ -167,6 +167,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         self._stop_watchdog: Optional[StopWatchdog] = None
         self._collectives: Optional[CheckedCollectives] = None
         self._evaluations: Optional[EvaluationRecovery] = None
+        self._saves = CheckpointSaves(self)  # a save is written once, whole, by rank 0 (or the new rank 0)
         self._micro_batching: Optional[MicroBatching] = None
         self._growth = Growth()  # a rank joining a running fit (ELCHE_JOIN=1), and the members' admissions
 
@@ -346,9 +347,9 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
 
     def _guard_fit(self, trainer: Trainer) -> None:
         """For the rest of the fit: stop signals become stop requests and always end the process
-        (:mod:`lightning_elche.stop_guard`); collectives outside the rounds are checked
-        (:mod:`lightning_elche.checked_collectives`), gathers of collections included; a rank lost in
-        validation is survived (:mod:`lightning_elche.evaluation_recovery`)."""
+        (:mod:`lightning_elche.stop_guard`); collectives outside the rounds are checked, gathers of
+        collections included (:mod:`lightning_elche.checked_collectives`); a rank lost in one is survived
+        (validation: :mod:`lightning_elche.evaluation_recovery`; elsewhere: :mod:`.collective_recovery`)."""
         self._stop_watchdog = guard_stops(self, trainer, self._patches, self._session.request_stop)
         self._collectives = CheckedCollectives(lambda: self._membership, lambda: lightning_phase(trainer),
                                                process_group_timeout(self) or default_pg_timeout)
@@ -357,6 +358,8 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         self._evaluations = EvaluationRecovery(trainer, lambda: self._engine, lambda: self._sampler,
                                                self.elche.max_failure)
         self._patches.redo_evaluation_after_losses(trainer, self._evaluations)  # a rank lost while validating
+        self._collectives.recover = CollectiveRecovery(trainer, lambda: self._engine, self._evaluations,
+                                                       self._saves).recovered  # anywhere else: run it again
 
     def _stop_saving(self) -> contextlib.AbstractContextManager[None]:
         watchdog = self._stop_watchdog
@@ -433,9 +436,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
                         storage_options: Optional[Any] = None) -> None:
         if self._rounds is not None:
             checkpoint["elche"] = self._rounds.checkpoint_state(self.world_size)
-        held = self._membership.progress.held() if self._membership is not None else contextlib.nullcontext()
-        with held, written_whole(filepath) as partial:  # a write has no steps: not judged as a stall
-            super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
+        self._saves.save(checkpoint, filepath, storage_options)
 
     # -- end of fit ---------------------------------------------------------------------------------
 

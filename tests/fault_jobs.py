@@ -158,9 +158,9 @@ def check_survived(job: Job, lost_ranks: set[int]) -> None:
     alive = [float(row["elche/alive"]) for row in csv_rows(job.out) if row.get("elche/alive")]
     # From the first logged sync (a killed rank 0 takes the rows it had not flushed with it; an early
     # fault comes before any), the count only falls, to the survivors; a rank lost in the last
-    # validation of the fit left no sync after it to log the smaller count.
+    # validation of the fit, or at its last epoch's end, left no sync after it to log the smaller count.
     after_last_sync = {rank for rank, record in fired_faults(job.out).items()
-                       if record.get("phase") == "validation" and int(record["epoch"]) == job.epochs - 1}
+                       if record.get("phase") not in (None, "sanity") and int(record["epoch"]) == job.epochs - 1}
     final = len(survivors) + len(after_last_sync & lost_ranks)
     if not alive:
         # Only a logger lost with its unflushed rows leaves none: rank 0, and after it the rank that

@@ -281,6 +281,63 @@ def test_a_regroup_starts_the_count_again():
     assert zero.count == one.count == 1
 
 
+def survivors_of_a_loss(store: Any) -> list[tuple[FakeMembership, CheckedCollectives]]:
+    """Ranks 0 and 1 of three, rank 2 lost; ``recover`` regroups them as the fit's survival would."""
+    pairs = []
+    for rank in range(2):
+        membership = FakeMembership(store, rank)
+        membership.members, membership.lost = [0, 1, 2], {2: "its process (pid 7) is gone"}
+        checks = CheckedCollectives(lambda m=membership: m, lambda: "on_train_epoch_end (stage train)",
+                                    world_size=lambda: 2)
+
+        def regroup(error: CollectiveMismatch, m: FakeMembership = membership) -> bool:
+            assert error.lost is not None, "only a loss is recovered"
+            m.members, m.generation, m.lost = [0, 1], m.generation + 1, {}
+            return True
+
+        checks.recover = regroup
+        pairs.append((membership, checks))
+    return pairs
+
+
+def test_a_collective_a_peer_was_lost_in_runs_again_on_the_survivors():
+    store = dist.HashStore()
+    (_, zero), (_, one) = survivors_of_a_loss(store)
+    results = on_both([lambda: zero.enter("reduce()", "float32[] SUM"), lambda: one.enter("reduce()", "float32[] SUM")])
+    assert [error for error, _ in results] == [None, None]
+    assert zero.count == one.count == 1  # counted afresh in the new generation
+    again = Entry.loads(store.get("fit/collectives/gen1/0/1"))
+    assert again.signature == "float32[] SUM (again after collective #1 of generation 0)"
+    # The next collective is an ordinary one again.
+    assert [error for error, _ in on_both([lambda: zero.enter("barrier()"), lambda: one.enter("barrier()")])] == [
+        None, None]
+    assert Entry.loads(store.get("fit/collectives/gen1/1/2")).signature == ""
+
+
+def test_survivors_that_failed_in_different_collectives_do_not_pair_up_again():
+    # A peer that died inside a collective may let one survivor complete it: its next is another.
+    store = dist.HashStore()
+    (m0, zero), (m1, one) = survivors_of_a_loss(store)
+    m0.members, m1.members, m0.lost, m1.lost = [0, 1], [0, 1], {}, {}  # a first collective passes
+    on_both([lambda: zero.enter("barrier()"), lambda: one.enter("barrier()")])
+    m0.members, m1.members = [0, 1, 2], [0, 1, 2]
+    m0.lost = m1.lost = {2: "its process (pid 7) is gone"}
+    one.count += 1  # rank 1 completed collective #2, rank 0 did not
+    results = on_both([lambda: zero.enter("reduce()", "float32[] SUM"), lambda: one.enter("reduce()", "float32[] SUM")])
+    for error, _ in results:
+        assert isinstance(error, CollectiveMismatch) and error.lost is None, error
+        assert "again after collective #2" in str(error) and "again after collective #3" in str(error), error
+
+
+def test_a_loss_the_fit_does_not_recover_from_ends_the_collective():
+    store = dist.HashStore()
+    (membership, zero), _ = survivors_of_a_loss(store)
+    zero.recover = lambda error: False
+    with pytest.raises(CollectiveMismatch, match="rank 2 left the fit") as lost:
+        zero.enter("barrier()")
+    assert lost.value.lost is not None and membership.generation == 0
+
+
 def test_nothing_is_checked_without_an_active_membership_or_a_second_rank():
     membership = FakeMembership(dist.HashStore(), 0)
     alone = CheckedCollectives(lambda: membership, lambda: "", world_size=lambda: 1)

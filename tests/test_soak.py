@@ -17,8 +17,11 @@ reported with its error; a stalled rank, when it is the only fault, as stalled.
 
 The training faults come before an optimizer step (a stalled rank's collective is the next
 round's). A quarter of the trials also lose one more rank at a random batch of a validation epoch or
-of the sanity check (:func:`draw_validation_fault`). An epoch-end ``sync_dist`` or a checkpoint's
-save is not survived yet (``docs/failures.md``), so the soak does not inject there.
+of the sanity check (:func:`draw_validation_fault`), and a quarter lose one more at a random
+epoch's end: in the module's ``sync_dist`` log, in a callback's own collectives or in the epoch's
+checkpoint save (:func:`draw_epoch_end_fault`). Both are drawn after everything else, so that the
+training faults of a trial are those it had before they were added (CI's fixed trials draw
+neither).
 
 The full soak is marked ``faults``; ``ELCHE_SOAK_TRIALS`` (default 240), ``ELCHE_SOAK_FIRST``
 (default 0: the first trial's index, to split a soak over several runs) and ``ELCHE_SOAK_SEED``
@@ -65,6 +68,7 @@ class Trial:
     faults: tuple[str, ...]  # KIND:RANK:STEP:EPOCH
     max_failure: Optional[int]
     val_faults: tuple[str, ...] = ()  # KIND:RANK:BATCH:EPOCH|sanity (fault_fit.py's --val-fault)
+    epoch_end_faults: tuple[str, ...] = ()  # KIND:RANK:PHASE:EPOCH (fault_fit.py's --epoch-end-fault)
 
     @property
     def samples(self) -> int:
@@ -72,7 +76,7 @@ class Trial:
 
     @property
     def kinds(self) -> list[str]:
-        return [fault.split(":")[0] for fault in (*self.faults, *self.val_faults)]
+        return [fault.split(":")[0] for fault in (*self.faults, *self.val_faults, *self.epoch_end_faults)]
 
     @property
     def sanity_steps(self) -> int:
@@ -81,7 +85,7 @@ class Trial:
     @property
     def name(self) -> str:
         return f"{self.seed}.{self.index:03d}-{self.mode}-{self.ranks}r-{'+'.join(self.kinds)}" + (
-            "-val" if self.val_faults else "") + (
+            "-val" if self.val_faults else "") + ("-epochend" if self.epoch_end_faults else "") + (
             f"-max{self.max_failure}" if self.max_failure is not None else "")
 
 
@@ -125,8 +129,25 @@ def draw_validation_fault(chooser: random.Random, ranks: int, taken: set[int], e
     return f"{kind}:{rank}:{batch if where != 'sanity' else 0}:{where}"
 
 
+EPOCH_END_SHARE = 0.25
+"""Trials that also lose a rank at an epoch's end (docs/failures.md)."""
+EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
+
+
+def draw_epoch_end_fault(chooser: random.Random, ranks: int, taken: set[int], epochs: int) -> Optional[str]:
+    """A fault at the end of a random epoch (fault_fit.py's ``--epoch-end-fault`` phases) on a rank no
+    other fault names."""
+    if chooser.random() >= EPOCH_END_SHARE:
+        return None
+    free = [rank for rank in range(ranks) if rank not in taken]
+    if len(free) < 2:
+        return None  # one rank must survive every fault
+    kind, rank, phase = chooser.choice(EXITS), chooser.choice(free), chooser.choice(EPOCH_END_PHASES)
+    return f"{kind}:{rank}:{phase}:{chooser.randrange(epochs)}"
+
+
 def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool = True,
-               validation: bool = True) -> Trial:
+               validation: bool = True, epoch_end: bool = True) -> Trial:
     chooser = random.Random(f"{seed}:{index}")
     mode = chooser.choice(MODES)
     drawn_ranks = chooser.choices(list(RANK_WEIGHTS), weights=list(RANK_WEIGHTS.values()))[0]
@@ -150,8 +171,12 @@ def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool 
         validation) else None
     if val_fault is not None and max_failure is not None and max_failure > count:
         max_failure += 1  # the limit stays above the faults it was drawn above
+    taken = {int(f.split(":")[1]) for f in (*faults, *([val_fault] if val_fault else []))}
+    end_fault = draw_epoch_end_fault(chooser, ranks, taken, epochs) if epoch_end else None
+    if end_fault is not None and max_failure is not None and max_failure > count + (val_fault is not None):
+        max_failure += 1
     return Trial(seed, index, mode, ranks, epochs, tuple(faults), max_failure,
-                 () if val_fault is None else (val_fault,))
+                 () if val_fault is None else (val_fault,), () if end_fault is None else (end_fault,))
 
 
 def soak_count(name: str, default: int, least: int) -> int:
@@ -165,7 +190,7 @@ SEED = os.environ.get("ELCHE_SOAK_SEED", "0")
 FIRST = soak_count("ELCHE_SOAK_FIRST", 0, 0)
 """The first trial's index: a soak split over several runs draws trials FIRST .. FIRST + TRIALS - 1."""
 SOAK = [draw_trial(SEED, k) for k in range(FIRST, FIRST + soak_count("ELCHE_SOAK_TRIALS", 240, 1))]
-CI = [draw_trial("ci8", k, ranks=3, stalls=False, validation=False) for k in range(2)]
+CI = [draw_trial("ci8", k, ranks=3, stalls=False, validation=False, epoch_end=False) for k in range(2)]
 """A fixed draw that has a saving stop (an out-of-memory error at the first step, ``max_failure=1``)
 and a double fault in one window (SIGSTOP and an out-of-memory error)."""
 
@@ -178,6 +203,8 @@ def run_trial(tmp_path: Path, trial: Trial) -> None:
         extra = ("--stall-floor", str(STALL_FLOOR_S)) if stalled else ()
         for fault in trial.val_faults:
             extra += ("--val-fault", fault)
+        for fault in trial.epoch_end_faults:
+            extra += ("--epoch-end-fault", fault)
         extra += ("--sanity-steps", str(trial.sanity_steps))
         job = run_job(tmp_path, trial.mode, list(trial.faults), ranks=trial.ranks, epochs=trial.epochs,
                       samples=trial.samples, max_failure=None if trial.max_failure is None else str(trial.max_failure),
@@ -189,8 +216,8 @@ def run_trial(tmp_path: Path, trial: Trial) -> None:
         else:
             expected = "survived"
             check_survived(job, set(faults))
-            # A rank lost in validation is checked by the survival checks; its reason's wording is
-            # the validation recovery's (tests/test_validation_loss.py).
+            # A rank lost in validation or at an epoch's end is checked by the survival checks; its
+            # reason's wording is the recoveries' (tests/test_validation_loss.py, test_epoch_end_loss.py).
             check_reasons(job, {rank: str(record["kind"]) for rank, record in faults.items() if "phase" not in record})
         outcome = "passed"
     except BaseException as error:  # pytest.fail and a timeout too: the report counts every failure
@@ -201,6 +228,7 @@ def run_trial(tmp_path: Path, trial: Trial) -> None:
         if report:
             fired = [str(record["kind"]) for record in fired_faults(tmp_path).values()]
             line = {**asdict(trial), "faults": list(trial.faults), "val_faults": list(trial.val_faults),
+                    "epoch_end_faults": list(trial.epoch_end_faults),
                     "kinds": trial.kinds, "fired": len(fired),
                     "fired_kinds": fired,
                     "expected": expected, "outcome": outcome, "elapsed_s": round(time.monotonic() - started, 1),

@@ -26,6 +26,17 @@ sanity check; ``--sanity-steps N`` runs one, ``-1`` over the whole validation se
 each validation it finishes to ``val-rank<original rank>.jsonl``: the synced ``val_*`` metrics, the
 parameters it validated and its numbering.
 
+``--epoch-end-fault KIND:RANK:PHASE:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` on original rank
+``RANK`` at the end of training epoch ``EPOCH``, in ``PHASE``: ``epoch_end_log`` (the module's
+``on_train_epoch_end``, before its ``self.log("epoch_members", sync_dist=True)``), ``epoch_end_callback``
+(a callback's ``on_train_epoch_end``, before its ``strategy.reduce``/``barrier``/``all_gather``) or
+``checkpoint_save`` (the epoch's first ``ModelCheckpoint`` save: rank 0 halfway through writing the file,
+any other rank while the checkpoint is dumped). With it (or ``--epoch-end-probes``) every rank logs
+``epoch_members`` (2**original rank, summed over the ranks) at each epoch end, its callback reduces,
+gathers and barriers there, and every rank appends to ``epoch-end-rank<original rank>.jsonl`` what those
+returned, the ``epoch_members`` it logged and the epoch of ``ckpt/last.ckpt`` at the next epoch's
+start; every checkpoint file written whole is appended to ``writes.jsonl`` (by whom, in which epoch).
+
 ``--monitor DIR`` attaches an ``ElCheMonitor`` writing its record log to ``DIR/records``, its
 dashboard to ``DIR/dashboard.html`` and its timeline to ``DIR/timeline.json``.
 """
@@ -58,6 +69,9 @@ from lightning_elche import ElCheMonitor, ElCheStrategy  # noqa: E402
 ORIGINAL_RANK = int(os.environ.get("ELCHE_TEST_MEMBER", os.environ.get("LOCAL_RANK", "0")))
 CHANGES: list[dict[str, Any]] = []
 KINDS = ("kill", "stop", "raise", "oom", "exit", "loop", "sleep_in_collective")
+EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
+EPOCH_END_FAULTS: dict[str, tuple[str, int]] = {}
+"""This rank's epoch-end faults: phase -> (kind, epoch)."""
 
 
 class FaultLogModel(pl.LightningModule):
@@ -65,6 +79,7 @@ class FaultLogModel(pl.LightningModule):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
         self.out_dir, self.samples, self.batch_size = out_dir, samples, batch_size
+        self.probes = False
         self._log: Optional[Any] = None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -87,6 +102,13 @@ class FaultLogModel(pl.LightningModule):
         self.log("val_index_sum", float(idx.sum()), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
         squared = nn.functional.mse_loss(self.net(x), y, reduction="sum")
         self.log("val_sq_err", squared, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+
+    def on_train_epoch_end(self) -> None:
+        if not self.probes:
+            return
+        fire_epoch_end_fault(self.out_dir, "epoch_end_log", self.trainer)
+        # Summed over the ranks that reduced it: which ranks the logged value counts.
+        self.log("epoch_members", float(2 ** ORIGINAL_RANK), reduce_fx="sum", sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -184,6 +206,80 @@ class InjectValidationFault(pl.Callback):
         fail_now(self.kind)
 
 
+def fire_epoch_end_fault(out_dir: str, phase: str, trainer: pl.Trainer) -> None:
+    """The fault of ``phase`` at this epoch's end, if this rank has one there (once)."""
+    fault = EPOCH_END_FAULTS.get(phase)
+    if fault is None or fault[1] != trainer.current_epoch:
+        return
+    del EPOCH_END_FAULTS[phase]
+    record = {"kind": fault[0], "time": time.time(), "epoch": trainer.current_epoch, "phase": phase}
+    Path(out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(json.dumps(record))
+    fail_now(fault[0])
+
+
+class EpochEndCollectives(pl.Callback):
+    """At each epoch end, a callback's own collectives (a reduce, a barrier, a gather); what they
+    returned, the ``epoch_members`` the module logged and the epoch ``last.ckpt`` holds go to
+    ``epoch-end-rank<r>.jsonl``. Every checkpoint file written whole goes to ``writes.jsonl``, and
+    the ``checkpoint_save`` fault is injected into the save."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.epoch = -1  # the last epoch that ended
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        write = io.save_checkpoint
+
+        def save_checkpoint(checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+            name = Path(str(path)).name
+            final = name.removeprefix(".").rsplit(".", 2)[0] if name.endswith(".partial") else name
+            pending = EPOCH_END_FAULTS.get("checkpoint_save")
+            if pending is not None and pending[1] == trainer.current_epoch:
+                Path(str(path)).parent.mkdir(parents=True, exist_ok=True)
+                Path(str(path)).write_bytes(b"half a checkpoint")  # the writer dies halfway
+                fire_epoch_end_fault(self.out_dir, "checkpoint_save", trainer)
+            write(checkpoint, path, storage_options=storage_options)
+            self._append("writes.jsonl", {"name": final, "epoch": trainer.current_epoch, "rank": ORIGINAL_RANK,
+                                          "time": time.time()})
+
+        io.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if ORIGINAL_RANK != 0:  # rank 0's fault comes in the write
+            fire_epoch_end_fault(self.out_dir, "checkpoint_save", trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.epoch = trainer.current_epoch
+        fire_epoch_end_fault(self.out_dir, "epoch_end_callback", trainer)
+        strategy = trainer.strategy
+        reduced = strategy.reduce(torch.tensor(float(2 ** ORIGINAL_RANK)), reduce_op="sum")
+        strategy.barrier("epoch_end_callback")
+        gathered = strategy.all_gather(torch.tensor([ORIGINAL_RANK]))
+        self._append(f"epoch-end-rank{ORIGINAL_RANK}.jsonl", {
+            "epoch": trainer.current_epoch, "reduced": float(reduced), "gathered": gathered.flatten().tolist(),
+            "world_size": trainer.world_size})
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch > 0:
+            self._logged(trainer, trainer.current_epoch - 1)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._logged(trainer, self.epoch)
+
+    def _logged(self, trainer: pl.Trainer, epoch: int) -> None:
+        last = Path(self.out_dir, "ckpt", "last.ckpt")
+        saved = torch.load(last, weights_only=False, map_location="cpu")["epoch"] if last.exists() else None
+        self._append(f"epoch-end-rank{ORIGINAL_RANK}.jsonl", {
+            "logged_epoch": epoch, "epoch_members": float(trainer.callback_metrics.get("epoch_members", -1.0)),
+            "last_ckpt_epoch": saved})
+
+    def _append(self, name: str, record: dict[str, Any]) -> None:
+        with open(Path(self.out_dir, name), "a") as sink:
+            sink.write(json.dumps(record) + "\n")
+
+
 class RecordValidation(pl.Callback):
     """Every validation this rank finished: the synced metrics and the parameters it validated."""
 
@@ -265,6 +361,16 @@ def main(args: argparse.Namespace) -> None:
         if int(rank) == ORIGINAL_RANK:
             callbacks.append(InjectValidationFault(args.out_dir, kind, int(batch),
                                                    None if epoch == "sanity" else int(epoch)))
+    for fault in args.epoch_end_fault:
+        kind, rank, phase, epoch = fault.split(":")
+        if phase not in EPOCH_END_PHASES:
+            raise SystemExit(f"--epoch-end-fault {fault} is invalid: expected KIND:RANK:PHASE:EPOCH with PHASE one "
+                             f"of {EPOCH_END_PHASES}")
+        if int(rank) == ORIGINAL_RANK:
+            EPOCH_END_FAULTS[phase] = (kind, int(epoch))
+    probes = args.epoch_end_probes or bool(args.epoch_end_fault)
+    if probes:
+        callbacks.append(EpochEndCollectives(args.out_dir))
     if args.hold_for_joiner is not None and ORIGINAL_RANK == 0 and not os.environ.get("ELCHE_JOIN"):
         callbacks.append(HoldForJoiner(args.hold_for_joiner))
     for fault in args.fault:
@@ -298,7 +404,9 @@ def main(args: argparse.Namespace) -> None:
         enable_model_summary=False, num_sanity_val_steps=args.sanity_steps, default_root_dir=args.out_dir,
         log_every_n_steps=1,
     )
-    trainer.fit(FaultLogModel(args.out_dir, args.samples, args.batch_size, args.width))
+    model = FaultLogModel(args.out_dir, args.samples, args.batch_size, args.width)
+    model.probes = probes
+    trainer.fit(model)
 
 
 if __name__ == "__main__":
@@ -313,6 +421,9 @@ if __name__ == "__main__":
     parser.add_argument("--fault", action="append", default=[])
     parser.add_argument("--max-failure", default=None)
     parser.add_argument("--val-fault", action="append", default=[], help="KIND:RANK:BATCH:EPOCH (EPOCH: or sanity)")
+    parser.add_argument("--epoch-end-fault", action="append", default=[],
+                        help="KIND:RANK:PHASE:EPOCH (PHASE: epoch_end_log, epoch_end_callback or checkpoint_save)")
+    parser.add_argument("--epoch-end-probes", action="store_true", help="the epoch-end collectives, without a fault")
     parser.add_argument("--micro-batch", default=None, help="ElCheStrategy(micro_batch): M or RANK=M,...")
     parser.add_argument("--sanity-steps", type=int, default=0, help="Trainer(num_sanity_val_steps)")
     parser.add_argument("--liveness", type=float, default=5.0)

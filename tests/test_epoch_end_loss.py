@@ -1,0 +1,144 @@
+"""Survive a rank lost at a training epoch's end: real 3-rank CPU jobs (gloo, Lightning's popen
+launcher) in which a rank is killed (-9), stopped (SIGSTOP), raises or exits
+
+* ``epoch_end_log``: in the module's ``on_train_epoch_end``, before its ``self.log(sync_dist=True)``;
+* ``epoch_end_callback``: in a callback's ``on_train_epoch_end``, before its own ``strategy.reduce``,
+  ``barrier`` and ``all_gather``;
+* ``checkpoint_save``: in the epoch's ``ModelCheckpoint`` save (rank 0 halfway through writing the
+  file; another rank while the checkpoint is dumped).
+
+Every run checks what :func:`fault_jobs.check_survived` checks of any loss (the survivors finish
+every epoch, renumbered, identical replicas, every training sample once in the consensus, no process
+left) and: each epoch-end collective returned, on every survivor, the survivors' values from the
+loss on (the reduce sums the survivors' ``2**rank``, the gather holds their ranks), the
+``epoch_members`` each survivor logged counts the survivors from the loss on, and every checkpoint
+file was written whole exactly once per epoch (by the new rank 0 when rank 0 was lost writing it).
+
+CI runs one case per phase; every mode x every fault x every phase is marked ``faults``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fault_jobs import EPOCHS, MODES, Job, check_survived, csv_rows, fired_faults, run_job
+
+pytestmark = pytest.mark.distributed
+
+RANKS = 3
+PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
+KINDS = ("kill", "stop", "raise", "exit")
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def bits(ranks: list[int]) -> float:
+    return float(sum(2 ** r for r in ranks))
+
+
+def check_epoch_end(job: Job, rank: int, phase: str, epoch: int) -> None:
+    """The epoch-end collectives, the logged value and the checkpoint files of a job that lost
+    ``rank`` in ``phase`` at the end of ``epoch``."""
+    everyone, survivors = list(range(RANKS)), [r for r in range(RANKS) if r != rank]
+    fault = fired_faults(job.out)[rank]
+    assert (fault["phase"], fault["epoch"]) == (phase, epoch), fault
+
+    def reduced_by(e: int) -> list[int]:  # the callback's collectives come before the module's log and the save
+        return survivors if e > epoch or (e == epoch and phase == "epoch_end_callback") else everyone
+
+    def logged_by(e: int) -> list[int]:  # the save reduces the logged values (its monitor candidates) first
+        return survivors if e > epoch or (e == epoch and phase != "checkpoint_save") else everyone
+
+    for survivor in survivors:
+        rows = jsonl(job.out / f"epoch-end-rank{survivor}.jsonl")
+        collectives = [row for row in rows if "reduced" in row]
+        assert [row["epoch"] for row in collectives] == list(range(EPOCHS)), (survivor, collectives)
+        for row in collectives:
+            expected = reduced_by(row["epoch"])
+            where = f"rank {survivor}, the callback's collectives at the end of epoch {row['epoch']}"
+            assert row["reduced"] == bits(expected), f"{where}: reduced {row['reduced']}, expected {bits(expected)}"
+            assert row["gathered"] == expected, f"{where}: gathered {row['gathered']}"
+        logged = [row for row in rows if "logged_epoch" in row]
+        assert [row["logged_epoch"] for row in logged] == list(range(EPOCHS)), (survivor, logged)
+        for row in logged:
+            expected = bits(logged_by(row["logged_epoch"]))
+            assert row["epoch_members"] == expected, (
+                f"rank {survivor} logged epoch_members={row['epoch_members']} for epoch {row['logged_epoch']}, "
+                f"expected {expected} (2**rank summed over the ranks that reduced it)")
+            # The checkpoint of the epoch before, complete (it loads) and of that epoch.
+            assert row["last_ckpt_epoch"] == row["logged_epoch"], (survivor, row)
+    # What rank 0 logged (the new rank 0 from the loss on): each epoch's value once, the survivors' from the loss.
+    members = {int(row["epoch"]): float(row["epoch_members"]) for row in csv_rows(job.out) if row.get("epoch_members")}
+    for e in range(epoch, EPOCHS):
+        assert members.get(e) == bits(logged_by(e)), f"epoch {e}: rank 0 logged {members.get(e)}; all {members}"
+    check_checkpoint_writes(job, rank, phase, epoch)
+
+
+def check_checkpoint_writes(job: Job, rank: int, phase: str, epoch: int) -> None:
+    """Each epoch's two files (the top-k one and ``last.ckpt``) written whole exactly once, by rank 0
+    (the new rank 0 from the loss of rank 0 on); the last ones load."""
+    writes = jsonl(job.out / "writes.jsonl")
+    for e in range(EPOCHS):
+        names = sorted(w["name"] for w in writes if w["epoch"] == e)
+        assert len(names) == 2 and "last.ckpt" in names, f"epoch {e}: written {names} (expected each file once)"
+        writers = {w["rank"] for w in writes if w["epoch"] == e}
+        first_rank_zero = 1 if rank == 0 and e >= epoch else 0  # every phase comes before (or in) the save
+        assert writers == {first_rank_zero}, f"epoch {e}: written by {writers}, expected rank {first_rank_zero}"
+    files = sorted(p.name for p in (job.out / "ckpt").glob("*.ckpt"))
+    assert len(files) == 2 and files[0].startswith(f"epoch={EPOCHS - 1}-") and files[1] == "last.ckpt", files
+    for name in files:
+        assert torch.load(job.out / "ckpt" / name, weights_only=False, map_location="cpu")["epoch"] == EPOCHS - 1
+
+
+def run_epoch_end_case(tmp_path: Path, mode: str, kind: str, rank: int, phase: str, epoch: int) -> Job:
+    job = run_job(tmp_path, mode, [], extra=("--epoch-end-fault", f"{kind}:{rank}:{phase}:{epoch}"))
+    check_survived(job, {rank})
+    check_epoch_end(job, rank, phase, epoch)
+    return job
+
+
+CI_CASES = [("cpu_cadence", "kill", 1, "epoch_end_log", 0), ("nccl_sync", "raise", 2, "epoch_end_callback", 1),
+            ("cpu_async", "kill", 0, "checkpoint_save", 0)]
+
+
+@pytest.mark.timeout(300)  # a 3-rank job on a loaded 2-core machine
+@pytest.mark.parametrize(("mode", "kind", "rank", "phase", "epoch"), CI_CASES)
+def test_survivors_go_on_after_a_rank_lost_at_an_epoch_end(tmp_path: Path, mode: str, kind: str, rank: int,
+                                                           phase: str, epoch: int) -> None:
+    run_epoch_end_case(tmp_path, mode, kind, rank, phase, epoch)
+
+
+FULL_CASES = [
+    (mode, kind, (n + p) % RANKS, phase, (n + p) % 2)
+    for n, (mode, kind) in enumerate((mode, kind) for mode in MODES for kind in KINDS)
+    for p, phase in enumerate(PHASES)
+    if (mode, kind, (n + p) % RANKS, phase, (n + p) % 2) not in CI_CASES
+]
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("mode", "kind", "rank", "phase", "epoch"), FULL_CASES)
+def test_every_mode_survives_every_fault_at_an_epoch_end(tmp_path: Path, mode: str, kind: str, rank: int,
+                                                         phase: str, epoch: int) -> None:
+    run_epoch_end_case(tmp_path, mode, kind, rank, phase, epoch)
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("phase", PHASES)
+def test_max_failure_reached_at_an_epoch_end_saves_the_consensus_and_stops_every_survivor(tmp_path: Path,
+                                                                                          phase: str) -> None:
+    job = run_job(tmp_path, "cpu_cadence", [], max_failure="1", extra=("--epoch-end-fault", f"kill:2:{phase}:0"))
+    assert not job.leftover, f"processes left behind: {job.leftover}"
+    assert job.returncode != 0, "the survivors must exit non-zero when max_failure is reached"
+    assert not job.results, "no rank may finish the fit normally"
+    assert "RanksLost" in job.log and "max_failure=1 reached" in job.log and "lost rank 2" in job.log, job.log[-4000:]
+    checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False, map_location="cpu")
+    assert checkpoint["epoch"] == 0 and checkpoint["elche"]["rounds"] > 0
