@@ -68,9 +68,10 @@ from lightning_elche.membership.admission import (
     read_join_secret,
 )
 from lightning_elche.membership.agreement import Membership
-from lightning_elche.membership.change import Change
+from lightning_elche.membership.change import Change, RanksLost
+from lightning_elche.membership.entry import Entry, settle_entry
 from lightning_elche.membership.groups import init_generation_group
-from lightning_elche.membership.survival import Survival
+from lightning_elche.membership.survival import Survival, fence
 
 DISPATCH_STORE_PREFIX = "lightning_elche/dispatch/"
 
@@ -198,7 +199,11 @@ class Growth:
         joined = self.admitter.admit(count)
         if not joined:
             return
-        change = membership.admit(joined)
+        opened = membership.admit(joined)
+        change = self._settle(opened, settle_entry(membership, opened.generation, opened.before, joined), engine,
+                              session)
+        if change is None:
+            return
         change = replace(change, regrouped_with=self.survival.groups.rebuild(change))
         membership.record(change)
         leader = membership.rank == 0
@@ -213,7 +218,34 @@ class Growth:
         if leader:
             self._send({"engine": engine.round_record(), "callback_role": session.callback_role.state_dict(),
                         "dispatch": sampler.state_for_joiner()}, change)
-        _warn_joined(change, membership.world_size)
+        self.survival.follow_up(change)
+        if change.is_join:
+            _warn_joined(change, membership.world_size)
+
+    def _settle(self, opened: Change, entry: Entry, engine: Any, session: Any) -> Optional[Change]:
+        """The admission's change as its generation was entered (:mod:`~lightning_elche.membership.entry`):
+        a joiner that did not reach it is out (never a member), a member that did not is lost (its
+        batches of the epoch at the admission round are in the consensus, the rest goes back);
+        None when nothing changed after all."""
+        assert self.survival is not None
+        membership = self.survival.membership
+        if entry.after == opened.after:
+            return opened
+        if entry.after == opened.before:  # every joiner dropped, nobody lost: the fit goes on as it was
+            membership.members = list(opened.before)
+            membership.changes.remove(opened)
+            return None
+        batches = engine.progress_at_failure(session.epoch).epoch_batches
+        trained = {m: int(batches[k]) if k < len(batches) else 0 for k, m in enumerate(opened.before)
+                   if m in entry.lost}
+        change = replace(opened, after=entry.after, reasons=dict(entry.lost), trained_batches=trained)
+        membership.members = list(change.after)
+        membership.record(change)
+        limit = membership.limit
+        change = replace(change, ends_fit=bool(entry.lost) and limit is not None and membership.lost_count >= limit)
+        membership.record(change)
+        fence(change, membership)
+        return change
 
     @staticmethod
     def _send(payload: dict[str, Any], change: Change) -> None:
@@ -262,8 +294,13 @@ class Growth:
         member = self._link.member
         membership = Membership(self._link.store, job.fit_prefix, member, members[:before], strategy.liveness_timeout,
                                 self._timeout, max_failure=strategy.elche.max_failure)
-        change = Change(generation=generation, before=tuple(members[:before]), after=tuple(members),
-                        detected_at=time.time(), regrouped_with="new group")
+        try:
+            entry = settle_entry(membership, generation, members[:before], members[before:])
+        except RanksLost as left_out:
+            membership.close()
+            raise JoinRefused(f"ElCheStrategy: joiner {member} was dropped from its admission: {left_out}") from None
+        change = Change(generation=generation, before=tuple(members[:before]), after=entry.after,
+                        reasons=dict(entry.lost), detected_at=time.time(), regrouped_with="new group")
         membership.enter(change)
         self.membership = membership
         device = strategy.root_device if strategy.root_device.type == "cuda" else None

@@ -12,11 +12,12 @@ mode matrix is marked ``faults``.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from multirank_helpers import LAUNCH_TAG, clean_environment, end_launch, free_po
 SCRIPT = Path(__file__).parent / "scripts" / "fault_fit.py"
 SAMPLES, BATCH, EPOCHS = 480, 8, 4
 HOLD_AT_STEP = 10  # launch rank 0 waits there for the join request (a loaded machine starts the joiner slowly)
+SECOND_HOLD_AT_STEP = 45  # one joiner after the other: rank 0 waits there for the second's request
 JOINER = 2  # the joiner's member id: the next after the launch ranks 0 and 1
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -43,6 +45,8 @@ class JoinJob:
     results: dict[int, dict[str, Any]]
     leftover: list[int]
     ranks: int = 3
+    joiner_rcs: list[int] = field(default_factory=list)
+    joiner_logs: list[str] = field(default_factory=list)
 
 
 def _command(out: Path, mode: str, extra: tuple[str, ...]) -> list[str]:
@@ -52,28 +56,46 @@ def _command(out: Path, mode: str, extra: tuple[str, ...]) -> list[str]:
 
 
 def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joiner_env: dict[str, str] | None = None,
-                 timeout_s: float = 240.0) -> JoinJob:
-    """The 2-rank cohort and, started at the same time, the joiner; the cohort's rank 0 waits at its
-    step ``HOLD_AT_STEP`` until the joiner asked to join (it keeps training while the joiner imports,
-    builds its model and loaders), so that the join comes in the middle of the fit."""
+                 timeout_s: float = 240.0, joiners: int = 1, one_after_the_other: bool = False,
+                 cohort_extra: tuple[str, ...] = ()) -> JoinJob:
+    """The 2-rank cohort and, started at the same time, the joiner(s); the cohort's rank 0 waits at its
+    step ``HOLD_AT_STEP`` until the joiners asked to join (it keeps training while they import,
+    build their models and loaders), so that the join comes in the middle of the fit.
+
+    ``one_after_the_other``: the second joiner starts once the first has joined, and rank 0 waits
+    for its request at step ``SECOND_HOLD_AT_STEP`` (two admissions, two changes)."""
     out.mkdir(parents=True, exist_ok=True)
     tag = secrets.token_hex(8)
     port = free_port()
     env = {**clean_environment(), LAUNCH_TAG: tag, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "XDG_CACHE_HOME": str(out / "cache")}  # the token file stays in the test's directory
-    cohort_log, joiner_log = out / "job.log", out / "joiner.log"
+    cohort_log = out / "job.log"
+    joiner_logs = [out / ("joiner.log" if k == 0 else f"joiner{k + 1}.log") for k in range(joiners)]
+    holds = ((str(HOLD_AT_STEP), f"{SECOND_HOLD_AT_STEP}:2") if one_after_the_other
+             else (f"{HOLD_AT_STEP}:{joiners}",))
     procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + timeout_s
+
+    def start_joiner(k: int) -> None:
+        environment = {**env, "ELCHE_JOIN": "1", "LOCAL_RANK": "0", "ELCHE_TEST_MEMBER": str(JOINER + k),
+                       **(joiner_env or {})}
+        with open(joiner_logs[k], "w") as sink:
+            procs.append(subprocess.Popen(_command(out, mode, joiner_extra), env=environment, stdout=sink,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+
     try:
         with open(cohort_log, "w") as sink:
-            procs.append(subprocess.Popen(_command(out, mode, ("--hold-for-joiner", str(HOLD_AT_STEP))), env=env,
-                                          stdout=sink, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + timeout_s
-        joiner_environment = {**env, "ELCHE_JOIN": "1", "LOCAL_RANK": "0", "ELCHE_TEST_MEMBER": str(JOINER),
-                              **(joiner_env or {})}
-        with open(joiner_log, "w") as sink:
-            procs.append(subprocess.Popen(_command(out, mode, joiner_extra), env=joiner_environment, stdout=sink,
+            hold = tuple(a for h in holds for a in ("--hold-for-joiner", h))
+            procs.append(subprocess.Popen(_command(out, mode, (*hold, *cohort_extra)), env=env, stdout=sink,
                                           stderr=subprocess.STDOUT, start_new_session=True))
-        for proc, log in zip(procs, (cohort_log, joiner_log), strict=True):
+        for k in range(joiners):
+            if one_after_the_other and k > 0:
+                while "joined the running fit" not in joiner_logs[0].read_text() and time.monotonic() < deadline:
+                    if procs[1].poll() is not None:
+                        break
+                    time.sleep(0.2)
+            start_joiner(k)
+        for proc, log in zip(procs, (cohort_log, *joiner_logs), strict=True):
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -85,8 +107,9 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
     finally:
         end_launch(procs, tag)
     results = rank_results(out)
-    return JoinJob(out, procs[0].returncode, procs[1].returncode, cohort_log.read_text(), joiner_log.read_text(),
-                   results, leftover)
+    return JoinJob(out, procs[0].returncode, procs[1].returncode, cohort_log.read_text(), joiner_logs[0].read_text(),
+                   results, leftover, joiner_rcs=[p.returncode for p in procs[1:]],
+                   joiner_logs=[log.read_text() for log in joiner_logs])
 
 
 def check_joined(job: JoinJob) -> None:
@@ -155,4 +178,90 @@ def test_a_joiner_that_dies_before_its_admission_is_dropped(tmp_path: Path) -> N
     job = run_join_job(tmp_path, "cpu_cadence", joiner_extra=("--joiner-dies",))
     assert job.joiner_rc == 3
     assert "dropped joiner 2" in job.log, job.log[-3000:]
+    check_cohort_alone(job)
+
+
+def check_grown(job: JoinJob, joins: list[list[int]], lost: tuple[int, ...] = ()) -> None:
+    """The fit ended on the launch ranks that were not lost and every joiner, identical, with the
+    given admissions (member ids per change) seen by every surviving launch rank, ``lost`` counted as
+    losses, and every sample of every epoch trained exactly once in the consensus."""
+    logs = f"{job.log[-5000:]}\n--- joiners ---\n" + "\n---\n".join(log[-3000:] for log in job.joiner_logs)
+    assert not job.leftover, f"processes left behind: {job.leftover}\n{logs}"
+    assert job.cohort_rc == 0 and all(rc == 0 for rc in job.joiner_rcs), (job.cohort_rc, job.joiner_rcs, logs)
+    joiners = list(range(JOINER, JOINER + len(job.joiner_rcs)))
+    survivors = [m for m in (0, 1) if m not in lost]
+    assert sorted(job.results) == survivors + joiners, f"finished: {sorted(job.results)}\n{logs}"
+    world = len(survivors) + len(joiners)
+    first = job.results[survivors[0]]
+    assert sorted(r["global_rank"] for r in job.results.values()) == list(range(world))
+    for name, result in job.results.items():
+        assert result["world_size"] == world, (name, result["world_size"], logs)
+        assert result["params"] == first["params"], f"{name}'s parameters differ from rank 0's\n{logs}"
+    for member in survivors:
+        changes = job.results[member]["changes"]
+        assert [sorted(c["joined"]) for c in changes if c["joined"]] == joins, (changes, logs)
+        assert sorted(m for c in changes for m in c["lost"]) == sorted(lost), changes
+        assert sorted(m for loss in job.results[member]["losses"] for m in loss["lost"]) == sorted(lost)
+    faults = {int(p.stem.removeprefix("fault-rank")): json.loads(p.read_text()) for p in job.out.glob("fault-rank*")}
+    kept = {m: (int(faults[m]["epoch"]), int(loss["trained_batches"][str(m)]))
+            for loss in first["losses"] for m in loss["lost"]}
+    job.ranks = world + len(lost)
+    trained = consensus_samples(job, kept)  # type: ignore[arg-type]  # a Job's out and ranks
+    assert sorted(trained) == list(range(EPOCHS))
+    for epoch, indices in trained.items():
+        counts = torch.bincount(torch.tensor(indices), minlength=SAMPLES)
+        missing, twice = int((counts == 0).sum()), int((counts > 1).sum())
+        assert missing == 0 and twice == 0, f"epoch {epoch}: {missing} samples never trained, {twice} twice\n{logs}"
+    for joiner in joiners:
+        assert (job.out / f"steps-rank{joiner}.jsonl").read_text().strip(), f"joiner {joiner} trained nothing"
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", *(pytest.param(m, marks=pytest.mark.faults)
+                                                   for m in ("cpu_sync", "cpu_async", "nccl_sync", "nccl_cadence"))])
+def test_two_joiners_ready_before_the_same_round_are_admitted_together(tmp_path: Path, mode: str) -> None:
+    job = run_join_job(tmp_path, mode, joiners=2)
+    check_grown(job, joins=[[2, 3]])
+    said = "ElCheStrategy joined rank 2, rank 3 (member ids): 4 rank(s) go on"
+    assert job.log.count(said) == 2 and all(log.count(said) == 1 for log in job.joiner_logs), job.log[-3000:]
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("mode", ("cpu_cadence", "cpu_sync", "cpu_async", "nccl_sync", "nccl_cadence"))
+def test_two_joiners_one_after_the_other(tmp_path: Path, mode: str) -> None:
+    # The first joiner is a member (rank 2) when the second is admitted: it takes that change too.
+    job = run_join_job(tmp_path, mode, joiners=2, one_after_the_other=True)
+    check_grown(job, joins=[[2], [3]])
+    assert [c["joined"] for c in job.results[JOINER]["changes"]] == [[3]], job.results[JOINER]["changes"]
+
+
+LOSS_POINTS = {
+    # rank 1 dies in the admission: the admitted list read, before the new group is up
+    "admitted": ("--member-dies-in-admission", "1:admitted"),
+    # after the change is applied and the joiner has its state: the next round loses it
+    "applied": ("--member-dies-in-admission", "1:applied"),
+    # in the window before the admission round (rank 0 holds at HOLD_AT_STEP for the request)
+    "window": ("--fault", f"kill:1:{HOLD_AT_STEP}"),
+}
+
+
+@pytest.mark.parametrize("point", ["admitted", *(pytest.param(p, marks=pytest.mark.faults) for p in ("applied",
+                                                                                                     "window"))])
+@pytest.mark.parametrize("mode", ["cpu_cadence", *(pytest.param(m, marks=pytest.mark.faults)
+                                                   for m in ("cpu_sync", "cpu_async", "nccl_sync", "nccl_cadence"))])
+def test_a_member_lost_around_the_admission_round(tmp_path: Path, mode: str, point: str) -> None:
+    job = run_join_job(tmp_path, mode, cohort_extra=LOSS_POINTS[point])
+    check_grown(job, joins=[[JOINER]], lost=(1,))
+    assert "RankLostWarning" in job.log or "lost rank 1" in job.log, job.log[-3000:]
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("mode", ("cpu_cadence", "cpu_async", "nccl_sync"))
+def test_a_joiner_that_dies_after_acknowledging_is_dropped_within_seconds(tmp_path: Path, mode: str) -> None:
+    job = run_join_job(tmp_path, mode, joiner_extra=("--joiner-dies-after-ack",))
+    assert job.joiner_rc == -9
+    found = re.search(r"dropped joiner 2: it acknowledged its admission but did not reach the new group \((.*?)\); "
+                      r"the members went on without it after ([0-9.]+) s", job.log)
+    assert found is not None, job.log[-3000:]
+    # Not held for the process-group timeout (120 s in the script): the members went on at once.
+    assert float(found.group(2)) < 10.0, found.group(0)
     check_cohort_alone(job)

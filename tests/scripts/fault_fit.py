@@ -18,7 +18,12 @@ so a killed rank's record survives it); every rank that finishes writes ``result
 ``--stall-floor S`` lowers the derived bound's floor for short test jobs.
 A process started with ``ELCHE_JOIN=1`` (and ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of the job)
 joins the running job; ``ELCHE_TEST_MEMBER`` names its files. ``--joiner-dies`` makes it die right after
-its request (before it acknowledges admission); ``--width`` changes the model (a bad join).
+its request (before it acknowledges admission), ``--joiner-dies-after-ack`` (SIGKILL) once it acknowledged
+its admission and read the admitted list, before the new process group; ``--width`` changes the model (a
+bad join). ``--hold-for-joiner STEP[:COUNT]`` (repeatable): launch rank 0 waits before its step ``STEP``
+until ``COUNT`` (default 1) joiners asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
+launch rank ``RANK`` in its first admission: at ``admitted`` (the admitted list read, before the new group)
+or ``applied`` (the change applied, the joiner's state sent); it writes its ``fault-rank<r>.json`` first.
 
 ``--val-fault KIND:RANK:BATCH:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` on original rank ``RANK``
 at its validation batch ``BATCH`` of the validation after training epoch ``EPOCH`` (``sanity``: in the
@@ -223,18 +228,18 @@ class RecordChanges(pl.Callback):
 
 
 class HoldForJoiner(pl.Callback):
-    """Launch rank 0: before its optimizer step ``step``, wait until a joiner has asked to join (a
-    loaded test machine may take longer to start the joiner than the fit takes to end)."""
+    """Launch rank 0: before its optimizer step ``step``, wait until ``count`` joiners have asked to
+    join (a loaded test machine may take longer to start a joiner than the fit takes to end)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, count: int = 1) -> None:
+        self.step, self.count = step, count
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if trainer.global_step != self.step:
             return
         store, deadline = trainer.strategy.job_store, time.monotonic() + 180.0
-        while int(store.add("lightning_elche/join/requests", 0)) < 1 and time.monotonic() < deadline:
+        while int(store.add("lightning_elche/join/requests", 0)) < self.count and time.monotonic() < deadline:
             time.sleep(0.1)
 
 
@@ -245,6 +250,52 @@ def die_after_the_request() -> None:
         os._exit(3)
 
     admission.JoinerLink.wait_admission = die  # type: ignore[method-assign]
+
+
+def die_after_the_ack() -> None:
+    from lightning_elche.membership import admission
+
+    acknowledge = admission.JoinerLink.wait_admission
+
+    def acknowledge_then_die(self: Any, *args: Any, **kwargs: Any) -> Any:
+        acknowledge(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    admission.JoinerLink.wait_admission = acknowledge_then_die  # type: ignore[method-assign]
+
+
+def die_in_admission(out_dir: str, point: str) -> None:
+    """SIGKILL this member in its first admission, at ``point`` (``admitted`` or ``applied``)."""
+    from lightning_elche import growth
+    from lightning_elche.membership import admission
+
+    def fault_record() -> None:
+        rows = Path(out_dir, f"steps-rank{ORIGINAL_RANK}.jsonl").read_text().splitlines()
+        epoch = json.loads(rows[-1])["epoch"] if rows else 0
+        Path(out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(json.dumps(
+            {"kind": f"kill in admission ({point})", "time": time.time(), "epoch": epoch}))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "admitted":
+        admit = admission.Admitter.admit
+
+        def admit_then_die(self: Any, count: int) -> list[int]:
+            joined = admit(self, count)
+            if joined:
+                fault_record()
+            return joined
+
+        admission.Admitter.admit = admit_then_die  # type: ignore[method-assign]
+    elif point == "applied":
+        admit_joiners = growth.Growth._admit_joiners
+
+        def admit_joiners_then_die(self: Any, *args: Any, **kwargs: Any) -> None:
+            admit_joiners(self, *args, **kwargs)
+            fault_record()
+
+        growth.Growth._admit_joiners = admit_joiners_then_die  # type: ignore[method-assign]
+    else:
+        raise SystemExit(f"--member-dies-in-admission POINT={point!r} is invalid: expected admitted or applied")
 
 
 def micro_batch(value: Optional[str]) -> Any:
@@ -258,6 +309,12 @@ def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     if args.joiner_dies:
         die_after_the_request()
+    if args.joiner_dies_after_ack:
+        die_after_the_ack()
+    if args.member_dies_in_admission is not None:
+        rank, point = args.member_dies_in_admission.split(":")
+        if int(rank) == ORIGINAL_RANK and not os.environ.get("ELCHE_JOIN"):
+            die_in_admission(args.out_dir, point)
     pl.seed_everything(0)
     callbacks: list[pl.Callback] = [StepDelay(args.delays_ms), RecordChanges(), RecordValidation()]
     for fault in args.val_fault:
@@ -265,8 +322,10 @@ def main(args: argparse.Namespace) -> None:
         if int(rank) == ORIGINAL_RANK:
             callbacks.append(InjectValidationFault(args.out_dir, kind, int(batch),
                                                    None if epoch == "sanity" else int(epoch)))
-    if args.hold_for_joiner is not None and ORIGINAL_RANK == 0 and not os.environ.get("ELCHE_JOIN"):
-        callbacks.append(HoldForJoiner(args.hold_for_joiner))
+    if ORIGINAL_RANK == 0 and not os.environ.get("ELCHE_JOIN"):
+        for hold in args.hold_for_joiner:
+            step, _, count = hold.partition(":")
+            callbacks.append(HoldForJoiner(int(step), int(count or 1)))
     for fault in args.fault:
         kind, rank, step, *epoch = fault.split(":")
         if kind not in KINDS:
@@ -321,6 +380,9 @@ if __name__ == "__main__":
     parser.add_argument("--stall-floor", type=float, default=None, help="the derived stall bound's floor, seconds")
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--joiner-dies", action="store_true")
-    parser.add_argument("--hold-for-joiner", type=int, default=None, help="launch rank 0 waits for a join request")
+    parser.add_argument("--joiner-dies-after-ack", action="store_true")
+    parser.add_argument("--member-dies-in-admission", default=None, help="RANK:POINT (admitted or applied)")
+    parser.add_argument("--hold-for-joiner", action="append", default=[],
+                        help="STEP[:COUNT]: launch rank 0 waits there for COUNT join requests")
     parser.add_argument("--monitor", default=None, help="attach an ElCheMonitor writing under this directory")
     main(parser.parse_args())
