@@ -74,6 +74,8 @@ from lightning_elche.membership.groups import init_generation_group
 from lightning_elche.membership.survival import Survival, fence
 
 DISPATCH_STORE_PREFIX = "lightning_elche/dispatch/"
+RESTART_LOST_ALLOWED = ("expected an int >= 0: how many times in the fit rank 0 starts a lost child rank of its node "
+                        "again, as a joiner (0 restarts none)")
 
 
 class RankJoinedWarning(UserWarning):
@@ -114,6 +116,7 @@ class Growth:
         self.admitter: Optional[Admitter] = None
         self.survival: Optional[Survival] = None
         self.admit_at: Optional[int] = None
+        self._over = False
         self._job: tuple[str, str] = ("", "")
         # The joiner's
         self._link: Optional[JoinerLink] = None
@@ -253,8 +256,14 @@ class Growth:
             dist.send_object_list([payload], dst=rank)
 
     def fit_over(self, strategy: Any) -> None:
+        self._over = True
         if self.admitter is not None and strategy.global_rank == 0:
             self.admitter.fit_over()
+
+    @property
+    def admits_joiners(self) -> bool:
+        """Whether this member's fit admits joiners now (rank 0's launcher asks before it restarts a child)."""
+        return self.admitter is not None and self.admitter.facts is not None and not self._over
 
     # -- the joiner ----------------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_elche.averaging import AveragedLayout
 from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checked_collectives import CheckedCollectives
-from lightning_elche.checks import require_timedelta
+from lightning_elche.checks import require_int, require_timedelta
 from lightning_elche.cohort_callbacks import continue_the_cohort, follow_the_cohort, stop_if_the_budget_is_spent
 from lightning_elche.config import FIT_KNOBS, ElCheConfig, ElCheMode, resolve_config
 from lightning_elche.coverage import EpochCoverage
@@ -47,7 +47,7 @@ from lightning_elche.elastic_ddp import ElasticDDPStrategy
 from lightning_elche.engine import ElCheEngine
 from lightning_elche.evaluation_recovery import EvaluationRecovery
 from lightning_elche.fit_view import ElCheFitView
-from lightning_elche.growth import Growth, RankJoinedWarning, dispatch_store
+from lightning_elche.growth import RESTART_LOST_ALLOWED, Growth, RankJoinedWarning, dispatch_store
 from lightning_elche.loop_glue import (
     LightningPatches,
     LightningRankView,
@@ -108,6 +108,9 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         stall_timeout: how long a live rank may make no progress (no step, no wait on its peers) before
             they declare it lost: ``None`` (default) derives it from that rank's own measured window (2
             windows and rounds + 2 s, at least 20 s: slow is not stuck); a timedelta is used as it is.
+        restart_lost: under Lightning's own launcher (``devices=N``, popen), how many times in the fit
+            rank 0 starts a lost child rank of its node again; the restarted process joins the running
+            fit as a joiner does (README, "Growing a fit"). 0 (default) restarts none.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
@@ -129,6 +132,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         stop_grace: Optional[timedelta] = None,
         stall_timeout: Optional[timedelta] = None,
         micro_batch: MicroBatch = None,
+        restart_lost: int = 0,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -150,6 +154,8 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         self.liveness_timeout = resolve_liveness_timeout(liveness_timeout, timeout)
         self.stop_grace = resolve_stop_grace(stop_grace)
         self.stall_timeout = resolve_stall_timeout(stall_timeout, timeout)
+        self.restart_lost = require_int(f"ElCheStrategy(restart_lost={restart_lost!r})", restart_lost, 0,
+                                        RESTART_LOST_ALLOWED)
         # Everything below is built per fit, inside the rank processes (never pickled).
         self._membership: Optional[Membership] = None
         self._session = Session(world_size=1)  # replaced in setup; its role answers before that
@@ -181,7 +187,8 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
     @override
     def _configure_launcher(self) -> None:
         # Late-bound: the answer may change during the fit (and tests replace the method).
-        configure_launcher(self, tolerates_loss=lambda: self.tolerates_rank_loss())
+        configure_launcher(self, tolerates_loss=lambda: self.tolerates_rank_loss(), restart_lost=self.restart_lost,
+                           restartable=lambda: self._growth.admits_joiners)
 
     @override
     def setup_distributed(self) -> None:

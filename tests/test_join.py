@@ -72,7 +72,7 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
     cohort_log = out / "job.log"
     joiner_logs = [out / ("joiner.log" if k == 0 else f"joiner{k + 1}.log") for k in range(joiners)]
     holds = ((str(HOLD_AT_STEP), f"{SECOND_HOLD_AT_STEP}:2") if one_after_the_other
-             else (f"{HOLD_AT_STEP}:{joiners}",))
+             else (f"{HOLD_AT_STEP}:{joiners}",) if joiners else ())
     procs: list[subprocess.Popen] = []
     deadline = time.monotonic() + timeout_s
 
@@ -107,9 +107,9 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
     finally:
         end_launch(procs, tag)
     results = rank_results(out)
-    return JoinJob(out, procs[0].returncode, procs[1].returncode, cohort_log.read_text(), joiner_logs[0].read_text(),
-                   results, leftover, joiner_rcs=[p.returncode for p in procs[1:]],
-                   joiner_logs=[log.read_text() for log in joiner_logs])
+    return JoinJob(out, procs[0].returncode, procs[1].returncode if joiners else 0, cohort_log.read_text(),
+                   joiner_logs[0].read_text() if joiners else "", results, leftover,
+                   joiner_rcs=[p.returncode for p in procs[1:]], joiner_logs=[log.read_text() for log in joiner_logs])
 
 
 def check_joined(job: JoinJob) -> None:
@@ -188,7 +188,7 @@ def check_grown(job: JoinJob, joins: list[list[int]], lost: tuple[int, ...] = ()
     logs = f"{job.log[-5000:]}\n--- joiners ---\n" + "\n---\n".join(log[-3000:] for log in job.joiner_logs)
     assert not job.leftover, f"processes left behind: {job.leftover}\n{logs}"
     assert job.cohort_rc == 0 and all(rc == 0 for rc in job.joiner_rcs), (job.cohort_rc, job.joiner_rcs, logs)
-    joiners = list(range(JOINER, JOINER + len(job.joiner_rcs)))
+    joiners = sorted({m for admitted in joins for m in admitted})  # the joiners' files are named by member id
     survivors = [m for m in (0, 1) if m not in lost]
     assert sorted(job.results) == survivors + joiners, f"finished: {sorted(job.results)}\n{logs}"
     world = len(survivors) + len(joiners)
@@ -265,3 +265,26 @@ def test_a_joiner_that_dies_after_acknowledging_is_dropped_within_seconds(tmp_pa
     # Not held for the process-group timeout (120 s in the script): the members went on at once.
     assert float(found.group(2)) < 10.0, found.group(0)
     check_cohort_alone(job)
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", *(pytest.param(m, marks=pytest.mark.faults)
+                                                   for m in ("cpu_sync", "cpu_async", "nccl_sync", "nccl_cadence"))])
+def test_restart_lost_restarts_a_killed_child_which_joins_the_fit(tmp_path: Path, mode: str) -> None:
+    # Lightning's launcher started rank 1; it is killed at its step 8; rank 0 (its launcher) starts it
+    # again as a joiner (member 2), and waits at its step 25 until it asked to join.
+    job = run_join_job(tmp_path, mode, joiners=0, cohort_extra=("--fault", "kill:1:8", "--restart-lost", "1",
+                                                                "--hold-for-joiner", "25"))
+    check_grown(job, joins=[[JOINER]], lost=(1,))
+    assert "tolerates the loss and restarted it" in job.log and "restart 1 of restart_lost=1" in job.log, job.log
+    # RankJoinedWarning on rank 0 and on the restarted process (both write to the job's log).
+    assert job.log.count("ElCheStrategy joined rank 2 (member ids): 2 rank(s) go on") == 2, job.log[-3000:]
+
+
+def test_restart_lost_refuses_a_bad_value() -> None:
+    from lightning_elche import ElCheStrategy
+
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=rf"ElCheStrategy\(restart_lost={re.escape(repr(bad))}\) is invalid: "
+                                             r"expected an int >= 0"):
+            ElCheStrategy(restart_lost=bad)
+    assert ElCheStrategy().restart_lost == 0 and ElCheStrategy(restart_lost=2).restart_lost == 2

@@ -31,6 +31,9 @@ sanity check; ``--sanity-steps N`` runs one, ``-1`` over the whole validation se
 each validation it finishes to ``val-rank<original rank>.jsonl``: the synced ``val_*`` metrics, the
 parameters it validated and its numbering.
 
+``--restart-lost N`` passes ``ElCheStrategy(restart_lost=N)``: the launcher restarts a lost child as a
+joiner (it names its files by the launch world size, the member id it gets).
+
 ``--monitor DIR`` attaches an ``ElCheMonitor`` writing its record log to ``DIR/records``, its
 dashboard to ``DIR/dashboard.html`` and its timeline to ``DIR/timeline.json``.
 """
@@ -59,8 +62,11 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_elche import ElCheMonitor, ElCheStrategy  # noqa: E402
 
-# One node: the rank given at launch (a joiner: the name the test gives it).
-ORIGINAL_RANK = int(os.environ.get("ELCHE_TEST_MEMBER", os.environ.get("LOCAL_RANK", "0")))
+# One node: the rank given at launch (a joiner: the name the test gives it; a child that Lightning's
+# launcher restarted, with ``--restart-lost``: the launch world size, the member id of the first joiner).
+_RESTARTED = bool(os.environ.get("ELCHE_JOIN")) and "ELCHE_TEST_MEMBER" not in os.environ and "WORLD_SIZE" in os.environ
+ORIGINAL_RANK = int(os.environ["WORLD_SIZE"] if _RESTARTED else
+                    os.environ.get("ELCHE_TEST_MEMBER", os.environ.get("LOCAL_RANK", "0")))
 CHANGES: list[dict[str, Any]] = []
 KINDS = ("kill", "stop", "raise", "oom", "exit", "loop", "sleep_in_collective")
 
@@ -352,7 +358,8 @@ def main(args: argparse.Namespace) -> None:
         strategy=ElCheStrategy(mode=args.mode, max_failure=max_failure, summary=True,
                                micro_batch=micro_batch(args.micro_batch),
                                liveness_timeout=timedelta(seconds=args.liveness), stall_timeout=stall_timeout,
-                               snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120)),
+                               snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120),
+                               restart_lost=args.restart_lost),
         callbacks=callbacks, logger=CSVLogger(args.out_dir, name="csv", version=0), enable_progress_bar=True,
         enable_model_summary=False, num_sanity_val_steps=args.sanity_steps, default_root_dir=args.out_dir,
         log_every_n_steps=1,
@@ -381,6 +388,7 @@ if __name__ == "__main__":
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--joiner-dies", action="store_true")
     parser.add_argument("--joiner-dies-after-ack", action="store_true")
+    parser.add_argument("--restart-lost", type=int, default=0, help="ElCheStrategy(restart_lost=N)")
     parser.add_argument("--member-dies-in-admission", default=None, help="RANK:POINT (admitted or applied)")
     parser.add_argument("--hold-for-joiner", action="append", default=[],
                         help="STEP[:COUNT]: launch rank 0 waits there for COUNT join requests")
