@@ -29,7 +29,6 @@ from multirank_helpers import LAUNCH_TAG, clean_environment, end_launch, free_po
 SCRIPT = Path(__file__).parent / "scripts" / "fault_fit.py"
 SAMPLES, BATCH, EPOCHS = 480, 8, 4
 HOLD_AT_STEP = 10  # launch rank 0 waits there for the join request (a loaded machine starts the joiner slowly)
-SECOND_HOLD_AT_STEP = 45  # one joiner after the other: rank 0 waits there for the second's request
 JOINER = 2  # the joiner's member id: the next after the launch ranks 0 and 1
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -57,13 +56,16 @@ def _command(out: Path, mode: str, extra: tuple[str, ...]) -> list[str]:
 
 def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joiner_env: dict[str, str] | None = None,
                  timeout_s: float = 240.0, joiners: int = 1, one_after_the_other: bool = False,
-                 cohort_extra: tuple[str, ...] = ()) -> JoinJob:
+                 cohort_extra: tuple[str, ...] = (), joiner_devices: int = 0) -> JoinJob:
     """The 2-rank cohort and, started at the same time, the joiner(s); the cohort's rank 0 waits at its
     step ``HOLD_AT_STEP`` until the joiners asked to join (it keeps training while they import,
     build their models and loaders), so that the join comes in the middle of the fit.
 
+    ``joiner_devices``: each joiner starts without ``LOCAL_RANK`` and with ``--devices N``: its
+    Lightning launcher brings N joining ranks.
+
     ``one_after_the_other``: the second joiner starts once the first has joined, and rank 0 waits
-    for its request at step ``SECOND_HOLD_AT_STEP`` (two admissions, two changes)."""
+    for its request at its first batch on three ranks (two admissions, two changes)."""
     out.mkdir(parents=True, exist_ok=True)
     tag = secrets.token_hex(8)
     port = free_port()
@@ -71,16 +73,20 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
            "XDG_CACHE_HOME": str(out / "cache")}  # the token file stays in the test's directory
     cohort_log = out / "job.log"
     joiner_logs = [out / ("joiner.log" if k == 0 else f"joiner{k + 1}.log") for k in range(joiners)]
-    holds = ((str(HOLD_AT_STEP), f"{SECOND_HOLD_AT_STEP}:2") if one_after_the_other
-             else (f"{HOLD_AT_STEP}:{joiners}",) if joiners else ())
+    holds = ((str(HOLD_AT_STEP), "0:2:3") if one_after_the_other
+             else (f"{HOLD_AT_STEP}:{joiners * max(1, joiner_devices)}",) if joiners else ())
     procs: list[subprocess.Popen] = []
     deadline = time.monotonic() + timeout_s
 
     def start_joiner(k: int) -> None:
         environment = {**env, "ELCHE_JOIN": "1", "LOCAL_RANK": "0", "ELCHE_TEST_MEMBER": str(JOINER + k),
                        **(joiner_env or {})}
+        extra = joiner_extra
+        if joiner_devices:
+            del environment["LOCAL_RANK"]
+            extra = (*joiner_extra, "--devices", str(joiner_devices))
         with open(joiner_logs[k], "w") as sink:
-            procs.append(subprocess.Popen(_command(out, mode, joiner_extra), env=environment, stdout=sink,
+            procs.append(subprocess.Popen(_command(out, mode, extra), env=environment, stdout=sink,
                                           stderr=subprocess.STDOUT, start_new_session=True))
 
     try:
@@ -288,3 +294,10 @@ def test_restart_lost_refuses_a_bad_value() -> None:
                                              r"expected an int >= 0"):
             ElCheStrategy(restart_lost=bad)
     assert ElCheStrategy().restart_lost == 0 and ElCheStrategy(restart_lost=2).restart_lost == 2
+
+
+@pytest.mark.faults
+def test_a_joiner_without_local_rank_brings_its_devices_ranks(tmp_path: Path) -> None:
+    # The joiner's own Lightning launcher starts its second rank (LOCAL_RANK=1), which joins too.
+    job = run_join_job(tmp_path, "cpu_cadence", joiner_devices=2)
+    check_grown(job, joins=[[2, 3]])

@@ -20,8 +20,9 @@ A process started with ``ELCHE_JOIN=1`` (and ``LOCAL_RANK``, ``MASTER_ADDR``/``M
 joins the running job; ``ELCHE_TEST_MEMBER`` names its files. ``--joiner-dies`` makes it die right after
 its request (before it acknowledges admission), ``--joiner-dies-after-ack`` (SIGKILL) once it acknowledged
 its admission and read the admitted list, before the new process group; ``--width`` changes the model (a
-bad join). ``--hold-for-joiner STEP[:COUNT]`` (repeatable): launch rank 0 waits before its step ``STEP``
-until ``COUNT`` (default 1) joiners asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
+bad join). ``--hold-for-joiner STEP[:COUNT[:WORLD]]`` (repeatable): launch rank 0 waits once, at its first
+batch from step ``STEP`` on with at least ``WORLD`` ranks in the fit, until ``COUNT`` (default 1) joiners
+asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
 launch rank ``RANK`` in its first admission: at ``admitted`` (the admitted list read, before the new group)
 or ``applied`` (the change applied, the joiner's state sent); it writes its ``fault-rank<r>.json`` first.
 
@@ -65,8 +66,10 @@ from lightning_elche import ElCheMonitor, ElCheStrategy  # noqa: E402
 # One node: the rank given at launch (a joiner: the name the test gives it; a child that Lightning's
 # launcher restarted, with ``--restart-lost``: the launch world size, the member id of the first joiner).
 _RESTARTED = bool(os.environ.get("ELCHE_JOIN")) and "ELCHE_TEST_MEMBER" not in os.environ and "WORLD_SIZE" in os.environ
-ORIGINAL_RANK = int(os.environ["WORLD_SIZE"] if _RESTARTED else
-                    os.environ.get("ELCHE_TEST_MEMBER", os.environ.get("LOCAL_RANK", "0")))
+# A joiner started without LOCAL_RANK brings its devices' ranks: they are named from ELCHE_TEST_MEMBER on.
+ORIGINAL_RANK = (int(os.environ["WORLD_SIZE"]) if _RESTARTED else
+                 int(os.environ["ELCHE_TEST_MEMBER"]) + int(os.environ.get("LOCAL_RANK", "0"))
+                 if "ELCHE_TEST_MEMBER" in os.environ else int(os.environ.get("LOCAL_RANK", "0")))
 CHANGES: list[dict[str, Any]] = []
 KINDS = ("kill", "stop", "raise", "oom", "exit", "loop", "sleep_in_collective")
 
@@ -234,16 +237,19 @@ class RecordChanges(pl.Callback):
 
 
 class HoldForJoiner(pl.Callback):
-    """Launch rank 0: before its optimizer step ``step``, wait until ``count`` joiners have asked to
-    join (a loaded test machine may take longer to start a joiner than the fit takes to end)."""
+    """Launch rank 0, once: at its first batch from its optimizer step ``step`` on at which the fit
+    has at least ``world`` ranks, wait until ``count`` joiners have asked to join (a loaded test
+    machine may take longer to start a joiner than the fit takes to end)."""
 
-    def __init__(self, step: int, count: int = 1) -> None:
-        self.step, self.count = step, count
+    def __init__(self, step: int, count: int = 1, world: int = 0) -> None:
+        self.step, self.count, self.world = step, count, world
+        self.held = False
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if trainer.global_step != self.step:
+        if self.held or trainer.global_step < self.step or trainer.world_size < self.world:
             return
+        self.held = True
         store, deadline = trainer.strategy.job_store, time.monotonic() + 180.0
         while int(store.add("lightning_elche/join/requests", 0)) < self.count and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -330,8 +336,8 @@ def main(args: argparse.Namespace) -> None:
                                                    None if epoch == "sanity" else int(epoch)))
     if ORIGINAL_RANK == 0 and not os.environ.get("ELCHE_JOIN"):
         for hold in args.hold_for_joiner:
-            step, _, count = hold.partition(":")
-            callbacks.append(HoldForJoiner(int(step), int(count or 1)))
+            step, count, world = (hold.split(":") + ["1", "0"])[:3]
+            callbacks.append(HoldForJoiner(int(step), int(count), int(world)))
     for fault in args.fault:
         kind, rank, step, *epoch = fault.split(":")
         if kind not in KINDS:
@@ -391,6 +397,6 @@ if __name__ == "__main__":
     parser.add_argument("--restart-lost", type=int, default=0, help="ElCheStrategy(restart_lost=N)")
     parser.add_argument("--member-dies-in-admission", default=None, help="RANK:POINT (admitted or applied)")
     parser.add_argument("--hold-for-joiner", action="append", default=[],
-                        help="STEP[:COUNT]: launch rank 0 waits there for COUNT join requests")
+                        help="STEP[:COUNT[:WORLD]]: launch rank 0 waits there for COUNT join requests")
     parser.add_argument("--monitor", default=None, help="attach an ElCheMonitor writing under this directory")
     main(parser.parse_args())
