@@ -46,6 +46,8 @@ from torch.utils.data import DataLoader
 
 from lightning_elche import job_store
 from lightning_elche.averaging import averaged_buffers, layout_signature, trainable_parameters
+from lightning_elche.checks import require_int
+from lightning_elche.loop_glue import configure_launcher
 from lightning_elche.loop_glue.joining import (
     loader_of,
     loop_position,
@@ -111,7 +113,9 @@ def _warn_joined(change: Change, world_size: int) -> None:
 class Growth:
     """Both sides of a join for one strategy (a process is a member or a joiner, never both)."""
 
-    def __init__(self) -> None:
+    def __init__(self, restart_lost: int = 0) -> None:
+        self.restart_lost = require_int(f"ElCheStrategy(restart_lost={restart_lost!r})", restart_lost, 0,
+                                        RESTART_LOST_ALLOWED)
         self.joining = joining_requested()
         self.admitter: Optional[Admitter] = None
         self.survival: Optional[Survival] = None
@@ -132,11 +136,16 @@ class Growth:
 
     def __getstate__(self) -> dict[str, Any]:
         # Built per fit inside the rank processes (the launcher pickles the strategy before that).
-        return {"joining": self.joining}
+        return {"joining": self.joining, "restart_lost": self.restart_lost}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        Growth.__init__(self)
+        Growth.__init__(self, state.get("restart_lost", 0))
         self.joining = state["joining"]
+
+    def configure_launcher(self, strategy: Any, tolerates_loss: Callable[[], bool]) -> None:
+        """The strategy's launcher: Lightning's, sparing the survivors of a loss, restarting a lost child
+        as a joiner ``restart_lost`` times while this fit admits joiners."""
+        configure_launcher(strategy, tolerates_loss, self.restart_lost, lambda: self.admits_joiners)
 
     # -- members -----------------------------------------------------------------------------------
 

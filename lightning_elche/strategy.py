@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_elche.averaging import AveragedLayout
 from lightning_elche.buffer_sync import average_replaced_buffers
 from lightning_elche.checked_collectives import CheckedCollectives
-from lightning_elche.checks import require_int, require_timedelta
+from lightning_elche.checks import require_timedelta
 from lightning_elche.cohort_callbacks import continue_the_cohort, follow_the_cohort, stop_if_the_budget_is_spent
 from lightning_elche.config import FIT_KNOBS, ElCheConfig, ElCheMode, resolve_config
 from lightning_elche.coverage import EpochCoverage
@@ -47,13 +47,12 @@ from lightning_elche.elastic_ddp import ElasticDDPStrategy
 from lightning_elche.engine import ElCheEngine
 from lightning_elche.evaluation_recovery import EvaluationRecovery
 from lightning_elche.fit_view import ElCheFitView
-from lightning_elche.growth import RESTART_LOST_ALLOWED, Growth, RankJoinedWarning, dispatch_store
+from lightning_elche.growth import Growth, RankJoinedWarning, dispatch_store
 from lightning_elche.loop_glue import (
     LightningPatches,
     LightningRankView,
     check_lightning_version,
     check_step_schedulers,
-    configure_launcher,
     default_group_store,
     init_process_group_on_job_store,
     lightning_phase,
@@ -108,9 +107,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         stall_timeout: how long a live rank may make no progress (no step, no wait on its peers) before
             they declare it lost: ``None`` (default) derives it from that rank's own measured window (2
             windows and rounds + 2 s, at least 20 s: slow is not stuck); a timedelta is used as it is.
-        restart_lost: under Lightning's own launcher (``devices=N``, popen), how many times in the fit
-            rank 0 starts a lost child rank of its node again; the restarted process joins the running
-            fit as a joiner does (README, "Growing a fit"). 0 (default) restarts none.
+        restart_lost: how many lost child ranks rank 0's popen launcher restarts as joiners (README, "Growing a fit").
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
@@ -154,8 +151,6 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         self.liveness_timeout = resolve_liveness_timeout(liveness_timeout, timeout)
         self.stop_grace = resolve_stop_grace(stop_grace)
         self.stall_timeout = resolve_stall_timeout(stall_timeout, timeout)
-        self.restart_lost = require_int(f"ElCheStrategy(restart_lost={restart_lost!r})", restart_lost, 0,
-                                        RESTART_LOST_ALLOWED)
         # Everything below is built per fit, inside the rank processes (never pickled).
         self._membership: Optional[Membership] = None
         self._session = Session(world_size=1)  # replaced in setup; its role answers before that
@@ -174,7 +169,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         self._collectives: Optional[CheckedCollectives] = None
         self._evaluations: Optional[EvaluationRecovery] = None
         self._micro_batching: Optional[MicroBatching] = None
-        self._growth = Growth()  # a rank joining a running fit (ELCHE_JOIN=1), and the members' admissions
+        self._growth = Growth(restart_lost)  # a rank joining a running fit (ELCHE_JOIN=1), the members' admissions
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -187,8 +182,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
     @override
     def _configure_launcher(self) -> None:
         # Late-bound: the answer may change during the fit (and tests replace the method).
-        configure_launcher(self, tolerates_loss=lambda: self.tolerates_rank_loss(), restart_lost=self.restart_lost,
-                           restartable=lambda: self._growth.admits_joiners)
+        self._growth.configure_launcher(self, tolerates_loss=lambda: self.tolerates_rank_loss())
 
     @override
     def setup_distributed(self) -> None:
@@ -273,8 +267,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         plane = build_plane(PlaneSetup(
             layout, self.global_rank, self.world_size, self.root_device, self.elche.run_mode, self.elche.gamma,
             outer=None if isinstance(outer, OuterAvg) else outer, watch=self._membership,
-            round_timeout=self.snapshot_timeout,
-        ))
+            round_timeout=self.snapshot_timeout))
         # Frozen parameters too: one may be unfrozen later (the planes stamp the current signature).
         self._engine = ElCheEngine(self.elche, plane, self.global_rank, self.world_size, self.root_device,
                                    params=list(module.parameters()), signature=layout.signature,

@@ -251,7 +251,11 @@ class HoldForJoiner(pl.Callback):
             return
         self.held = True
         store, deadline = trainer.strategy.job_store, time.monotonic() + 180.0
+        # Waiting here is not a stall: the peers judge this rank by its progress after its first round.
+        progress = getattr(getattr(trainer.strategy, "_membership", None), "progress", None)
         while int(store.add("lightning_elche/join/requests", 0)) < self.count and time.monotonic() < deadline:
+            if progress is not None:
+                progress.advance()
             time.sleep(0.1)
 
 
