@@ -10,8 +10,9 @@ known and reads the count of accepted joiners into its round metadata once per r
 (:attr:`ElCheEngine.joiners_waiting <lightning_elche.engine.ElCheEngine.joiners_waiting>`). After
 a round that saw joiners waiting, every member asks for a consensus round two rounds on; at the
 first consensus round at which every rank still has data in the epoch and nobody stops, every
-member admits them (:meth:`CohortGrowth.after_round`): the admitted list, the next generation's
-group, then rank 0 sends each joiner, over that group, the consensus parameters and buffers, its
+member admits them (:meth:`Growth.after_round`): the admitted list, the entry (every member and
+joiner says it is there, and one that is gone is left out: :mod:`lightning_elche.membership.entry`),
+the next generation's group, then rank 0 sends each joiner, over that group, the consensus parameters and buffers, its
 own optimizer and scheduler states (for local SGD a peer's inner optimizer state is a state that
 trained the same consensus, and the one the joiner would otherwise rebuild from nothing) and the
 loop position; every holder takes the change (``apply_change``); rank 0 then sends the ElChe state
@@ -21,8 +22,8 @@ state (``state_for_joiner``), which follow from the change.
 **The joiner.** ``setup_distributed`` connects to the job's store and registers the next free
 member id, without a process group; Lightning's start-of-fit collectives answer locally until it
 trains. ``setup`` sends the request and waits for admission (its facts: the model's averaging
-signature, the training loader's dataset length, batch size, order and seed, the mode), builds
-the new generation's group, takes the parameters before the averaging plane is built, and after
+signature, the training loader's dataset length, batch size, order and seed, the mode), takes part
+in the entry, builds the new generation's group, takes the parameters before the averaging plane is built, and after
 Lightning set up the optimizers takes the rest; ``process_dataloader`` builds its sampler from the
 dispatch state. Its first batch is in the cohort's current epoch, its first round the cohort's next.
 """
