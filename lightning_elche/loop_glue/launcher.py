@@ -8,8 +8,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, cast
 
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
@@ -80,7 +80,8 @@ class ChildRestarter:
     """
 
     def __init__(self, children: list[subprocess.Popen], budget: int, restartable: Callable[[], bool]) -> None:
-        self.commands = [list(child.args) for child in children]  # type: ignore[arg-type]
+        # Lightning starts every child with a list of arguments.
+        self.commands = [list(cast(Sequence[str], child.args)) for child in children]
         self.budget = budget
         self.restartable = restartable
         self.restarted = 0
