@@ -64,8 +64,9 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
     ``joiner_devices``: each joiner starts without ``LOCAL_RANK`` and with ``--devices N``: its
     Lightning launcher brings N joining ranks.
 
-    ``one_after_the_other``: the second joiner starts once the first has joined, and rank 0 waits
-    for its request at its first batch on three ranks (two admissions, two changes)."""
+    ``one_after_the_other``: the second joiner asks to join once the first acknowledged its
+    admission, and rank 0 waits for its request at its first batch on three ranks (two admissions,
+    two changes)."""
     out.mkdir(parents=True, exist_ok=True)
     tag = secrets.token_hex(8)
     port = free_port()
@@ -81,7 +82,7 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
     def start_joiner(k: int) -> None:
         environment = {**env, "ELCHE_JOIN": "1", "LOCAL_RANK": "0", "ELCHE_TEST_MEMBER": str(JOINER + k),
                        **(joiner_env or {})}
-        extra = joiner_extra
+        extra = (*joiner_extra, "--request-after-first-join") if one_after_the_other and k > 0 else joiner_extra
         if joiner_devices:
             del environment["LOCAL_RANK"]
             extra = (*joiner_extra, "--devices", str(joiner_devices))
@@ -95,11 +96,6 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
             procs.append(subprocess.Popen(_command(out, mode, (*hold, *cohort_extra)), env=env, stdout=sink,
                                           stderr=subprocess.STDOUT, start_new_session=True))
         for k in range(joiners):
-            if one_after_the_other and k > 0:
-                while "joined the running fit" not in joiner_logs[0].read_text() and time.monotonic() < deadline:
-                    if procs[1].poll() is not None:
-                        break
-                    time.sleep(0.2)
             start_joiner(k)
         for proc, log in zip(procs, (cohort_log, *joiner_logs), strict=True):
             try:
@@ -236,8 +232,11 @@ def test_two_joiners_ready_before_the_same_round_are_admitted_together(tmp_path:
 def test_two_joiners_one_after_the_other(tmp_path: Path, mode: str) -> None:
     # The first joiner is a member (rank 2) when the second is admitted: it takes that change too.
     job = run_join_job(tmp_path, mode, joiners=2, one_after_the_other=True)
-    check_grown(job, joins=[[2], [3]])
-    assert [c["joined"] for c in job.results[JOINER]["changes"]] == [[3]], job.results[JOINER]["changes"]
+    seen = [sorted(c["joined"]) for c in job.results[0]["changes"] if c["joined"]]
+    assert sorted(seen) == [[2], [3]], seen  # the joiners' member ids follow the order they connected
+    check_grown(job, joins=seen)
+    first = next(r for name, r in job.results.items() if name >= JOINER and r["global_rank"] == 2)
+    assert [c["joined"] for c in first["changes"]] == [seen[1]], first["changes"]
 
 
 LOSS_POINTS = {

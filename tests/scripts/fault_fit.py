@@ -19,7 +19,8 @@ so a killed rank's record survives it); every rank that finishes writes ``result
 A process started with ``ELCHE_JOIN=1`` (and ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of the job)
 joins the running job; ``ELCHE_TEST_MEMBER`` names its files. ``--joiner-dies`` makes it die right after
 its request (before it acknowledges admission), ``--joiner-dies-after-ack`` (SIGKILL) once it acknowledged
-its admission and read the admitted list, before the new process group; ``--width`` changes the model (a
+its admission and read the admitted list, before the new process group; ``--request-after-first-join``
+makes it ask only once the first joiner acknowledged its admission; ``--width`` changes the model (a
 bad join). ``--hold-for-joiner STEP[:COUNT[:WORLD]]`` (repeatable): launch rank 0 waits once, at its first
 batch from step ``STEP`` on with at least ``WORLD`` ranks in the fit, until ``COUNT`` (default 1) joiners
 asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
@@ -280,6 +281,26 @@ def die_after_the_ack() -> None:
     admission.JoinerLink.wait_admission = acknowledge_then_die  # type: ignore[method-assign]
 
 
+def request_after_the_first_join() -> None:
+    """A joiner asks to join only once the first joiner acknowledged its admission (so that it is
+    admitted in a change of its own, with the first one already a member)."""
+    from lightning_elche.membership import admission
+
+    request = admission.JoinerLink.request
+
+    def request_later(self: Any, *args: Any, **kwargs: Any) -> None:
+        deadline, first = time.monotonic() + 180.0, admission.key("request/0")
+        while time.monotonic() < deadline:
+            if self.store.check([first]):
+                member = json.loads(self.store.get(first))["member"]
+                if self.store.check([admission.key(f"ack/{member}")]):
+                    break
+            time.sleep(0.1)
+        request(self, *args, **kwargs)
+
+    admission.JoinerLink.request = request_later  # type: ignore[method-assign]
+
+
 def die_in_admission(out_dir: str, point: str) -> None:
     """SIGKILL this member in its first admission, at ``point`` (``admitted`` or ``applied``)."""
     from lightning_elche import growth
@@ -327,6 +348,8 @@ def main(args: argparse.Namespace) -> None:
         die_after_the_request()
     if args.joiner_dies_after_ack:
         die_after_the_ack()
+    if args.request_after_first_join:
+        request_after_the_first_join()
     if args.member_dies_in_admission is not None:
         rank, point = args.member_dies_in_admission.split(":")
         if int(rank) == ORIGINAL_RANK and not os.environ.get("ELCHE_JOIN"):
@@ -398,6 +421,7 @@ if __name__ == "__main__":
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--joiner-dies", action="store_true")
     parser.add_argument("--joiner-dies-after-ack", action="store_true")
+    parser.add_argument("--request-after-first-join", action="store_true", help="a joiner asks once the first acked")
     parser.add_argument("--restart-lost", type=int, default=0, help="ElCheStrategy(restart_lost=N)")
     parser.add_argument("--member-dies-in-admission", default=None, help="RANK:POINT (admitted or applied)")
     parser.add_argument("--hold-for-joiner", action="append", default=[],
