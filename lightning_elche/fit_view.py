@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
@@ -36,6 +36,7 @@ class ElCheFitView:
     _rounds: Optional[RoundDriver]
     _round_listeners: list[RoundListener]
     _change_listeners: ChangeListeners
+    _growth: Any  # lightning_elche.growth.Growth
 
     if TYPE_CHECKING:  # the strategy's own (renumbered) ranks
 
@@ -44,6 +45,11 @@ class ElCheFitView:
 
         @property
         def global_rank(self) -> int: ...
+
+    @property
+    def restart_lost(self) -> int:
+        """How many times in the fit rank 0's launcher restarts a lost child rank, as a joiner."""
+        return int(self._growth.restart_lost)
 
     @property
     def launch_ranks(self) -> list[int]:

@@ -10,8 +10,9 @@ known and reads the count of accepted joiners into its round metadata once per r
 (:attr:`ElCheEngine.joiners_waiting <lightning_elche.engine.ElCheEngine.joiners_waiting>`). After
 a round that saw joiners waiting, every member asks for a consensus round two rounds on; at the
 first consensus round at which every rank still has data in the epoch and nobody stops, every
-member admits them (:meth:`CohortGrowth.after_round`): the admitted list, the next generation's
-group, then rank 0 sends each joiner, over that group, the consensus parameters and buffers, its
+member admits them (:meth:`Growth.after_round`): the admitted list, the entry (every member and
+joiner says it is there, and one that is gone is left out: :mod:`lightning_elche.membership.entry`),
+the next generation's group, then rank 0 sends each joiner, over that group, the consensus parameters and buffers, its
 own optimizer and scheduler states (for local SGD a peer's inner optimizer state is a state that
 trained the same consensus, and the one the joiner would otherwise rebuild from nothing) and the
 loop position; every holder takes the change (``apply_change``); rank 0 then sends the ElChe state
@@ -21,8 +22,8 @@ state (``state_for_joiner``), which follow from the change.
 **The joiner.** ``setup_distributed`` connects to the job's store and registers the next free
 member id, without a process group; Lightning's start-of-fit collectives answer locally until it
 trains. ``setup`` sends the request and waits for admission (its facts: the model's averaging
-signature, the training loader's dataset length, batch size, order and seed, the mode), builds
-the new generation's group, takes the parameters before the averaging plane is built, and after
+signature, the training loader's dataset length, batch size, order and seed, the mode), takes part
+in the entry, builds the new generation's group, takes the parameters before the averaging plane is built, and after
 Lightning set up the optimizers takes the rest; ``process_dataloader`` builds its sampler from the
 dispatch state. Its first batch is in the cohort's current epoch, its first round the cohort's next.
 """
@@ -46,6 +47,8 @@ from torch.utils.data import DataLoader
 
 from lightning_elche import job_store
 from lightning_elche.averaging import averaged_buffers, layout_signature, trainable_parameters
+from lightning_elche.checks import require_int
+from lightning_elche.loop_glue import configure_launcher
 from lightning_elche.loop_glue.joining import (
     loader_of,
     loop_position,
@@ -68,11 +71,14 @@ from lightning_elche.membership.admission import (
     read_join_secret,
 )
 from lightning_elche.membership.agreement import Membership
-from lightning_elche.membership.change import Change
+from lightning_elche.membership.change import Change, RanksLost
+from lightning_elche.membership.entry import Entry, settle_entry
 from lightning_elche.membership.groups import init_generation_group
-from lightning_elche.membership.survival import Survival
+from lightning_elche.membership.survival import Survival, fence
 
 DISPATCH_STORE_PREFIX = "lightning_elche/dispatch/"
+RESTART_LOST_ALLOWED = ("expected an int >= 0: how many times in the fit rank 0 starts a lost child rank of its node "
+                        "again, as a joiner (0 restarts none)")
 
 
 class RankJoinedWarning(UserWarning):
@@ -108,11 +114,14 @@ def _warn_joined(change: Change, world_size: int) -> None:
 class Growth:
     """Both sides of a join for one strategy (a process is a member or a joiner, never both)."""
 
-    def __init__(self) -> None:
+    def __init__(self, restart_lost: int = 0) -> None:
+        self.restart_lost = require_int(f"ElCheStrategy(restart_lost={restart_lost!r})", restart_lost, 0,
+                                        RESTART_LOST_ALLOWED)
         self.joining = joining_requested()
         self.admitter: Optional[Admitter] = None
         self.survival: Optional[Survival] = None
         self.admit_at: Optional[int] = None
+        self._over = False
         self._job: tuple[str, str] = ("", "")
         # The joiner's
         self._link: Optional[JoinerLink] = None
@@ -128,11 +137,16 @@ class Growth:
 
     def __getstate__(self) -> dict[str, Any]:
         # Built per fit inside the rank processes (the launcher pickles the strategy before that).
-        return {"joining": self.joining}
+        return {"joining": self.joining, "restart_lost": self.restart_lost}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        Growth.__init__(self)
+        Growth.__init__(self, state.get("restart_lost", 0))
         self.joining = state["joining"]
+
+    def configure_launcher(self, strategy: Any, tolerates_loss: Callable[[int], bool]) -> None:
+        """The strategy's launcher: Lightning's, sparing the survivors of a loss, restarting a lost child
+        as a joiner ``restart_lost`` times while this fit admits joiners."""
+        configure_launcher(strategy, tolerates_loss, self.restart_lost, lambda: self.admits_joiners)
 
     # -- members -----------------------------------------------------------------------------------
 
@@ -198,7 +212,11 @@ class Growth:
         joined = self.admitter.admit(count)
         if not joined:
             return
-        change = membership.admit(joined)
+        opened = membership.admit(joined)
+        change = self._settle(opened, settle_entry(membership, opened.generation, opened.before, joined), engine,
+                              session)
+        if change is None:
+            return
         change = replace(change, regrouped_with=self.survival.groups.rebuild(change))
         membership.record(change)
         leader = membership.rank == 0
@@ -213,7 +231,34 @@ class Growth:
         if leader:
             self._send({"engine": engine.round_record(), "callback_role": session.callback_role.state_dict(),
                         "dispatch": sampler.state_for_joiner()}, change)
-        _warn_joined(change, membership.world_size)
+        self.survival.follow_up(change)
+        if change.is_join:
+            _warn_joined(change, membership.world_size)
+
+    def _settle(self, opened: Change, entry: Entry, engine: Any, session: Any) -> Optional[Change]:
+        """The admission's change as its generation was entered (:mod:`~lightning_elche.membership.entry`):
+        a joiner that did not reach it is out (never a member), a member that did not is lost (its
+        batches of the epoch at the admission round are in the consensus, the rest goes back);
+        None when nothing changed after all."""
+        assert self.survival is not None
+        membership = self.survival.membership
+        if entry.after == opened.after:
+            return opened
+        if entry.after == opened.before:  # every joiner dropped, nobody lost: the fit goes on as it was
+            membership.members = list(opened.before)
+            membership.changes.remove(opened)
+            return None
+        batches = engine.progress_at_failure(session.epoch).epoch_batches
+        trained = {m: int(batches[k]) if k < len(batches) else 0 for k, m in enumerate(opened.before)
+                   if m in entry.lost}
+        change = replace(opened, after=entry.after, reasons=dict(entry.lost), trained_batches=trained)
+        membership.members = list(change.after)
+        membership.record(change)
+        limit = membership.limit
+        change = replace(change, ends_fit=bool(entry.lost) and limit is not None and membership.lost_count >= limit)
+        membership.record(change)
+        fence(change, membership)
+        return change
 
     @staticmethod
     def _send(payload: dict[str, Any], change: Change) -> None:
@@ -221,8 +266,14 @@ class Growth:
             dist.send_object_list([payload], dst=rank)
 
     def fit_over(self, strategy: Any) -> None:
+        self._over = True
         if self.admitter is not None and strategy.global_rank == 0:
             self.admitter.fit_over()
+
+    @property
+    def admits_joiners(self) -> bool:
+        """Whether this member's fit admits joiners now (rank 0's launcher asks before it restarts a child)."""
+        return self.admitter is not None and self.admitter.facts is not None and not self._over
 
     # -- the joiner ----------------------------------------------------------------------------------
 
@@ -262,8 +313,13 @@ class Growth:
         member = self._link.member
         membership = Membership(self._link.store, job.fit_prefix, member, members[:before], strategy.liveness_timeout,
                                 self._timeout, max_failure=strategy.elche.max_failure)
-        change = Change(generation=generation, before=tuple(members[:before]), after=tuple(members),
-                        detected_at=time.time(), regrouped_with="new group")
+        try:
+            entry = settle_entry(membership, generation, members[:before], members[before:])
+        except RanksLost as left_out:
+            membership.close()
+            raise JoinRefused(f"ElCheStrategy: joiner {member} was dropped from its admission: {left_out}") from None
+        change = Change(generation=generation, before=tuple(members[:before]), after=entry.after,
+                        reasons=dict(entry.lost), detected_at=time.time(), regrouped_with="new group")
         membership.enter(change)
         self.membership = membership
         device = strategy.root_device if strategy.root_device.type == "cuda" else None

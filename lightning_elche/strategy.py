@@ -54,7 +54,6 @@ from lightning_elche.loop_glue import (
     LightningRankView,
     check_lightning_version,
     check_step_schedulers,
-    configure_launcher,
     default_group_store,
     init_process_group_on_job_store,
     lightning_phase,
@@ -108,6 +107,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         stall_timeout: how long a live rank may make no progress (no step, no wait on its peers) before
             they declare it lost: ``None`` (default) derives it from that rank's own measured window (2
             windows and rounds + 2 s, at least 20 s: slow is not stuck); a timedelta is used as it is.
+        restart_lost: how many lost child ranks rank 0's popen launcher restarts as joiners (README, "Growing a fit").
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
     """
@@ -129,6 +129,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         stop_grace: Optional[timedelta] = None,
         stall_timeout: Optional[timedelta] = None,
         micro_batch: MicroBatch = None,
+        restart_lost: int = 0,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -169,7 +170,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         self._evaluations: Optional[EvaluationRecovery] = None
         self._saves = CheckpointSaves(self)  # a save is written once, whole, by rank 0 (or the new rank 0)
         self._micro_batching: Optional[MicroBatching] = None
-        self._growth = Growth()  # a rank joining a running fit (ELCHE_JOIN=1), and the members' admissions
+        self._growth = Growth(restart_lost)  # a rank joining a running fit (ELCHE_JOIN=1), the members' admissions
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -182,7 +183,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
     @override
     def _configure_launcher(self) -> None:
         # Late-bound: the answer may change during the fit (and tests replace the method).
-        configure_launcher(self, tolerates_loss=lambda member: self.tolerates_rank_loss(member))
+        self._growth.configure_launcher(self, tolerates_loss=lambda member: self.tolerates_rank_loss(member))
 
     @override
     def setup_distributed(self) -> None:
@@ -267,8 +268,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         plane = build_plane(PlaneSetup(
             layout, self.global_rank, self.world_size, self.root_device, self.elche.run_mode, self.elche.gamma,
             outer=None if isinstance(outer, OuterAvg) else outer, watch=self._membership,
-            round_timeout=self.snapshot_timeout,
-        ))
+            round_timeout=self.snapshot_timeout))
         # Frozen parameters too: one may be unfrozen later (the planes stamp the current signature).
         self._engine = ElCheEngine(self.elche, plane, self.global_rank, self.world_size, self.root_device,
                                    params=list(module.parameters()), signature=layout.signature,

@@ -4,13 +4,17 @@ request (token, earlier job, facts named by field), and the change a join opens.
 from __future__ import annotations
 
 import json
+import socket
 import stat
+import subprocess
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from lightning_elche.job_store import proc_key
 from lightning_elche.membership.admission import (
     Admitter,
     FitFacts,
@@ -25,6 +29,8 @@ from lightning_elche.membership.admission import (
     token_path,
 )
 from lightning_elche.membership.agreement import Membership
+from lightning_elche.membership.change import RanksLost
+from lightning_elche.membership.entry import entry_key, settle_entry
 
 FACTS = FitFacts(mode="cpu_cadence", signature=123.0, dataset_len=480, batch_size=8, seed=0, shuffle=True,
                  drop_last=False)
@@ -98,3 +104,53 @@ def test_a_join_opens_a_generation_with_the_joiners_last_and_loses_nobody() -> N
     assert change.after == (0, 1, 2, 3) and change.joined == [2, 3] and not change.is_loss
     assert members.generation == 1 and members.rank == 1 and members.world_size == 4
     assert members.lost_count == 0 and members.renumbered
+
+
+def _dead_process(store: dist.Store, member: int) -> None:
+    """Register ``member`` as a process of this host that has ended."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    register_rank_process(store, member, child.pid)
+
+
+def register_rank_process(store: dist.Store, member: int, pid: int) -> None:
+    store.set(proc_key(member), f"{socket.gethostname()}:{pid}")
+
+
+def test_an_admission_is_entered_by_everyone_there() -> None:
+    store = dist.HashStore()
+    members = _membership(store, 0, [0, 1])
+    store.set(entry_key(members, 1, "present/1"), "1")
+    store.set(entry_key(members, 1, "present/2"), "1")
+    entry = settle_entry(members, 1, [0, 1], [2])
+    assert entry.after == (0, 1, 2) and not entry.lost and not entry.dropped
+    # Every later participant reads the same settled list.
+    assert settle_entry(_membership(store, 1, [0, 1]), 1, [0, 1], [2]).after == (0, 1, 2)
+
+
+def test_a_joiner_gone_before_the_new_group_is_dropped_at_once_and_a_gone_member_is_lost(
+        caplog: pytest.LogCaptureFixture) -> None:
+    store = dist.HashStore()
+    members = _membership(store, 0, [0, 1, 2])
+    store.set(entry_key(members, 1, "present/2"), "1")
+    _dead_process(store, 1)  # a member
+    _dead_process(store, 4)  # a joiner
+    store.set(entry_key(members, 1, "present/3"), "1")
+    started = time.monotonic()
+    entry = settle_entry(members, 1, [0, 1, 2], [3, 4])
+    assert time.monotonic() - started < 2.0  # not the join timeout, nor the liveness timeout
+    assert entry.after == (0, 2, 3)
+    assert list(entry.lost) == [1] and "is gone" in entry.lost[1]
+    assert list(entry.dropped) == [4] and "dropped joiner 4" in caplog.text and "max_failure" in caplog.text
+    with pytest.raises(RanksLost, match="member 1"):  # the member left out cannot go on
+        settle_entry(_membership(store, 1, [0, 1, 2]), 1, [0, 1, 2], [3, 4])
+
+
+def test_a_live_joiner_that_does_not_come_is_dropped_after_the_entry_timeout() -> None:
+    store = dist.HashStore()
+    members = _membership(store, 0, [0])
+    entry = settle_entry(members, 1, [0], [1], joiner_timeout_s=0.3)
+    assert entry.after == (0,) and "not there within" in entry.dropped[1]
+    late = Membership(store, "fit", 1, [0], timedelta(seconds=5), timedelta(seconds=5))
+    with pytest.raises(RanksLost, match="not there within"):
+        settle_entry(late, 1, [0], [1])

@@ -33,7 +33,8 @@ from lightning_elche.job_store import (
     process_alive,
     start_host,
 )
-from lightning_elche.loop_glue import ChildObserver
+from lightning_elche.loop_glue import ChildObserver, ChildRestarter, launcher
+from lightning_elche.membership import admission
 
 HOSTNAME = socket.gethostname()
 CONNECT = timedelta(seconds=10)
@@ -336,6 +337,42 @@ def test_observer_finishes_once_every_child_ended_cleanly(sleepers):
         child.wait()
     assert observer.check() is True
     assert main.poll() is None
+
+
+def test_observer_restarts_a_lost_child_as_a_joiner_within_its_budget(sleepers, tmp_path, monkeypatch):
+    main = sleepers()
+    script = tmp_path / "child.py"
+    # The restarted child says what it was started with, then fails again.
+    script.write_text("import os, sys\n"
+                      f"open({str(tmp_path / 'env.txt')!r}, 'a').write(os.environ.get('ELCHE_JOIN', '-') + ' ' + "
+                      "os.environ['LOCAL_RANK'] + ' ' + ' '.join(sys.argv[1:]) + '\\n')\n"
+                      "sys.exit(3)\n")
+    monkeypatch.delenv("ELCHE_JOIN", raising=False)
+    children = [subprocess.Popen([sys.executable, str(script), "--x", "1"], env={**os.environ, "LOCAL_RANK": "1"})]
+    admits = [True]
+    observer = ChildObserver(children, main.pid, lambda member: True,
+                             restarter=ChildRestarter(children, budget=1, restartable=lambda: admits[0]))
+    first = children[0]
+    with pytest.warns(UserWarning, match=r"exited with code 3; ElCheStrategy tolerates the loss and restarted it "
+                                         r"\(pid \d+, restart 1 of restart_lost=1\)"):
+        assert observe(observer, [first]) is False
+    restarted = children[0]
+    assert restarted is not first and restarted.wait(timeout=30) == 3
+    # Started as a joiner, with the same command and local rank; the budget is spent now.
+    assert (tmp_path / "env.txt").read_text().splitlines() == ["- 1 --x 1", "1 1 --x 1"]
+    with pytest.warns(UserWarning, match=r"code 3; ElCheStrategy tolerates the loss: the other ranks go on"):
+        assert observer.check() is True
+    assert children[0] is restarted and main.poll() is None
+    # No restart while the fit admits no joiner (it is over, or not yet set up).
+    spare = [failing_child(3)]
+    idle = ChildObserver(spare, main.pid, lambda member: True, restarter=ChildRestarter(spare, 5, lambda: False))
+    with pytest.warns(UserWarning, match="tolerates the loss: the other ranks go on"):
+        observe(idle, spare)
+    assert idle.restarter is not None and idle.restarter.restarted == 0
+
+
+def test_the_launcher_starts_a_restarted_child_with_the_join_variable():
+    assert launcher.JOIN_ENV == admission.JOIN_ENV
 
 
 # -- Lightning's popen launcher with ElCheStrategy, 3 CPU ranks ---------------------------------

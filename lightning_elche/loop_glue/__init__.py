@@ -33,6 +33,7 @@ from lightning_elche.loop_glue.evaluation import (
 )
 from lightning_elche.loop_glue.launcher import (
     ChildObserver,
+    ChildRestarter,
     TolerantSubprocessLauncher,
     configure_launcher,
 )
@@ -82,6 +83,7 @@ from lightning_elche.loop_glue.versions import (
 
 __all__ = [
     "ChildObserver",
+    "ChildRestarter",
     "EvaluationRuns",
     "LightningPatches",
     "LightningRankView",

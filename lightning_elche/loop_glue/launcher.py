@@ -1,4 +1,5 @@
-"""Lightning's popen launcher, with an observer that lets the survivors of a lost rank live."""
+"""Lightning's popen launcher, with an observer that lets the survivors of a lost rank live, and
+restarts a lost child as a joiner of the running fit (``ElCheStrategy(restart_lost=N)``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, cast
 
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
@@ -19,8 +20,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+JOIN_ENV = "ELCHE_JOIN"  # lightning_elche.membership.admission.JOIN_ENV: a restarted child joins the fit
 
-def configure_launcher(strategy: Any, tolerates_loss: Callable[[int], bool]) -> None:
+
+def configure_launcher(strategy: Any, tolerates_loss: Callable[[int], bool], restart_lost: int = 0,
+                       restartable: Callable[[], bool] = lambda: False) -> None:
     """``DDPStrategy._configure_launcher``, with a popen launcher that spares the survivors of a loss.
 
     Lightning's popen launcher (the default for ``devices=N``) kills every rank as soon as one
@@ -28,13 +32,17 @@ def configure_launcher(strategy: Any, tolerates_loss: Callable[[int], bool]) -> 
     ``tolerates_loss(member)`` (``member``: the child's launch rank). The ``spawn``/``fork`` start
     methods keep Lightning's launcher, whose ``torch.multiprocessing`` context ends every process
     when one fails.
+
+    ``restart_lost``: how many times in the fit rank 0 starts a lost child again, as a joiner
+    (``ELCHE_JOIN=1``, the same command, environment and ``LOCAL_RANK``), while ``restartable()``
+    (the fit admits joiners).
     """
     if strategy._start_method != "popen":
         DDPStrategy._configure_launcher(strategy)
         return
     assert strategy.cluster_environment is not None
     strategy._launcher = TolerantSubprocessLauncher(strategy.cluster_environment, strategy.num_processes,
-                                                    strategy.num_nodes, tolerates_loss)
+                                                    strategy.num_nodes, tolerates_loss, restart_lost, restartable)
 
 
 class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
@@ -46,18 +54,58 @@ class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
     """
 
     def __init__(self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int,
-                 tolerates_loss: Callable[[int], bool]) -> None:
+                 tolerates_loss: Callable[[int], bool], restart_lost: int = 0,
+                 restartable: Callable[[], bool] = lambda: False) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.tolerates_loss = tolerates_loss
+        self.restart_lost = restart_lost
+        self.restartable = restartable
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
             first_member = self.cluster_environment.node_rank() * self.num_processes
-            ChildObserver(self.procs, os.getpid(), self.tolerates_loss, first_member).start()
+            restarter = ChildRestarter(self.procs, self.restart_lost, self.restartable) if self.restart_lost else None
+            ChildObserver(self.procs, os.getpid(), self.tolerates_loss, first_member, restarter=restarter).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
+
+
+class ChildRestarter:
+    """Starts a lost child of rank 0 again, as a joiner of the running fit, up to ``budget`` times.
+
+    The command is the one Lightning started the child with; the environment is rank 0's (Lightning
+    put the job's ``MASTER_ADDR``/``MASTER_PORT``, ``NODE_RANK`` and ``WORLD_SIZE`` there before it
+    started the children) with the child's ``LOCAL_RANK`` and ``ELCHE_JOIN=1``: the restarted process
+    connects to the job's store and asks to join, as a joiner started by hand would.
+    """
+
+    def __init__(self, children: list[subprocess.Popen], budget: int, restartable: Callable[[], bool]) -> None:
+        # Lightning starts every child with a list of arguments.
+        self.commands = [list(cast(Sequence[str], child.args)) for child in children]
+        self.budget = budget
+        self.restartable = restartable
+        self.restarted = 0
+
+    def restart(self, index: int) -> Optional[subprocess.Popen]:
+        """Start child ``index`` (local rank ``index + 1``) again; None when the budget is spent or
+        the fit admits no joiner now."""
+        if self.restarted >= self.budget or not self._restartable():
+            return None
+        self.restarted += 1
+        env = os.environ.copy()
+        env["LOCAL_RANK"] = str(index + 1)
+        env[JOIN_ENV] = "1"
+        if os.environ.get("PL_GLOBAL_SEED") is None:  # as Lightning starts its children
+            env.pop("PL_GLOBAL_SEED", None)
+        return subprocess.Popen(self.commands[index], env=env)
+
+    def _restartable(self) -> bool:
+        try:
+            return bool(self.restartable())
+        except Exception:  # noqa: BLE001 (a broken answer restarts nothing)
+            return False
 
 
 class ChildObserver(threading.Thread):
@@ -68,11 +116,13 @@ class ChildObserver(threading.Thread):
     does (a rank blocked in a collective with a dead peer would hang). The tolerance is read when
     the exit is seen, at most ``period_s`` after it; ``member`` is the child's launch rank
     (``first_member`` + its local rank), so that an exit the survivors already agreed on is tolerated
-    even when it is seen only after the fit (a fit may be shorter than ``period_s``).
+    even when it is seen only after the fit (a fit may be shorter than ``period_s``). With a
+    ``restarter``, a tolerated failed child is started again as a joiner (and watched in its place)
+    while the restarter's budget lasts.
     """
 
     def __init__(self, children: list[subprocess.Popen], main_pid: int, tolerates_loss: Callable[[int], bool],
-                 first_member: int = 0, period_s: float = 1.0) -> None:
+                 first_member: int = 0, period_s: float = 1.0, restarter: Optional[ChildRestarter] = None) -> None:
         super().__init__(daemon=True, name="elche-child-observer")  # ends with rank 0
         self.children = children
         self.main_pid = main_pid
@@ -80,6 +130,7 @@ class ChildObserver(threading.Thread):
         self.first_member = first_member
         self.period_s = period_s
         self.tolerated: set[int] = set()
+        self.restarter = restarter
 
     def run(self) -> None:
         while True:
@@ -95,6 +146,14 @@ class ChildObserver(threading.Thread):
                 continue
             local_rank = index + 1
             if self._tolerating(self.first_member + local_rank):
+                restarted = self.restarter.restart(index) if self.restarter is not None else None
+                if restarted is not None:
+                    self.children[index] = restarted
+                    rank_zero_warn(f"The process of local rank {local_rank} (pid {child.pid}) exited with code "
+                                   f"{code}; ElCheStrategy tolerates the loss and restarted it (pid {restarted.pid}, "
+                                   f"restart {self.restarter.restarted} of restart_lost="  # type: ignore[union-attr]
+                                   f"{self.restarter.budget}): it joins the running fit.")  # type: ignore[union-attr]
+                    continue
                 self.tolerated.add(index)
                 rank_zero_warn(f"The process of local rank {local_rank} (pid {child.pid}) exited with code {code}; "
                                "ElCheStrategy tolerates the loss: the other ranks go on.")

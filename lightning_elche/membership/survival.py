@@ -117,11 +117,18 @@ class Survival:
             self.membership.record(change)
             for holder in self.holders():
                 holder.apply_change(change)
+        self.follow_up(change)
+        return change
+
+    def follow_up(self, change: Change) -> None:
+        """After every holder took ``change``: keep the epoch open when lost ranks left work in it,
+        and warn of a loss (an admission that lost a member calls it too)."""
+        if not change.is_loss:
+            return
         handover = self.handover()
         if handover is not None and handover.returned_batches > 0:
             self.keep_epoch_open()
         self._warn(change)
-        return change
 
     def _catch_up(self, change: Change) -> None:
         """Members behind the furthest one take its last round (still in the old numbering, before

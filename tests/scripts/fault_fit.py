@@ -18,7 +18,14 @@ so a killed rank's record survives it); every rank that finishes writes ``result
 ``--stall-floor S`` lowers the derived bound's floor for short test jobs.
 A process started with ``ELCHE_JOIN=1`` (and ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of the job)
 joins the running job; ``ELCHE_TEST_MEMBER`` names its files. ``--joiner-dies`` makes it die right after
-its request (before it acknowledges admission); ``--width`` changes the model (a bad join).
+its request (before it acknowledges admission), ``--joiner-dies-after-ack`` (SIGKILL) once it acknowledged
+its admission and read the admitted list, before the new process group; ``--request-after-first-join``
+makes it ask only once the first joiner acknowledged its admission; ``--width`` changes the model (a
+bad join). ``--hold-for-joiner STEP[:COUNT[:WORLD]]`` (repeatable): launch rank 0 waits once, at its first
+batch from step ``STEP`` on with at least ``WORLD`` ranks in the fit, until ``COUNT`` (default 1) joiners
+asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
+launch rank ``RANK`` in its first admission: at ``admitted`` (the admitted list read, before the new group)
+or ``applied`` (the change applied, the joiner's state sent); it writes its ``fault-rank<r>.json`` first.
 
 ``--val-fault KIND:RANK:BATCH:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` on original rank ``RANK``
 at its validation batch ``BATCH`` of the validation after training epoch ``EPOCH`` (``sanity``: in the
@@ -36,6 +43,9 @@ any other rank while the checkpoint is dumped). With it (or ``--epoch-end-probes
 gathers and barriers there, and every rank appends to ``epoch-end-rank<original rank>.jsonl`` what those
 returned, the ``epoch_members`` it logged and the epoch of ``ckpt/last.ckpt`` at the next epoch's
 start; every checkpoint file written whole is appended to ``writes.jsonl`` (by whom, in which epoch).
+
+``--restart-lost N`` passes ``ElCheStrategy(restart_lost=N)``: the launcher restarts a lost child as a
+joiner (it names its files by the launch world size, the member id it gets).
 
 ``--monitor DIR`` attaches an ``ElCheMonitor`` writing its record log to ``DIR/records``, its
 dashboard to ``DIR/dashboard.html`` and its timeline to ``DIR/timeline.json``.
@@ -65,8 +75,13 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_elche import ElCheMonitor, ElCheStrategy  # noqa: E402
 
-# One node: the rank given at launch (a joiner: the name the test gives it).
-ORIGINAL_RANK = int(os.environ.get("ELCHE_TEST_MEMBER", os.environ.get("LOCAL_RANK", "0")))
+# One node: the rank given at launch (a joiner: the name the test gives it; a child that Lightning's
+# launcher restarted, with ``--restart-lost``: the launch world size, the member id of the first joiner).
+_RESTARTED = bool(os.environ.get("ELCHE_JOIN")) and "ELCHE_TEST_MEMBER" not in os.environ and "WORLD_SIZE" in os.environ
+# A joiner started without LOCAL_RANK brings its devices' ranks: they are named from ELCHE_TEST_MEMBER on.
+ORIGINAL_RANK = (int(os.environ["WORLD_SIZE"]) if _RESTARTED else
+                 int(os.environ["ELCHE_TEST_MEMBER"]) + int(os.environ.get("LOCAL_RANK", "0"))
+                 if "ELCHE_TEST_MEMBER" in os.environ else int(os.environ.get("LOCAL_RANK", "0")))
 CHANGES: list[dict[str, Any]] = []
 KINDS = ("kill", "stop", "raise", "oom", "exit", "loop", "sleep_in_collective")
 EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
@@ -319,18 +334,25 @@ class RecordChanges(pl.Callback):
 
 
 class HoldForJoiner(pl.Callback):
-    """Launch rank 0: before its optimizer step ``step``, wait until a joiner has asked to join (a
-    loaded test machine may take longer to start the joiner than the fit takes to end)."""
+    """Launch rank 0, once: at its first batch from its optimizer step ``step`` on at which the fit
+    has at least ``world`` ranks, wait until ``count`` joiners have asked to join (a loaded test
+    machine may take longer to start a joiner than the fit takes to end)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, count: int = 1, world: int = 0) -> None:
+        self.step, self.count, self.world = step, count, world
+        self.held = False
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if trainer.global_step != self.step:
+        if self.held or trainer.global_step < self.step or trainer.world_size < self.world:
             return
+        self.held = True
         store, deadline = trainer.strategy.job_store, time.monotonic() + 180.0
-        while int(store.add("lightning_elche/join/requests", 0)) < 1 and time.monotonic() < deadline:
+        # Waiting here is not a stall: the peers judge this rank by its progress after its first round.
+        progress = getattr(getattr(trainer.strategy, "_membership", None), "progress", None)
+        while int(store.add("lightning_elche/join/requests", 0)) < self.count and time.monotonic() < deadline:
+            if progress is not None:
+                progress.advance()
             time.sleep(0.1)
 
 
@@ -341,6 +363,72 @@ def die_after_the_request() -> None:
         os._exit(3)
 
     admission.JoinerLink.wait_admission = die  # type: ignore[method-assign]
+
+
+def die_after_the_ack() -> None:
+    from lightning_elche.membership import admission
+
+    acknowledge = admission.JoinerLink.wait_admission
+
+    def acknowledge_then_die(self: Any, *args: Any, **kwargs: Any) -> Any:
+        acknowledge(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    admission.JoinerLink.wait_admission = acknowledge_then_die  # type: ignore[method-assign]
+
+
+def request_after_the_first_join() -> None:
+    """A joiner asks to join only once the first joiner acknowledged its admission (so that it is
+    admitted in a change of its own, with the first one already a member)."""
+    from lightning_elche.membership import admission
+
+    request = admission.JoinerLink.request
+
+    def request_later(self: Any, *args: Any, **kwargs: Any) -> None:
+        deadline, first = time.monotonic() + 180.0, admission.key("request/0")
+        while time.monotonic() < deadline:
+            if self.store.check([first]):
+                member = json.loads(self.store.get(first))["member"]
+                if self.store.check([admission.key(f"ack/{member}")]):
+                    break
+            time.sleep(0.1)
+        request(self, *args, **kwargs)
+
+    admission.JoinerLink.request = request_later  # type: ignore[method-assign]
+
+
+def die_in_admission(out_dir: str, point: str) -> None:
+    """SIGKILL this member in its first admission, at ``point`` (``admitted`` or ``applied``)."""
+    from lightning_elche import growth
+    from lightning_elche.membership import admission
+
+    def fault_record() -> None:
+        rows = Path(out_dir, f"steps-rank{ORIGINAL_RANK}.jsonl").read_text().splitlines()
+        epoch = json.loads(rows[-1])["epoch"] if rows else 0
+        Path(out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(json.dumps(
+            {"kind": f"kill in admission ({point})", "time": time.time(), "epoch": epoch}))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "admitted":
+        admit = admission.Admitter.admit
+
+        def admit_then_die(self: Any, count: int) -> list[int]:
+            joined = admit(self, count)
+            if joined:
+                fault_record()
+            return joined
+
+        admission.Admitter.admit = admit_then_die  # type: ignore[method-assign]
+    elif point == "applied":
+        admit_joiners = growth.Growth._admit_joiners
+
+        def admit_joiners_then_die(self: Any, *args: Any, **kwargs: Any) -> None:
+            admit_joiners(self, *args, **kwargs)
+            fault_record()
+
+        growth.Growth._admit_joiners = admit_joiners_then_die  # type: ignore[method-assign]
+    else:
+        raise SystemExit(f"--member-dies-in-admission POINT={point!r} is invalid: expected admitted or applied")
 
 
 def micro_batch(value: Optional[str]) -> Any:
@@ -354,6 +442,14 @@ def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     if args.joiner_dies:
         die_after_the_request()
+    if args.joiner_dies_after_ack:
+        die_after_the_ack()
+    if args.request_after_first_join:
+        request_after_the_first_join()
+    if args.member_dies_in_admission is not None:
+        rank, point = args.member_dies_in_admission.split(":")
+        if int(rank) == ORIGINAL_RANK and not os.environ.get("ELCHE_JOIN"):
+            die_in_admission(args.out_dir, point)
     pl.seed_everything(0)
     callbacks: list[pl.Callback] = [StepDelay(args.delays_ms), RecordChanges(), RecordValidation()]
     for fault in args.val_fault:
@@ -371,8 +467,10 @@ def main(args: argparse.Namespace) -> None:
     probes = args.epoch_end_probes or bool(args.epoch_end_fault)
     if probes:
         callbacks.append(EpochEndCollectives(args.out_dir))
-    if args.hold_for_joiner is not None and ORIGINAL_RANK == 0 and not os.environ.get("ELCHE_JOIN"):
-        callbacks.append(HoldForJoiner(args.hold_for_joiner))
+    if ORIGINAL_RANK == 0 and not os.environ.get("ELCHE_JOIN"):
+        for hold in args.hold_for_joiner:
+            step, count, world = (hold.split(":") + ["1", "0"])[:3]
+            callbacks.append(HoldForJoiner(int(step), int(count), int(world)))
     for fault in args.fault:
         kind, rank, step, *epoch = fault.split(":")
         if kind not in KINDS:
@@ -399,7 +497,8 @@ def main(args: argparse.Namespace) -> None:
         strategy=ElCheStrategy(mode=args.mode, max_failure=max_failure, summary=True,
                                micro_batch=micro_batch(args.micro_batch),
                                liveness_timeout=timedelta(seconds=args.liveness), stall_timeout=stall_timeout,
-                               snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120)),
+                               snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120),
+                               restart_lost=args.restart_lost),
         callbacks=callbacks, logger=CSVLogger(args.out_dir, name="csv", version=0), enable_progress_bar=True,
         enable_model_summary=False, num_sanity_val_steps=args.sanity_steps, default_root_dir=args.out_dir,
         log_every_n_steps=1,
@@ -432,6 +531,11 @@ if __name__ == "__main__":
     parser.add_argument("--stall-floor", type=float, default=None, help="the derived stall bound's floor, seconds")
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--joiner-dies", action="store_true")
-    parser.add_argument("--hold-for-joiner", type=int, default=None, help="launch rank 0 waits for a join request")
+    parser.add_argument("--joiner-dies-after-ack", action="store_true")
+    parser.add_argument("--request-after-first-join", action="store_true", help="a joiner asks once the first acked")
+    parser.add_argument("--restart-lost", type=int, default=0, help="ElCheStrategy(restart_lost=N)")
+    parser.add_argument("--member-dies-in-admission", default=None, help="RANK:POINT (admitted or applied)")
+    parser.add_argument("--hold-for-joiner", action="append", default=[],
+                        help="STEP[:COUNT[:WORLD]]: launch rank 0 waits there for COUNT join requests")
     parser.add_argument("--monitor", default=None, help="attach an ElCheMonitor writing under this directory")
     main(parser.parse_args())
