@@ -96,6 +96,9 @@ class ElCheEngine:
         self.state = EngineState(totals=[RankTotals() for _ in range(world_size)])
         self.clock = WindowClock(device, synchronize=self.run_mode.blocking or not plane.non_blocking)
         self.last_outcome: Optional[RoundOutcome] = None
+        self._kept_batches: tuple[tuple[int, int], ...] = ()
+        """(epoch, batches of it) per current rank at the last round: what each has in the consensus,
+        renumbered by every change since (two changes may come without a round between them)."""
         self._consensus_next = False
         self._consensus_at: Optional[int] = None
         self._consensus_round = False
@@ -387,8 +390,12 @@ class ElCheEngine:
             idle=tuple(t.sync_s / (t.compute_s + t.sync_s) if t.compute_s + t.sync_s > 0 else 0.0
                        for t in state.totals),
         )
-        self.last_outcome = outcome
+        self._remember(outcome)
         return outcome
+
+    def _remember(self, outcome: RoundOutcome) -> None:
+        self.last_outcome = outcome
+        self._kept_batches = tuple((r.epoch, r.epoch_batches) for r in outcome.reports)
 
     def _stop_to_act_on(
         self, requested: StopRequest, reports: tuple[RankReport, ...], consensus: bool, epoch_over: bool
@@ -448,6 +455,8 @@ class ElCheEngine:
         same round: that round acts on it."""
         self.state.lost_totals.extend(self.state.totals[k] for k in change.lost)
         self.state.totals = change.carry(self.state.totals, RankTotals)
+        if self._kept_batches:
+            self._kept_batches = tuple(change.carry(self._kept_batches, lambda: (-1, 0)))
         self.controller.apply_change(change)
         rank = change.new_rank(self.rank)
         assert rank is not None, "a lost rank does not take the change"
@@ -465,9 +474,8 @@ class ElCheEngine:
         """How far this rank got when a round failed: the rounds it completed, and each rank's
         batches of ``epoch`` at the last of them (what a lost rank left in the consensus)."""
         last = self.last_outcome
-        reports = last.reports if last is not None else ()
-        return RoundProgress(self.state.rounds, tuple(r.epoch_batches if r.epoch == epoch else 0 for r in reports),
-                             last is not None and last.ends_window_sequence)
+        kept = tuple(batches if at == epoch else 0 for at, batches in self._kept_batches)
+        return RoundProgress(self.state.rounds, kept, last is not None and last.ends_window_sequence)
 
     def round_record(self) -> bytes:
         """This rank's last completed round and the state it left (for a member that missed it)."""
@@ -488,7 +496,7 @@ class ElCheEngine:
         self.controller, self.convergence, self.outer = taken["decisions"]
         self.state.rounds, self.state.cohort_step = int(taken["rounds"]), int(taken["cohort_step"])
         self.state.totals = list(taken["totals"])
-        self.last_outcome = taken["outcome"]
+        self._remember(taken["outcome"])
         self._carried_stop = StopRequest(taken["carried_stop"])
         self._consensus_next = bool(taken["consensus_next"])
         self.max_overshoot = int(taken["max_overshoot"])

@@ -243,3 +243,24 @@ def test_a_lone_survivors_controller_state_resumes_on_more_ranks() -> None:
     resumed = ElCheController(world_size=2, anchor=4)
     resumed.load_state_dict(saved)
     assert resumed.world_size == 2 and len(resumed.batch_counts) == 2 and resumed.anchor == survivor.anchor
+
+
+def test_what_a_rank_kept_in_the_consensus_follows_two_changes_without_a_round_between() -> None:
+    # Soak trial 54: rank 1 lost in a validation, then rank 3 at the epoch's end, no round between:
+    # the second loss read the last round's batches in the numbering before the first, so rank 3 was
+    # said to keep its neighbour's 27 batches instead of its own 32 (and 5 were counted untrained).
+    class PeersWithBatches(FailingPeers):
+        def collect(self) -> RoundResult:
+            result = super().collect()
+            for row, batches in zip(result.table[1:], (23, 27, 32), strict=True):
+                row[Meta.EPOCH_BATCHES] = batches
+            return result
+
+    engine = engine_for(PeersWithBatches(world_size=4, failures=0), 4)
+    engine.run_round(epoch=1, out_of_data=True, epoch_batches=20)
+    assert engine.progress_at_failure(1).epoch_batches == (20, 23, 27, 32)
+    engine.apply_change(Change(generation=1, before=(0, 1, 2, 3), after=(0, 2, 3)))
+    assert engine.progress_at_failure(1).epoch_batches == (20, 27, 32)
+    engine.apply_change(Change(generation=2, before=(0, 2, 3), after=(0, 3)))
+    assert engine.progress_at_failure(1).epoch_batches == (20, 32)
+    assert engine.progress_at_failure(0).epoch_batches == (0, 0)
