@@ -130,6 +130,10 @@ def agreed(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v for k, v in loss.items() if k != "detected_at"} for loss in result["losses"]]
 
 
+EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
+"""Where ``fault_fit.py --epoch-end-fault`` strikes at a training epoch's end (after its validation)."""
+
+
 def padded_validation(world_size: int, samples: int = VAL_SAMPLES) -> int:
     """Samples a validation epoch visits on ``world_size`` ranks: Lightning's ``DistributedSampler``
     pads every shard to ``ceil(samples / world_size)`` (repeating the first samples) when the set
@@ -143,6 +147,10 @@ def check_survived(job: Job, lost_ranks: set[int]) -> None:
     survivors = sorted(set(range(job.ranks)) - lost_ranks)
     assert sorted(job.results) == survivors, f"finished: {sorted(job.results)}, expected {survivors}\n{job.log[-4000:]}"
     first = job.results[survivors[0]]
+    # A rank lost at the last epoch's end (a reduce, a callback, the save) was lost after the fit's
+    # last validation, which it took part in.
+    after_last_validation = {rank for rank, record in fired_faults(job.out).items() if rank in lost_ranks
+                             and record.get("phase") in EPOCH_END_PHASES and int(record["epoch"]) == job.epochs - 1}
     for rank in survivors:
         result = job.results[rank]
         assert result["world_size"] == len(survivors)
@@ -150,7 +158,7 @@ def check_survived(job: Job, lost_ranks: set[int]) -> None:
         assert result["is_global_zero"] == (result["global_rank"] == 0)
         assert result["params"] == first["params"], f"rank {rank}'s parameters differ from rank {survivors[0]}'s"
         assert agreed(result) == agreed(first), "every survivor saw the same losses"
-        assert result["val_count"] == padded_validation(len(survivors)), (
+        assert result["val_count"] == padded_validation(len(survivors) + len(after_last_validation)), (
             "validation covers the whole validation set after renumbering")
     # Rank-zero-only work follows rank 0: the epoch-end checkpoint and the logger's rows after the loss.
     last = torch.load(job.out / "ckpt" / "last.ckpt", weights_only=False, map_location="cpu")

@@ -42,7 +42,16 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-from fault_jobs import BATCH, MODES, Job, check_saving_stop, check_survived, fired_faults, run_job
+from fault_jobs import (
+    BATCH,
+    EPOCH_END_PHASES,
+    MODES,
+    Job,
+    check_saving_stop,
+    check_survived,
+    fired_faults,
+    run_job,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -131,7 +140,6 @@ def draw_validation_fault(chooser: random.Random, ranks: int, taken: set[int], e
 
 EPOCH_END_SHARE = 0.25
 """Trials that also lose a rank at an epoch's end (docs/failures.md)."""
-EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
 
 
 def draw_epoch_end_fault(chooser: random.Random, ranks: int, taken: set[int], epochs: int) -> Optional[str]:
