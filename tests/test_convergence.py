@@ -16,9 +16,9 @@ SEEDS = 3
 EPOCHS = 30
 
 
-CI_ARMS = ("nccl_sync", "cpu_async", "nccl_cadence", "nccl_cadence+diloco")
-"""CI's sample (both transports, blocking and async rounds, an outer optimizer); every arm under
-``-m extended``."""
+CI_ARMS = ("nccl_sync", "cpu_async", "nccl_cadence+diloco")
+"""CI's sample (the lockstep reference, async rounds on the CPU plane, cadence rounds with an outer
+optimizer); every arm under ``-m extended``."""
 
 
 @pytest.mark.distributed

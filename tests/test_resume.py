@@ -28,7 +28,7 @@ def saves_of_epoch(out_dir: Path, epoch: int) -> dict[int, list[dict]]:
     return by_sync
 
 
-@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_async",
+@pytest.mark.parametrize("mode", ["nccl_cadence", pytest.param("cpu_async", marks=pytest.mark.extended),
                                   pytest.param("nccl_sync", marks=pytest.mark.extended)])
 def test_sync_checkpoint_resumes_mid_epoch_without_repeating_or_skipping_a_sample(tmp_path, mode):
     first, resumed, ckpt_dir = tmp_path / "first", tmp_path / "resumed", tmp_path / "ckpt"
