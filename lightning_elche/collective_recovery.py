@@ -106,9 +106,6 @@ class CheckpointSaves:
         self.rewritten.append(last[1])
         self._mark(membership)
 
-    def forget(self) -> None:
-        self._last = None
-
     def _key(self, membership: Membership) -> str:
         return f"{membership.fit_prefix}/saves/{self.count}/written"
 

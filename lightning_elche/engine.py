@@ -482,7 +482,7 @@ class ElCheEngine:
         record = {
             "decisions": (self.controller, self.convergence, self.outer),  # one pickle keeps their links
             "rounds": self.state.rounds, "cohort_step": self.state.cohort_step, "totals": self.state.totals,
-            "outcome": self.last_outcome, "carried_stop": int(self._carried_stop),
+            "outcome": self.last_outcome, "kept_batches": self._kept_batches, "carried_stop": int(self._carried_stop),
             "consensus_next": self._consensus_next, "max_overshoot": self.max_overshoot,
         }
         buffer = io.BytesIO()
@@ -496,7 +496,9 @@ class ElCheEngine:
         self.controller, self.convergence, self.outer = taken["decisions"]
         self.state.rounds, self.state.cohort_step = int(taken["rounds"]), int(taken["cohort_step"])
         self.state.totals = list(taken["totals"])
-        self._remember(taken["outcome"])
+        self.last_outcome = taken["outcome"]
+        # In the record's numbering: a joiner's record was left after the join was applied.
+        self._kept_batches = tuple(taken["kept_batches"])
         self._carried_stop = StopRequest(taken["carried_stop"])
         self._consensus_next = bool(taken["consensus_next"])
         self.max_overshoot = int(taken["max_overshoot"])

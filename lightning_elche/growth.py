@@ -251,11 +251,11 @@ class Growth:
         batches = engine.progress_at_failure(session.epoch).epoch_batches
         trained = {m: int(batches[k]) if k < len(batches) else 0 for k, m in enumerate(opened.before)
                    if m in entry.lost}
-        change = replace(opened, after=entry.after, reasons=dict(entry.lost), trained_batches=trained)
+        limit = membership.limit  # the opened change lost nobody: this entry's losses come on top
+        ends_fit = bool(entry.lost) and limit is not None and membership.lost_count + len(entry.lost) >= limit
+        change = replace(opened, after=entry.after, reasons=dict(entry.lost), trained_batches=trained,
+                         ends_fit=ends_fit)
         membership.members = list(change.after)
-        membership.record(change)
-        limit = membership.limit
-        change = replace(change, ends_fit=bool(entry.lost) and limit is not None and membership.lost_count >= limit)
         membership.record(change)
         fence(change, membership)
         return change
