@@ -383,8 +383,8 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
             self._micro_batching.batch_started(batch_idx % trainer.accumulate_grad_batches == 0)
 
     def _advance_progress(self, training: bool) -> None:
-        # Per step: one Python add; the heartbeat thread publishes it (membership/stall.py). Only
-        # training is judged: validation may wait in collectives ElChe does not see.
+        # Per step: one Python add; the heartbeat thread publishes it and measures the stillness
+        # (membership/stall.py).
         if self._membership is not None:
             stamp = self._membership.progress
             stamp.enter_training() if training else stamp.leave_training()
@@ -392,8 +392,16 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._advance_progress(training=False)  # a long validation is not a stall
-        return super().validation_step(*args, **kwargs)
+        # Judged inside the step by its own longest evaluation step (membership/stall.py); the
+        # sanity check's steps come here too. Assignments and adds only: no clock, no collective.
+        stamp = self._membership.progress if self._membership is not None else None
+        if stamp is None:
+            return super().validation_step(*args, **kwargs)
+        stamp.enter_evaluation_step()
+        try:
+            return super().validation_step(*args, **kwargs)
+        finally:
+            stamp.leave_evaluation_step()
 
     def _after_batch_hooks(self) -> None:
         # A should_stop set in on_train_batch_end comes after this batch's optimizer step: this rank

@@ -20,12 +20,17 @@ import torch.distributed as dist
 from lightning_elche import ElCheStrategy
 from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.stall import (
+    BETWEEN,
+    EVALUATING,
+    IDLE,
     STALL_FLOOR,
     STALL_SLACK_S,
     STALL_WINDOWS,
     ProgressStamp,
     Stamp,
     resolve_stall_timeout,
+    TRAINING,
+    phase_bound_s,
     stall_bound_s,
     stall_verdict,
 )
@@ -62,20 +67,22 @@ def test_a_held_stamp_is_not_judged_and_leaving_the_hold_is_progress() -> None:
     assert Stamp.loads(Stamp(3, 1.5, None).dumps()) == Stamp(3, 1.5, None)
 
 
-def test_only_training_is_judged() -> None:
-    # Validation and epoch-end hooks may wait in collectives ElChe does not see (a metric's own
-    # all_gather) for as long as a slower peer needs: not judged there.
+def test_training_is_judged_by_its_windows_from_its_first_batch() -> None:
     stamp = ProgressStamp(timedelta(seconds=5))
-    assert stamp.stamp(0.0).bound_s is None, "not before the first training batch"
+    assert stamp.stamp(0.0).bound_s is None, "not before the first step"
     stamp.enter_training()
-    assert stamp.stamp(1.0).bound_s == 5.0
+    assert stamp.stamp(1.0).bound_s == 5.0 and stamp.stamp(1.0).phase == TRAINING
     stamp.leave_training()
-    left = stamp.stamp(2.0)
-    assert left.bound_s is None and stall_verdict(stamp.stamp(100.0)) is None
     stamp.enter_training()
     back = stamp.stamp(101.0)
     assert back.bound_s == 5.0 and back.still_s == 0.0, "entering again is progress"
-    assert stall_verdict(stamp.stamp(107.0)) is not None
+    assert stall_verdict(stamp.stamp(107.0)) is not None, "training: the rank's own account, unwitnessed"
+
+
+def test_the_stamp_carries_its_phase_and_a_three_field_stamp_is_a_training_one() -> None:
+    for phase in (TRAINING, EVALUATING, BETWEEN, IDLE):
+        assert Stamp.loads(Stamp(7, 2.5, 20.0, phase).dumps()) == Stamp(7, 2.5, 20.0, phase)
+    assert Stamp.loads(b"7 2.5 20.0") == Stamp(7, 2.5, 20.0, TRAINING)
 
 
 @pytest.mark.parametrize("value", [timedelta(seconds=0.5), timedelta(0), 30, 30.0, "30s", True])
@@ -254,3 +261,163 @@ def test_a_member_in_a_hold_is_not_judged() -> None:
             m.close()
 
 
+
+
+# -- evaluation steps and the phases without steps (issue 23, item 3, every phase) -------------------
+
+
+def publish_until(stamp: ProgressStamp, start: float, end: float) -> Stamp:
+    """The heartbeat thread's looks from ``start`` to ``end`` (once a second); the last stamp."""
+    t = start
+    last = stamp.stamp(t)
+    while t + 1.0 <= end:
+        t += 1.0
+        last = stamp.stamp(t)
+    return last
+
+
+def test_the_first_evaluation_step_is_not_judged_and_the_next_ones_by_the_longest_so_far() -> None:
+    stamp = ProgressStamp()
+    stamp.enter_evaluation_step()  # the sanity check's first step: nothing measured yet
+    first = publish_until(stamp, 0.0, 40.0)
+    assert first.phase == EVALUATING and first.bound_s is None and stall_verdict(first, witnessed_s=1e9) is None
+    stamp.leave_evaluation_step()
+    between = stamp.stamp(41.0)
+    assert between.phase == BETWEEN and between.bound_s is None, "no epoch end measured: not judged"
+    stamp.enter_evaluation_step()
+    second = stamp.stamp(42.0)
+    assert second.bound_s == pytest.approx(phase_bound_s(41.0)), "its own 41 s step (as the heartbeat saw it)"
+    assert second.bound_s == pytest.approx(STALL_WINDOWS * 41.0 + STALL_SLACK_S)
+    stuck = publish_until(stamp, 43.0, 42.0 + second.bound_s + 1.0)
+    assert stall_verdict(stuck, witnessed_s=stuck.still_s) is not None
+
+
+def test_short_evaluation_steps_are_judged_at_the_floor_and_the_override_holds_from_the_first() -> None:
+    stamp = ProgressStamp()
+    for k in range(5):
+        stamp.enter_evaluation_step()
+        stamp.leave_evaluation_step()
+    stamp.enter_evaluation_step()
+    assert stamp.stamp(0.0).bound_s == FLOOR_S
+    fixed = ProgressStamp(timedelta(seconds=3))
+    fixed.enter_evaluation_step()
+    assert fixed.stamp(0.0).bound_s == 3.0
+
+
+def test_evaluation_and_epoch_end_stillness_counts_only_while_a_peer_waits_for_the_rank() -> None:
+    # A healthy rank may wait in a collective ElChe does not see (a metric's all_gather) for a
+    # slower peer: that peer, once past it, reads a stamp up to a second old. Only what the reader
+    # itself saw while waiting counts.
+    for phase in (EVALUATING, BETWEEN):
+        stale = Stamp(9, 60.0, 20.0, phase)
+        assert stall_verdict(stale) is None and stall_verdict(stale, witnessed_s=0.5) is None
+        assert stall_verdict(stale, witnessed_s=20.0) is not None
+    assert stall_verdict(Stamp(9, 60.0, 20.0, TRAINING)) is not None
+
+
+def test_the_phases_without_steps_are_judged_from_the_second_epoch_end_by_the_longest_before() -> None:
+    stamp = ProgressStamp()
+    stamp.enter_training()
+    stamp.expect(0.5, 0.1)
+    stamp.leave_training()  # the round that ends epoch 0's windows
+    first = publish_until(stamp, 0.0, 30.0)  # a 30 s callback at epoch 0's end
+    assert first.phase == BETWEEN and first.bound_s is None, "the first epoch end: nothing measured yet"
+    with stamp.held():
+        assert stamp.stamp(31.0).bound_s is None
+    stamp.enter_training()
+    assert stamp.stamp(32.0).phase == TRAINING  # the heartbeat's look: the epoch end's last stillness ended
+    assert stamp.epoch_end_s == pytest.approx(31.0)
+    publish_until(stamp, 33.0, 99.0)
+    stamp.leave_training()
+    second = stamp.stamp(100.0)
+    assert second.bound_s == pytest.approx(STALL_WINDOWS * 31.0 + STALL_SLACK_S)
+    steady = publish_until(stamp, 101.0, 131.0)  # the same callback again: far within
+    assert stall_verdict(steady, witnessed_s=steady.still_s) is None
+    stuck = publish_until(stamp, 132.0, 100.0 + second.bound_s + 1.0)
+    assert stall_verdict(stuck, witnessed_s=stuck.still_s) is not None
+
+
+def test_a_validation_inside_the_epoch_is_no_epoch_end() -> None:
+    stamp = ProgressStamp()
+    stamp.enter_training()
+    stamp.enter_evaluation_step()  # val_check_interval < 1: the windows go on after it
+    stamp.leave_evaluation_step()
+    publish_until(stamp, 0.0, 50.0)
+    stamp.enter_training()
+    assert stamp.epoch_end_s is None
+
+
+def simulate_validation(step_s: float, steps: int, epochs: int, stuck_at: Optional[float] = None,
+                        seed: int = 0) -> tuple[Optional[str], float, float]:
+    """A rank validating ``steps`` steps of about ``step_s`` (+-20 %, steady) per epoch, with a
+    50 % longer epoch end (a callback) after each, its heartbeat publishing once a second, and a
+    peer that waits for it all along (the worst case: it judges every look). Returns the verdict,
+    when it came and the rank's last progress."""
+    jitter = random.Random(seed)
+    stamp = ProgressStamp()
+    events: list[tuple[float, str]] = []
+    t = 0.0
+    for _ in range(epochs):
+        events.append((t, "train"))
+        t += 1.0
+        events.append((t, "windows_end"))
+        for _ in range(steps):
+            events.append((t, "step"))
+            t += step_s * jitter.uniform(0.8, 1.2)
+            events.append((t, "step_end"))
+        t += 1.5 * step_s * jitter.uniform(0.8, 1.2)
+    end = t  # the fit is over: its heartbeat stops
+    if stuck_at is not None:
+        events, end = [e for e in events if e[0] < stuck_at], t + 10 * step_s + 60.0
+    last = max(e[0] for e in events)
+    act = {"train": stamp.enter_training, "windows_end": stamp.leave_training,
+           "step": stamp.enter_evaluation_step, "step_end": stamp.leave_evaluation_step}
+    cursor, now, next_publish, witness_since = 0, 0.0, 0.0, 0.0
+    published: Optional[Stamp] = None
+    while now < end:
+        while cursor < len(events) and events[cursor][0] <= now:
+            act[events[cursor][1]]()
+            cursor += 1
+        if now >= next_publish:
+            previous, published, next_publish = published, stamp.stamp(now), next_publish + 1.0
+            if previous is None or previous.count != published.count:
+                witness_since = now
+            verdict = stall_verdict(published, witnessed_s=now - witness_since)
+            if verdict is not None:
+                return verdict, now, last
+        now = round(now + 0.05, 6)
+    return None, end, last
+
+
+def test_a_steady_ten_times_slower_rank_is_never_flagged_in_validation() -> None:
+    for seed in range(5):
+        verdict, _, _ = simulate_validation(30.0, 4, epochs=4, seed=seed)
+        assert verdict is None, f"seed {seed}: a slow but steady validating rank was flagged: {verdict}"
+
+
+def test_a_rank_stuck_in_a_validation_step_is_flagged_within_its_own_bound() -> None:
+    verdict, at, last = simulate_validation(30.0, 4, epochs=4, stuck_at=250.0)
+    assert verdict is not None and "in its evaluation step" in verdict, verdict
+    bound = phase_bound_s(36.0 + 1.0)
+    assert bound is not None and at - last <= bound + 2.0, f"found {at - last:.1f} s after its last progress"
+
+
+def test_a_reader_witnesses_a_peer_only_while_it_keeps_looking() -> None:
+    ms = members(dist.HashStore(), timedelta(seconds=1))
+    observer, peer = ms
+    try:
+        peer.progress.leave_training()  # an epoch end: a peer in a metric's own all_gather stands still
+        observer.detect_lost()
+        time.sleep(2.5)  # the observer is busy elsewhere (not in a watched wait): not witnessed
+        assert observer.detect_lost() == {}, "a stale stillness the reader did not witness"
+        started = time.monotonic()
+        lost: dict[int, str] = {}
+        while not lost and time.monotonic() - started < 5.0:
+            lost = observer.detect_lost()
+            time.sleep(0.1)
+        elapsed = time.monotonic() - started
+        assert set(lost) == {1} and "epoch end" in lost[1], lost
+        assert 0.9 <= elapsed <= 3.0, f"found {elapsed:.1f} s after the observer began to wait for it"
+    finally:
+        for m in ms:
+            m.close()

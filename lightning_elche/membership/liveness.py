@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from lightning_elche.job_store import heartbeat_key, parse_process, proc_key, process_alive
-from lightning_elche.membership.stall import ProgressStamp, Stamp, stall_verdict
+from lightning_elche.membership.stall import WITNESS_GAP_S, ProgressStamp, Stamp, stall_verdict
 
 DEFAULT_LIVENESS_TIMEOUT = timedelta(seconds=30)
 
@@ -105,6 +105,7 @@ class PeerSignals:
         self.progress_prefix = progress_prefix
         self._procs: dict[int, tuple[str, int]] = {}
         self._beats: dict[int, tuple[int, float]] = {}  # member -> (counter, local time it last moved)
+        self._witnessed: dict[int, tuple[int, float, float]] = {}  # member -> (its stamp's count, since, last look)
 
     def notice_key(self, member: int) -> str:
         return f"{self.notice_prefix}/{member}"
@@ -144,7 +145,19 @@ class PeerSignals:
         silent = now - seen[1]
         if silent >= self.liveness_timeout_s:
             return f"silent for {silent:.0f} s (liveness_timeout={self.liveness_timeout_s:.0f} s)"
-        return stall_verdict(self._stamp_of(member), beat_age_s=silent)
+        stamp = self._stamp_of(member)
+        return stall_verdict(stamp, beat_age_s=silent, witnessed_s=self._witness(member, stamp, now))
+
+    def _witness(self, member: int, stamp: Optional[Stamp], now: float) -> Optional[float]:
+        # How long this rank has seen ``member``'s count stand still while looking at it at least
+        # every WITNESS_GAP_S (so: while waiting for it in watched waits), on this rank's clock.
+        if stamp is None:
+            return None
+        seen = self._witnessed.get(member)
+        if seen is None or seen[0] != stamp.count or now - seen[2] > WITNESS_GAP_S:
+            seen = (stamp.count, now, now)
+        self._witnessed[member] = (seen[0], seen[1], now)
+        return now - seen[1]
 
     def progress_key(self, member: int) -> str:
         return f"{self.progress_prefix}/{member}"

@@ -89,26 +89,78 @@ def stall_bound_s(window_s: Optional[float], sync_s: Optional[float], override: 
     return max(STALL_FLOOR.total_seconds() if floor_s is None else floor_s, measured)
 
 
+TRAINING = "training"
+"""From a training batch's start to the round that ends its epoch's windows: bound from its windows."""
+EVALUATING = "evaluation step"
+"""Inside a validation step (the sanity check's too): bound from its own longest evaluation step."""
+BETWEEN = "epoch end"
+"""The phases without steps (epoch-end hooks and callbacks, their ``sync_dist``, a checkpoint's
+collectives, the gaps between evaluation steps): bound from its longest stillness there in earlier
+epochs."""
+IDLE = "idle"
+"""Before the fit's first step: never judged."""
+WITNESSED = (EVALUATING, BETWEEN)
+"""The phases in which a peer counts the stillness only while it waits for the rank itself."""
+WITNESS_GAP_S = 2.0
+"""A reader that did not look at a peer for this long was not waiting for it in a watched wait (they
+look every half second there): what it witnessed of the peer's stillness starts again."""
+
+
+def phase_bound_s(longest_s: Optional[float], override: Optional[timedelta] = None,
+                  floor_s: Optional[float] = None) -> Optional[float]:
+    """The bound of a phase without windows (evaluation steps, the phases without steps): ``override``
+    when given, else ``STALL_WINDOWS x longest_s + STALL_SLACK_S`` at least ``floor_s`` (default
+    :data:`STALL_FLOOR`), where ``longest_s`` is the longest stillness this rank showed there (None:
+    nothing measured yet, never flagged)."""
+    if override is not None:
+        return override.total_seconds()
+    if longest_s is None:
+        return None
+    floor = STALL_FLOOR.total_seconds() if floor_s is None else floor_s
+    return max(floor, STALL_WINDOWS * max(0.0, longest_s) + STALL_SLACK_S)
+
+
 @dataclass(frozen=True)
 class Stamp:
     """What a rank publishes: its progress counter, how long it has stood still (seconds, on the
-    rank's own clock) and its current bound (None: not judged now)."""
+    rank's own clock), its current bound (None: not judged now) and the phase it is in."""
 
     count: int
     still_s: float
     bound_s: Optional[float]
+    phase: str = TRAINING
+    """A stamp of three fields (before phases were published) is a training one: only training was judged."""
 
     def dumps(self) -> str:
-        return f"{self.count} {self.still_s!r} {'-' if self.bound_s is None else repr(self.bound_s)}"
+        bound = "-" if self.bound_s is None else repr(self.bound_s)
+        return f"{self.count} {self.still_s!r} {bound} {self.phase.replace(' ', '_')}"
 
     @classmethod
     def loads(cls, text: Any) -> Stamp:
-        count, still, bound = (text.decode() if isinstance(text, (bytes, bytearray)) else str(text)).split()
-        return cls(int(count), float(still), None if bound == "-" else float(bound))
+        count, still, bound, *phase = (text.decode() if isinstance(text, (bytes, bytearray)) else str(text)).split()
+        return cls(int(count), float(still), None if bound == "-" else float(bound),
+                   phase[0].replace("_", " ") if phase else TRAINING)
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """The heartbeat thread's view of the counter: its value, when it first saw it, in which phase."""
+
+    count: int
+    since: float
+    phase: str
+    epoch_end: int
+    """The epoch end it was seen in (counted from 1; 0: none)."""
 
 
 class ProgressStamp:
-    """This rank's progress counter and the bound it publishes with it (see the module's docstring).
+    """This rank's progress counter, its phase and the bound it publishes with them (see the
+    module's docstring).
+
+    The main thread only adds to :attr:`count`, sets :attr:`phase` and counts finished evaluation
+    steps (Python assignments). The heartbeat thread measures the stillness episodes in
+    :meth:`stamp`: each time the counter moved since its last look, the episode that ended (from
+    when it first saw the old value) is the longest of its phase if it is longer than those before.
 
     Args:
         override: ``ElCheStrategy(stall_timeout=...)`` (None: derived from the measured window).
@@ -120,8 +172,28 @@ class ProgressStamp:
         self.window_s: Optional[float] = None
         self.sync_s: Optional[float] = None
         self._holds = 0
-        self.training = False
-        self._seen: Optional[tuple[int, float]] = None  # (count, when it was first stamped), stamp()'s clock
+        self.phase = IDLE
+        self.evaluation_steps = 0
+        """Evaluation steps finished in this fit (none: the first one is not judged)."""
+        self.longest_evaluation_s = 0.0
+        """The longest stillness inside an evaluation step, seen by the heartbeat thread."""
+        self._epoch_ends = 0  # epoch ends begun (the rounds that ended an epoch's windows)
+        self._at_epoch_end = False
+        self._epoch_end_longest: dict[int, float] = {}  # epoch end -> its longest stillness seen
+        self._seen: Optional[_Seen] = None
+
+    @property
+    def training(self) -> bool:
+        return self.phase == TRAINING
+
+    @property
+    def epoch_end_s(self) -> Optional[float]:
+        """The longest stillness in the phases without steps of the epoch ends finished before
+        now (None: none finished yet; one the heartbeat thread saw no stillness in counts 0)."""
+        finished = self._epoch_ends - (1 if self._at_epoch_end else 0)
+        if finished < 1:
+            return None
+        return max((s for end, s in self._epoch_end_longest.items() if end <= finished), default=0.0)
 
     def advance(self) -> None:
         """Some progress (a step, a slice of a watched wait): one Python add, nothing else."""
@@ -132,29 +204,67 @@ class ProgressStamp:
         self.window_s, self.sync_s = window_s, sync_s
 
     def enter_training(self) -> None:
-        """A training batch starts: judged from here (its steps and rounds are what the bound measures)."""
-        if not self.training:
-            self.training = True
+        """A training batch starts: judged by its windows from here. Coming from an epoch end, that
+        epoch end's longest stillness joins those the next ones are judged by."""
+        if self.phase != TRAINING:
+            self._at_epoch_end = False
+            self.phase = TRAINING
             self.advance()
 
     def leave_training(self) -> None:
-        """The epoch's windows ended (or validation starts): not judged until the next training batch."""
-        self.training = False
+        """The epoch's windows ended (or the fit did): the phases without steps until the next
+        training batch."""
+        if self.phase == TRAINING:
+            self._epoch_ends += 1
+            self._at_epoch_end = True
+        self.phase = BETWEEN
+        self.advance()
+
+    def enter_evaluation_step(self) -> None:
+        """A validation (or sanity-check) step starts: two assignments and an add."""
+        self.phase = EVALUATING  # inside an epoch (val_check_interval): no epoch end
+        self.advance()
+
+    def leave_evaluation_step(self) -> None:
+        """The step returned (or raised): the phases without steps until the next step."""
+        self.evaluation_steps += 1
+        self.phase = BETWEEN
         self.advance()
 
     @property
     def bound_s(self) -> Optional[float]:
-        if self._holds or not self.training:
+        if self._holds:
             return None
-        return stall_bound_s(self.window_s, self.sync_s, self.override)
+        phase = self.phase
+        if phase == TRAINING:
+            return stall_bound_s(self.window_s, self.sync_s, self.override)
+        if phase == EVALUATING:
+            if not self.evaluation_steps and self.override is None:
+                return None  # its first evaluation step of the fit: nothing measured yet
+            return phase_bound_s(self.longest_evaluation_s, self.override)
+        if phase == BETWEEN:
+            return phase_bound_s(self.epoch_end_s, self.override)
+        return None
 
     def stamp(self, now: float) -> Stamp:
         """The stamp to publish at ``now`` (the publisher's monotonic clock; called about once a
-        second, so the stillness is under-counted by that period at most)."""
+        second, so the stillness is under-counted by that period at most, and an episode measured
+        by at most that period more than it lasted)."""
         count = self.count
-        if self._seen is None or count != self._seen[0]:
-            self._seen = (count, now)
-        return Stamp(count, max(0.0, now - self._seen[1]), self.bound_s)
+        seen = self._seen
+        if seen is None or count != seen.count:
+            if seen is not None:
+                self._ended(seen, now - seen.since)
+            phase = self.phase  # read after the count: a phase changes before its advance
+            self._seen = seen = _Seen(count, now, phase, self._epoch_ends if self._at_epoch_end else 0)
+        return Stamp(count, max(0.0, now - seen.since), self.bound_s, self.phase)
+
+    def _ended(self, seen: _Seen, still_s: float) -> None:
+        if seen.phase == EVALUATING:
+            self.longest_evaluation_s = max(self.longest_evaluation_s, still_s)
+        elif seen.phase == BETWEEN and seen.epoch_end:
+            longest = self._epoch_end_longest
+            longest[seen.epoch_end] = max(longest.get(seen.epoch_end, 0.0), still_s)
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -169,13 +279,19 @@ class ProgressStamp:
             self._holds -= 1
 
 
-def stall_verdict(stamp: Optional[Stamp], beat_age_s: float = 0.0) -> Optional[str]:
+def stall_verdict(stamp: Optional[Stamp], beat_age_s: float = 0.0,
+                  witnessed_s: Optional[float] = None) -> Optional[str]:
     """Why the rank that published ``stamp`` is stalled, or None (nothing published yet, no bound
     now, still within it, or its heartbeat silent: ``beat_age_s`` ago it last moved, a case for
-    the liveness timeout)."""
+    the liveness timeout). In the phases of :data:`WITNESSED` the stillness must also have lasted
+    the bound while the reader itself waited for the rank (``witnessed_s``, on the reader's clock:
+    None, not witnessed)."""
     if stamp is None or stamp.bound_s is None or stamp.still_s < stamp.bound_s or beat_age_s > BEATING_S:
         return None
-    return (f"stalled: alive (its heartbeat goes on) but no progress for {stamp.still_s:.1f} s "
+    if stamp.phase in WITNESSED and (witnessed_s is None or witnessed_s < stamp.bound_s):
+        return None
+    where = "" if stamp.phase == TRAINING else f" in its {stamp.phase}"
+    return (f"stalled: alive (its heartbeat goes on) but no progress for {stamp.still_s:.1f} s{where} "
             f"(its own bound: {stamp.bound_s:.1f} s)")
 
 
