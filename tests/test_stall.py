@@ -26,11 +26,11 @@ from lightning_elche.membership.stall import (
     STALL_FLOOR,
     STALL_SLACK_S,
     STALL_WINDOWS,
+    TRAINING,
     ProgressStamp,
     Stamp,
-    resolve_stall_timeout,
-    TRAINING,
     phase_bound_s,
+    resolve_stall_timeout,
     stall_bound_s,
     stall_verdict,
 )
