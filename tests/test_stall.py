@@ -294,7 +294,7 @@ def test_the_first_evaluation_step_is_not_judged_and_the_next_ones_by_the_longes
 
 def test_short_evaluation_steps_are_judged_at_the_floor_and_the_override_holds_from_the_first() -> None:
     stamp = ProgressStamp()
-    for k in range(5):
+    for _ in range(5):
         stamp.enter_evaluation_step()
         stamp.leave_evaluation_step()
     stamp.enter_evaluation_step()

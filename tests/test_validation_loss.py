@@ -138,3 +138,40 @@ def test_max_failure_reached_in_validation_saves_the_consensus_and_stops_every_s
     checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False, map_location="cpu")
     assert checkpoint["epoch"] == 0
     assert (checkpoint["elche"]["rounds"] > 0) == (epoch is not None), "saved where the loss was"
+
+
+# -- a rank alive but stuck in validation: found by its own evaluation steps (membership/stall.py) --
+
+STALL_FLOOR_S = 8.0  # fault_fit.py --stall-floor: the stuck rank's short steps give it this bound
+
+
+def run_validation_stall(tmp_path: Path, mode: str, rank: int, batch: int, epoch: int) -> Job:
+    # An endless loop inside validation_step after some evaluation steps of this fit (the rank's
+    # bound comes from them); its heartbeat goes on. The peers wait for it in the epoch-end
+    # sync_dist reduce, witness its stillness for the bound, and survive it like a silent rank.
+    extra = ("--val-fault", f"loop:{rank}:{batch}:{epoch}", "--stall-floor", str(STALL_FLOOR_S))
+    job = run_job(tmp_path, mode, [], extra=extra, timeout_s=200.0)
+    check_survived(job, {rank})
+    fault = json.loads((tmp_path / f"fault-rank{rank}.json").read_text())
+    assert fault["phase"] == "validation" and fault["kind"] == "loop", fault
+    check_validations(job, {rank}, epoch, sanity=False)
+    for result in job.results.values():
+        (loss,) = result["losses"]
+        reason = loss["reasons"][str(rank)]
+        assert reason.startswith("stalled: ") and "in its evaluation step" in reason, reason
+        detect_s = float(loss["detected_at"]) - float(fault["time"])
+        print(f"{mode}: rank {rank} found stalled in validation {detect_s:.2f} s after the fault ({reason})")
+        assert STALL_FLOOR_S - 1.0 <= detect_s < 60.0, f"found {detect_s:.1f} s after the fault"
+    return job
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("mode", "rank", "batch", "epoch"), [
+    ("nccl_cadence", 1, 2, 1),
+    *(pytest.param(mode, rank, batch, epoch, marks=pytest.mark.faults)
+      for mode, rank, batch, epoch in [("cpu_async", 2, 1, 0), ("nccl_sync", 0, 3, 1), ("cpu_sync", 1, 0, 2),
+                                       ("cpu_cadence", 0, 2, 0)]),
+])
+def test_a_rank_stuck_in_validation_step_is_found_by_its_own_speed(tmp_path: Path, mode: str, rank: int, batch: int,
+                                                                   epoch: int) -> None:
+    run_validation_stall(tmp_path, mode, rank, batch, epoch)

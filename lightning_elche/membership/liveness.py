@@ -106,6 +106,7 @@ class PeerSignals:
         self._procs: dict[int, tuple[str, int]] = {}
         self._beats: dict[int, tuple[int, float]] = {}  # member -> (counter, local time it last moved)
         self._witnessed: dict[int, tuple[int, float, float]] = {}  # member -> (its stamp's count, since, last look)
+        self._found: dict[int, str] = {}  # member -> why it was first found lost (a fenced one is then gone)
 
     def notice_key(self, member: int) -> str:
         return f"{self.notice_prefix}/{member}"
@@ -132,6 +133,16 @@ class PeerSignals:
         return found
 
     def _lost_reason(self, member: int, now: float) -> Optional[str]:
+        # A member found lost is lost for the reason first found: fenced at once (a stalled one
+        # killed by a checked collective before the agreement), it would read as "gone" after.
+        found = self._found.get(member)
+        if found is None:
+            found = self._first_reason(member, now)
+            if found is not None:
+                self._found[member] = found
+        return found
+
+    def _first_reason(self, member: int, now: float) -> Optional[str]:
         notice = self.notice_key(member)
         if self.store.check([notice]):
             return f"it failed: {self.store.get(notice).decode(errors='replace')}"

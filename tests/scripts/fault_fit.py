@@ -27,13 +27,13 @@ asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
 launch rank ``RANK`` in its first admission: at ``admitted`` (the admitted list read, before the new group)
 or ``applied`` (the change applied, the joiner's state sent); it writes its ``fault-rank<r>.json`` first.
 
-``--val-fault KIND:RANK:BATCH:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` on original rank ``RANK``
-at its validation batch ``BATCH`` of the validation after training epoch ``EPOCH`` (``sanity``: in the
+``--val-fault KIND:RANK:BATCH:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` (at the batch's start) or
+``loop`` (an endless loop inside ``validation_step``) on original rank ``RANK`` at its validation batch ``BATCH`` of the validation after training epoch ``EPOCH`` (``sanity``: in the
 sanity check; ``--sanity-steps N`` runs one, ``-1`` over the whole validation set). Every rank appends
 each validation it finishes to ``val-rank<original rank>.jsonl``: the synced ``val_*`` metrics, the
 parameters it validated and its numbering.
 
-``--epoch-end-fault KIND:RANK:PHASE:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` on original rank
+``--epoch-end-fault KIND:RANK:PHASE:EPOCH`` injects ``kill``/``stop``/``raise``/``exit``/``loop`` on original rank
 ``RANK`` at the end of training epoch ``EPOCH``, in ``PHASE``: ``epoch_end_log`` (the module's
 ``on_train_epoch_end``, before its ``self.log("epoch_members", sync_dist=True)``), ``epoch_end_callback``
 (a callback's ``on_train_epoch_end``, before its ``strategy.reduce``/``barrier``/``all_gather``) or
@@ -87,6 +87,8 @@ KINDS = ("kill", "stop", "raise", "oom", "exit", "loop", "sleep_in_collective")
 EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
 EPOCH_END_FAULTS: dict[str, tuple[str, int]] = {}
 """This rank's epoch-end faults: phase -> (kind, epoch)."""
+LOOP_IN_VALIDATION_STEP = [False]
+"""Set by a ``loop`` validation fault at its batch's start: the step itself then spins."""
 
 
 class FaultLogModel(pl.LightningModule):
@@ -111,6 +113,8 @@ class FaultLogModel(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if LOOP_IN_VALIDATION_STEP[0]:
+            fail_now("loop")  # inside the step, where ElChe judges it by its own evaluation steps
         idx, x, y = batch
         self.log("val_count", float(len(idx)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
         # Sums over the whole set once reduced: each sample counted once, under the parameters validated.
@@ -178,15 +182,15 @@ class InjectFault(pl.Callback):
         Path(self.out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(json.dumps(record))
         if self.kind == "sleep_in_collective":
             sleep_in_next_collective(self.out_dir, trainer, record)
-        elif self.kind == "loop":
-            spin = 0
-            while True:  # an endless loop in user code: the GIL is released between bytecodes only
-                spin += 1
         else:
             fail_now(self.kind)
 
 
 def fail_now(kind: str) -> None:
+    if kind == "loop":
+        spin = 0
+        while True:  # an endless loop in user code: the GIL is released between bytecodes only
+            spin += 1
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "stop":
@@ -218,7 +222,10 @@ class InjectValidationFault(pl.Callback):
         record = {"kind": self.kind, "time": time.time(), "epoch": trainer.current_epoch,
                   "phase": "sanity" if trainer.sanity_checking else "validation"}
         Path(self.out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(json.dumps(record))
-        fail_now(self.kind)
+        if self.kind == "loop":
+            LOOP_IN_VALIDATION_STEP[0] = True
+        else:
+            fail_now(self.kind)
 
 
 def fire_epoch_end_fault(out_dir: str, phase: str, trainer: pl.Trainer) -> None:
