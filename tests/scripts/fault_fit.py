@@ -27,9 +27,10 @@ asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
 launch rank ``RANK`` in its first admission: at ``admitted`` (the admitted list read, before the new group)
 or ``applied`` (the change applied, the joiner's state sent); it writes its ``fault-rank<r>.json`` first.
 
-``--val-fault KIND:RANK:BATCH:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` (at the batch's start) or
-``loop`` (an endless loop inside ``validation_step``) on original rank ``RANK`` at its validation batch ``BATCH`` of the validation after training epoch ``EPOCH`` (``sanity``: in the
-sanity check; ``--sanity-steps N`` runs one, ``-1`` over the whole validation set). Every rank appends
+``--val-fault KIND:RANK:BATCH:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` (at the batch's start)
+or ``loop`` (an endless loop inside ``validation_step``) on original rank ``RANK`` at its validation batch
+``BATCH`` of the validation after training epoch ``EPOCH`` (``sanity``: in the sanity check;
+``--sanity-steps N`` runs one, ``-1`` over the whole validation set). Every rank appends
 each validation it finishes to ``val-rank<original rank>.jsonl``: the synced ``val_*`` metrics, the
 parameters it validated and its numbering.
 
