@@ -142,3 +142,25 @@ def test_max_failure_reached_at_an_epoch_end_saves_the_consensus_and_stops_every
     assert "RanksLost" in job.log and "max_failure=1 reached" in job.log and "lost rank 2" in job.log, job.log[-4000:]
     checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False, map_location="cpu")
     assert checkpoint["epoch"] == 0 and checkpoint["elche"]["rounds"] > 0
+
+
+# -- a rank alive but stuck at an epoch's end: judged by its stillness at the epoch ends before --
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("mode", "rank", "phase", "epoch", "stall"), [
+    ("nccl_cadence", 1, "epoch_end_callback", 1, ("--stall-floor", "8")),  # the second epoch end: derived
+    ("cpu_sync", 2, "epoch_end_log", 2, ("--stall-floor", "8")),
+    ("cpu_async", 0, "epoch_end_callback", 0, ("--stall", "8")),  # the first: only stall_timeout judges it
+])
+def test_a_rank_stuck_at_an_epoch_end_is_found_and_survived(tmp_path: Path, mode: str, rank: int, phase: str,
+                                                           epoch: int, stall: tuple[str, str]) -> None:
+    job = run_job(tmp_path, mode, [], extra=("--epoch-end-fault", f"loop:{rank}:{phase}:{epoch}", *stall),
+                  timeout_s=200.0)
+    check_survived(job, {rank})
+    check_epoch_end(job, rank, phase, epoch)
+    for result in job.results.values():
+        (loss,) = result["losses"]
+        reason = loss["reasons"][str(rank)]
+        assert reason.startswith("stalled: ") and "in its epoch end" in reason, reason

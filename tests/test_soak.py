@@ -17,7 +17,8 @@ reported with its error; a stalled rank, when it is the only fault, as stalled.
 
 The training faults come before an optimizer step (a stalled rank's collective is the next
 round's). A quarter of the trials also lose one more rank at a random batch of a validation epoch or
-of the sanity check (:func:`draw_validation_fault`), and a quarter lose one more at a random
+of the sanity check (:func:`draw_validation_fault`; a quarter of those by an endless loop inside
+``validation_step``, :func:`validation_stall`), and a quarter lose one more at a random
 epoch's end: in the module's ``sync_dist`` log, in a callback's own collectives or in the epoch's
 checkpoint save (:func:`draw_epoch_end_fault`). Both are drawn after everything else, so that the
 training faults of a trial are those it had before they were added (CI's fixed trials draw
@@ -138,6 +139,20 @@ def draw_validation_fault(chooser: random.Random, ranks: int, taken: set[int], e
     return f"{kind}:{rank}:{batch if where != 'sanity' else 0}:{where}"
 
 
+VALIDATION_STALL_SHARE = 0.25
+"""Validation faults that are an endless loop inside ``validation_step`` instead of an exit."""
+
+
+def validation_stall(fault: str) -> str:
+    """``fault`` (``KIND:RANK:BATCH:EPOCH|sanity``) as a ``loop`` in the step: after an evaluation
+    step of the fit (its first is not judged: nothing measured yet), so batch 1 of the sanity check's
+    2, or a validation after epoch 0 when it is its first batch."""
+    _, rank, batch, where = fault.split(":")
+    if where == "sanity":
+        return f"loop:{rank}:1:sanity"
+    return f"loop:{rank}:{batch}:{max(int(where), 1) if batch == '0' else where}"
+
+
 EPOCH_END_SHARE = 0.25
 """Trials that also lose a rank at an epoch's end (docs/failures.md)."""
 
@@ -183,6 +198,8 @@ def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool 
     end_fault = draw_epoch_end_fault(chooser, ranks, taken, epochs) if epoch_end else None
     if end_fault is not None and max_failure is not None and max_failure > count + (val_fault is not None):
         max_failure += 1
+    if val_fault is not None and chooser.random() < VALIDATION_STALL_SHARE:  # drawn last: the rest stays
+        val_fault = validation_stall(val_fault)
     return Trial(seed, index, mode, ranks, epochs, tuple(faults), max_failure,
                  () if val_fault is None else (val_fault,), () if end_fault is None else (end_fault,))
 

@@ -18,15 +18,46 @@ rank is lost like a silent one and the survivors fence it (a looping process mus
 into a group that went on without it). Because the stillness is the stuck rank's own account, it
 is found one bound after its last progress, however late its peers started to wait for it.
 
-A rank is judged only while it trains: from a training batch's start to the round that ends its
-epoch's windows (:meth:`ProgressStamp.enter_training`, :meth:`ProgressStamp.leave_training`),
-its windows and rounds being what its measured bound describes. Validation, the sanity check,
-epoch-end hooks and callbacks may wait in collectives ElChe does not see (a metric's own
-``all_gather``, a logger's) for as long as a slower peer needs: judged there, a healthy rank would
-be fenced. No bound is published before a rank's first round either (nothing is measured yet)
-unless ``ElCheStrategy(stall_timeout=...)`` fixes it, nor while the rank is inside a step it does
-not control and that has no steps of its own (a checkpoint's write, the rebuild of the process
-group): :meth:`ProgressStamp.held`.
+Each phase has its own bound, measured on the rank itself (:class:`ProgressStamp`):
+
+* **Training** (from a training batch's start to the round that ends its epoch's windows):
+  ``STALL_WINDOWS x (window + round) + STALL_SLACK_S`` from its measured windows and rounds
+  (:func:`stall_bound_s`), none before its first round.
+* **Evaluation steps** (inside a ``validation_step``, the sanity check's included; test and predict
+  are not part of a fit): ``STALL_WINDOWS x`` its longest stillness inside an evaluation step of
+  this fit ``+ STALL_SLACK_S`` (:func:`phase_bound_s`); its first evaluation step of the fit is not
+  judged (nothing is measured yet).
+* **The phases without steps** (from the round that ends the epoch's windows to the next training
+  batch, apart from evaluation steps: the gaps between them, epoch-end hooks and callbacks, their
+  ``sync_dist``, a checkpoint's collectives, ``on_train_end``): ``STALL_WINDOWS x`` its longest
+  stillness there at the epoch ends before this one ``+ STALL_SLACK_S``; the first epoch end (and
+  what comes before the first training batch) is not judged.
+
+Every derived bound is at least :data:`STALL_FLOOR`; ``ElCheStrategy(stall_timeout=...)`` replaces
+it in every phase, from the first occurrence on. Nothing is judged while the rank is inside a step it
+does not control and that has no steps of its own (a checkpoint's write, the rebuild of the process
+group): :meth:`ProgressStamp.held`. The stillness of the last two phases is measured by the
+heartbeat thread (each time the counter moved since its last look, the stillness that ended is
+compared with the longest of its phase): the main thread reads no clock for it.
+
+Outside training a healthy rank may stand still for as long as a slower peer needs: it waits in a
+collective ElChe does not see (a torchmetrics metric's own ``all_gather``, a logger's), whose wait
+advances no counter. Judged on its own account, such a rank was fenced (at the 20 s floor, on a
+loaded 2-core machine): the slower peer, once through that collective, entered a checked one and
+read the waiting rank's stamp, up to a second old, with the whole wait in it. So in these phases a
+peer counts only the stillness it witnessed itself (:class:`~lightning_elche.membership.liveness.
+PeerSignals`): how long the rank's published count stood still while the peer looked at it at least
+every :data:`WITNESS_GAP_S` (peers read stamps only in their watched waits: rounds, checked
+collectives, the agreement, every half second). That cannot fence a healthy rank for a wait on a
+peer: every rank calls the same collectives in the same order (the checked ones fail otherwise).
+While a peer waits in a watched collective ``n``, the rank has either not reached ``n`` yet, or is
+inside it (and advances); not having reached it, it is not waiting in an earlier collective for the
+peer, which went through all of them, so each of them returned on the rank too. What the peer
+witnesses is then the rank's own work before ``n`` (plus at most the stamp's second of age), which
+its bound measures; a rank waiting in an unwatched collective is witnessed by nobody, since every
+peer that could see it is either the one it waits for (not waiting) or waiting with it (unwatched).
+Training keeps the rank's own account (a stuck rank is found one bound after its last progress,
+however late its peers began to wait): there, waits on peers are rounds, which advance.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ or ``loop`` (an endless loop inside ``validation_step``) on original rank ``RANK
 ``BATCH`` of the validation after training epoch ``EPOCH`` (``sanity``: in the sanity check;
 ``--sanity-steps N`` runs one, ``-1`` over the whole validation set). Every rank appends
 each validation it finishes to ``val-rank<original rank>.jsonl``: the synced ``val_*`` metrics, the
-parameters it validated and its numbering.
+parameters it validated and its numbering. ``--val-delay RANK:SECONDS`` makes every validation step of
+``RANK`` sleep that long (slow by design, steady).
 
 ``--epoch-end-fault KIND:RANK:PHASE:EPOCH`` injects ``kill``/``stop``/``raise``/``exit``/``loop`` on original rank
 ``RANK`` at the end of training epoch ``EPOCH``, in ``PHASE``: ``epoch_end_log`` (the module's
@@ -88,6 +89,8 @@ KINDS = ("kill", "stop", "raise", "oom", "exit", "loop", "sleep_in_collective")
 EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
 EPOCH_END_FAULTS: dict[str, tuple[str, int]] = {}
 """This rank's epoch-end faults: phase -> (kind, epoch)."""
+VALIDATION_STEP_S = [0.0]
+"""``--val-delay``: how long each of this rank's validation steps sleeps (a slow but steady rank)."""
 LOOP_IN_VALIDATION_STEP = [False]
 """Set by a ``loop`` validation fault at its batch's start: the step itself then spins."""
 
@@ -116,6 +119,8 @@ class FaultLogModel(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if LOOP_IN_VALIDATION_STEP[0]:
             fail_now("loop")  # inside the step, where ElChe judges it by its own evaluation steps
+        if VALIDATION_STEP_S[0]:
+            time.sleep(VALIDATION_STEP_S[0])
         idx, x, y = batch
         self.log("val_count", float(len(idx)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
         # Sums over the whole set once reduced: each sample counted once, under the parameters validated.
@@ -513,6 +518,10 @@ def main(args: argparse.Namespace) -> None:
     )
     model = FaultLogModel(args.out_dir, args.samples, args.batch_size, args.width)
     model.probes = probes
+    for delay in args.val_delay:
+        rank, seconds = delay.split(":")
+        if int(rank) == ORIGINAL_RANK:
+            VALIDATION_STEP_S[0] = float(seconds)
     trainer.fit(model)
 
 
@@ -532,6 +541,7 @@ if __name__ == "__main__":
                         help="KIND:RANK:PHASE:EPOCH (PHASE: epoch_end_log, epoch_end_callback or checkpoint_save)")
     parser.add_argument("--epoch-end-probes", action="store_true", help="the epoch-end collectives, without a fault")
     parser.add_argument("--micro-batch", default=None, help="ElCheStrategy(micro_batch): M or RANK=M,...")
+    parser.add_argument("--val-delay", action="append", default=[], help="RANK:SECONDS slept in each validation step")
     parser.add_argument("--sanity-steps", type=int, default=0, help="Trainer(num_sanity_val_steps)")
     parser.add_argument("--liveness", type=float, default=5.0)
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[2.0, 5.0, 3.0])
