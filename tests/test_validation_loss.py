@@ -180,10 +180,10 @@ def test_a_rank_stuck_in_validation_step_is_found_by_its_own_speed(tmp_path: Pat
 @pytest.mark.faults
 @pytest.mark.timeout(300)
 def test_a_rank_ten_times_slower_in_validation_is_not_flagged(tmp_path: Path) -> None:
-    # Rank 1 sleeps 3 s in each validation step, its peers' steps take milliseconds: they wait
-    # 12 s for it at every validation's reduce. A bound not derived from its own steps (the 4 s
-    # floor) would flag it; its own (2 x 3 s + 2 s) does not.
-    extra = ("--val-delay", "1:3.0", "--stall-floor", "4.0")
+    # Rank 1 sleeps 5 s in each validation step, its peers' steps take milliseconds: they wait
+    # 20 s for it at every validation's reduce. A bound not derived from its own steps (the 4 s
+    # floor) would flag it; its own (2 x 5 s + 2 s) does not.
+    extra = ("--val-delay", "1:5.0", "--stall-floor", "4.0")
     job = run_job(tmp_path, "nccl_cadence", [], extra=extra, epochs=2, timeout_s=200.0)
     assert sorted(job.results) == [0, 1, 2], job.log[-3000:]
     assert all(not result["losses"] for result in job.results.values()), [r["losses"] for r in job.results.values()]
