@@ -69,7 +69,7 @@ from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import MaxFailure, RanksLost
 from lightning_elche.membership.groups import ProcessGroups
 from lightning_elche.membership.liveness import resolve_liveness_timeout
-from lightning_elche.membership.stall import resolve_stall_timeout
+from lightning_elche.membership.stall import evaluation_step, resolve_stall_timeout
 from lightning_elche.membership.survival import ChangeListeners, RankLostWarning, Survival
 from lightning_elche.micro_batch import MicroBatch, MicroBatching, rank_micro_batch
 from lightning_elche.micro_batch_auto import choose_micro_batch
@@ -383,8 +383,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
             self._micro_batching.batch_started(batch_idx % trainer.accumulate_grad_batches == 0)
 
     def _advance_progress(self, training: bool) -> None:
-        # Per step: one Python add; the heartbeat thread publishes it and measures the stillness
-        # (membership/stall.py).
+        # Per step: one Python add; the heartbeat thread publishes it (membership/stall.py).
         if self._membership is not None:
             stamp = self._membership.progress
             stamp.enter_training() if training else stamp.leave_training()
@@ -392,16 +391,9 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        # Judged inside the step by its own longest evaluation step (membership/stall.py); the
-        # sanity check's steps come here too. Assignments and adds only: no clock, no collective.
-        stamp = self._membership.progress if self._membership is not None else None
-        if stamp is None:
+        # Judged inside the step (the sanity check's too) by its own longest one (membership/stall.py).
+        with evaluation_step(self._membership.progress if self._membership is not None else None):
             return super().validation_step(*args, **kwargs)
-        stamp.enter_evaluation_step()
-        try:
-            return super().validation_step(*args, **kwargs)
-        finally:
-            stamp.leave_evaluation_step()
 
     def _after_batch_hooks(self) -> None:
         # A should_stop set in on_train_batch_end comes after this batch's optimizer step: this rank

@@ -310,6 +310,20 @@ class ProgressStamp:
             self._holds -= 1
 
 
+@contextmanager
+def evaluation_step(stamp: Optional[ProgressStamp]) -> Iterator[None]:
+    """Around a validation step: judged inside by the rank's own longest evaluation step
+    (assignments and adds only: no clock, no collective)."""
+    if stamp is None:
+        yield
+        return
+    stamp.enter_evaluation_step()
+    try:
+        yield
+    finally:
+        stamp.leave_evaluation_step()
+
+
 def stall_verdict(stamp: Optional[Stamp], beat_age_s: float = 0.0,
                   witnessed_s: Optional[float] = None) -> Optional[str]:
     """Why the rank that published ``stamp`` is stalled, or None (nothing published yet, no bound
