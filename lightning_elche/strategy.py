@@ -105,8 +105,8 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
             measured window (3 windows and 2 syncs, at least 30 s); a timedelta is used as it is.
             A second stop signal ends the process at once.
         stall_timeout: how long a live rank may make no progress (no step, no wait on its peers) before
-            they declare it lost: ``None`` (default) derives it from that rank's own measured window (2
-            windows and rounds + 2 s, at least 20 s: slow is not stuck); a timedelta is used as it is.
+            they declare it lost: ``None`` (default) derives it from that rank's own speed in its phase (2
+            windows and rounds, steps or epoch ends + 2 s, at least 20 s: slow is not stuck); or a timedelta.
         restart_lost: how many lost child ranks rank 0's popen launcher restarts as joiners (README, "Growing a fit").
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
