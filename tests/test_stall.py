@@ -1,9 +1,12 @@
 """A stuck rank is told from a slow one by its own speed (``membership/stall.py``).
 
 Pure logic first (the bound, the knob, a simulated steady 10x slower rank that is never flagged and
-a stuck one that is), then the stamps through a real in-process store and heartbeat threads. The
-jobs with real processes (an endless loop in ``training_step``, a rank asleep inside a
-collective) are in ``tests/test_rank_loss.py``.
+a stuck one that is), then the stamps through a real in-process store and heartbeat threads, then
+the phases outside training (evaluation steps, the phases without steps of an epoch's end, the
+stillness a reader witnessed). The jobs with real processes: an endless loop in ``training_step``
+and a rank asleep inside a collective in ``tests/test_rank_loss.py``, a loop in ``validation_step``
+and a 10x slower validating rank in ``tests/test_validation_loss.py``, loops at an epoch's end in
+``tests/test_epoch_end_loss.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ three signals, the fastest first:
   that vanished);
 
 and, alive but stuck, when its progress stamp stood still for the bound it derived from its own
-speed (:mod:`~lightning_elche.membership.stall`).
+speed (:mod:`~lightning_elche.membership.stall`); outside training, for that bound while this rank
+looked at it (:meth:`PeerSignals._witness`). A member found lost stays lost for the reason first
+found (fenced, a stalled one would read as gone after).
 """
 
 from __future__ import annotations
