@@ -145,16 +145,19 @@ def test_max_failure_reached_in_validation_saves_the_consensus_and_stops_every_s
 STALL_FLOOR_S = 8.0  # fault_fit.py --stall-floor: the stuck rank's short steps give it this bound
 
 
-def run_validation_stall(tmp_path: Path, mode: str, rank: int, batch: int, epoch: int) -> Job:
+def run_validation_stall(tmp_path: Path, mode: str, rank: int, batch: int, epoch: Optional[int]) -> Job:
     # An endless loop inside validation_step after some evaluation steps of this fit (the rank's
     # bound comes from them); its heartbeat goes on. The peers wait for it in the epoch-end
     # sync_dist reduce, witness its stillness for the bound, and survive it like a silent rank.
-    extra = ("--val-fault", f"loop:{rank}:{batch}:{epoch}", "--stall-floor", str(STALL_FLOOR_S))
+    # epoch None: in the sanity check (over the whole set; its first step is the fit's first, not judged).
+    where = "sanity" if epoch is None else str(epoch)
+    extra = ("--val-fault", f"loop:{rank}:{batch}:{where}", "--stall-floor", str(STALL_FLOOR_S),
+             "--sanity-steps", "-1" if epoch is None else "0")
     job = run_job(tmp_path, mode, [], extra=extra, timeout_s=200.0)
     check_survived(job, {rank})
     fault = json.loads((tmp_path / f"fault-rank{rank}.json").read_text())
-    assert fault["phase"] == "validation" and fault["kind"] == "loop", fault
-    check_validations(job, {rank}, epoch, sanity=False)
+    assert fault["phase"] == ("sanity" if epoch is None else "validation") and fault["kind"] == "loop", fault
+    check_validations(job, {rank}, epoch, sanity=epoch is None)
     for result in job.results.values():
         (loss,) = result["losses"]
         reason = loss["reasons"][str(rank)]
@@ -170,10 +173,10 @@ def run_validation_stall(tmp_path: Path, mode: str, rank: int, batch: int, epoch
     ("nccl_cadence", 1, 2, 1),
     *(pytest.param(mode, rank, batch, epoch, marks=pytest.mark.faults)
       for mode, rank, batch, epoch in [("cpu_async", 2, 1, 0), ("nccl_sync", 0, 3, 1), ("cpu_sync", 1, 0, 2),
-                                       ("cpu_cadence", 0, 2, 0)]),
+                                       ("cpu_cadence", 0, 2, 0), ("cpu_async", 1, 1, None)]),
 ])
 def test_a_rank_stuck_in_validation_step_is_found_by_its_own_speed(tmp_path: Path, mode: str, rank: int, batch: int,
-                                                                   epoch: int) -> None:
+                                                                   epoch: Optional[int]) -> None:
     run_validation_stall(tmp_path, mode, rank, batch, epoch)
 
 
