@@ -104,6 +104,7 @@ class ElCheController:
         self._pooled_dispatch = bool(pooled_dispatch)
         self._max_total_batches = 0
         self._epoch_batches_left: Optional[int] = None
+        self._round_before_epoch_end = False
 
         self.batch_counts: list[int] = [self.anchor] * world_size
         self._readings = SpeedReadings(world_size)
@@ -198,6 +199,13 @@ class ElCheController:
             batches = _require_int("batches", batches, 0, "expected None or an integer >= 0")
         self._epoch_batches_left = batches
 
+    def keep_a_round_before_the_epoch_end(self, keep: bool) -> None:
+        """While ``keep``, no window reaches the epoch's end: the plan leaves at least half of the
+        batches left to a later window, so a round comes while every rank still has data (an
+        admission needs one; with the pooled dispatch a long anchor otherwise makes each epoch one
+        window). Every rank must set it at the same outcome."""
+        self._round_before_epoch_end = bool(keep)
+
     def window_counts(self) -> list[int]:
         """Each rank's batches in the current window before the epoch's end and ``max_batch_diff``
         are applied: ``batch_counts``, scaled to an anchor of :data:`CALIBRATION_ANCHOR` in the
@@ -214,7 +222,8 @@ class ElCheController:
         and the pooled dispatch shares them out: every rank runs to the epoch's end (see
         :meth:`planned_batches`)."""
         left = self._epoch_batches_left
-        if not self._pooled_dispatch or self._max_batch_diff is not None or left is None or left <= 0:
+        if (not self._pooled_dispatch or self._max_batch_diff is not None or left is None or left <= 0
+                or self._round_before_epoch_end):
             return False
         # Before any reading, the window at the full anchor: when that reaches the epoch's end no
         # calibration round is needed, the pool shares the epoch out as the ranks claim it. After
@@ -242,7 +251,11 @@ class ElCheController:
             return self._epoch_batches_left
         counts = self.window_counts()
         lead = self._max_batch_diff
-        return counts[rank] if lead is None else min(counts[rank], min(counts) + lead)
+        planned = counts[rank] if lead is None else min(counts[rank], min(counts) + lead)
+        left = self._epoch_batches_left
+        if self._round_before_epoch_end and left is not None and 2 * sum(counts) > left:
+            planned = min(planned, max(1, counts[rank] * (left // 2) // sum(counts)))
+        return planned
 
     # -- timing feed ----------------------------------------------------------------------
 

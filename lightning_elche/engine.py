@@ -483,7 +483,8 @@ class ElCheEngine:
             "decisions": (self.controller, self.convergence, self.outer),  # one pickle keeps their links
             "rounds": self.state.rounds, "cohort_step": self.state.cohort_step, "totals": self.state.totals,
             "outcome": self.last_outcome, "kept_batches": self._kept_batches, "carried_stop": int(self._carried_stop),
-            "consensus_next": self._consensus_next, "max_overshoot": self.max_overshoot,
+            "consensus_next": self._consensus_next, "consensus_at": self._consensus_at,
+            "max_overshoot": self.max_overshoot,
         }
         buffer = io.BytesIO()
         torch.save(record, buffer)
@@ -501,6 +502,10 @@ class ElCheEngine:
         self._kept_batches = tuple(taken["kept_batches"])
         self._carried_stop = StopRequest(taken["carried_stop"])
         self._consensus_next = bool(taken["consensus_next"])
+        # A consensus round the others asked for and have not run yet (an admission at an earlier
+        # consensus round leaves its own request pending): in cpu_async a round is blocking, and
+        # admits, only where every rank made it a consensus round.
+        self._consensus_at = taken["consensus_at"]
         self.max_overshoot = int(taken["max_overshoot"])
         self._divergence = None  # this rank measured no drift in the round it missed
         self._caught_up = True

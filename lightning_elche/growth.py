@@ -50,6 +50,8 @@ from lightning_elche.averaging import averaged_buffers, layout_signature, traina
 from lightning_elche.checks import require_int
 from lightning_elche.loop_glue import configure_launcher
 from lightning_elche.loop_glue.joining import (
+    callback_states,
+    load_callback_states,
     loader_of,
     loop_position,
     position_loops,
@@ -192,6 +194,7 @@ class Growth:
         if self.admitter is None or not outcome.reports:
             return
         waiting = outcome.reports[0].joiners
+        engine.controller.keep_a_round_before_the_epoch_end(bool(waiting))
         if not waiting:
             self.admit_at = None
             return
@@ -200,10 +203,12 @@ class Growth:
                       and not session.pending_save)
         if admissible:
             self.admit_at = None
+            engine.controller.keep_a_round_before_the_epoch_end(False)
             self._admit_joiners(trainer, waiting, engine, session, sampler)
         elif self.admit_at is None or outcome.index >= self.admit_at:
-            # Two rounds on: in cpu_async the next round may already be in flight.
-            self.admit_at = outcome.index + 2
+            # Two rounds on: in cpu_async the next round may already be in flight; none is after the
+            # epoch's last round, and the next epoch's first round comes before its end (above).
+            self.admit_at = outcome.index + (1 if outcome.ends_window_sequence else 2)
             engine.request_consensus(at_round=self.admit_at)
 
     def _admit_joiners(self, trainer: Trainer, count: int, engine: Any, session: Any, sampler: Any) -> None:
@@ -222,6 +227,7 @@ class Growth:
         leader = membership.rank == 0
         if leader:
             first = {"module": trainer.lightning_module.state_dict(), "loop": loop_position(trainer),
+                     "callbacks": callback_states(trainer),
                      "optimizers": [o.state_dict() for o in trainer.optimizers],
                      "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
                      "job": self._job}
@@ -348,6 +354,7 @@ class Growth:
         for config, state in zip(trainer.lr_scheduler_configs, first["schedulers"], strict=True):
             config.scheduler.load_state_dict(state)
         position_loops(trainer, first["loop"])
+        load_callback_states(trainer, first["callbacks"])
         received: list[Any] = [None]
         dist.recv_object_list(received, src=0)
         second = received[0]

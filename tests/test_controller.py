@@ -1027,6 +1027,25 @@ def test_a_window_that_covers_the_rest_of_the_epoch_runs_every_rank_to_its_end()
         c.set_epoch_batches_left(-1)
 
 
+def test_while_joiners_wait_no_window_reaches_the_epoch_end() -> None:
+    # An admission needs a round with data left on every rank: one-window epochs never give one.
+    c = calibrated(pooled_dispatch=True)
+    c.set_epoch_size(64)
+    c.set_epoch_batches_left(50)
+    assert c.window_reaches_epoch_end
+    c.keep_a_round_before_the_epoch_end(True)
+    assert not c.window_reaches_epoch_end
+    planned = [c.planned_batches(0), c.planned_batches(1)]
+    assert planned == [20, 5] and sum(planned) <= 50 // 2, planned  # the plan's shares, half the rest
+    c.set_epoch_batches_left(200)
+    assert [c.planned_batches(0), c.planned_batches(1)] == [40, 10]
+    c.set_epoch_batches_left(3)  # every rank still runs a batch
+    assert [c.planned_batches(0), c.planned_batches(1)] == [1, 1]
+    c.keep_a_round_before_the_epoch_end(False)
+    c.set_epoch_batches_left(50)
+    assert [c.planned_batches(0), c.planned_batches(1)] == [50, 50]
+
+
 def test_a_window_to_the_epoch_end_needs_the_pool_and_no_lead_bound() -> None:
     for c in (calibrated(), calibrated(pooled_dispatch=True, max_batch_diff=50)):
         c.set_epoch_batches_left(20)

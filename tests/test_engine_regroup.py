@@ -264,3 +264,19 @@ def test_what_a_rank_kept_in_the_consensus_follows_two_changes_without_a_round_b
     engine.apply_change(Change(generation=2, before=(0, 2, 3), after=(0, 3)))
     assert engine.progress_at_failure(1).epoch_batches == (20, 32)
     assert engine.progress_at_failure(0).epoch_batches == (0, 0)
+
+
+def test_a_joiner_takes_the_consensus_round_the_members_asked_for_and_have_not_run() -> None:
+    # An admission at an earlier consensus round leaves the members' own request pending; a joiner
+    # without it would run that round non-blocking in cpu_async while they block and admit there.
+    member = engine_for(FailingPeers(world_size=2, failures=0), 2)
+    member.record_step(8, torch.tensor(0.25), 0.1)
+    member.run_round(epoch=0, out_of_data=False)
+    member.request_consensus(at_round=3)
+    joiner = engine_for(FailingPeers(world_size=2, failures=0), 2)
+    joiner.join_from(member.round_record())
+    assert joiner.state.rounds == member.state.rounds == 1
+    assert joiner._consensus_at == member._consensus_at == 3
+    member.request_consensus(at_round=2)  # the earlier of two requests wins, on both alike
+    joiner.request_consensus(at_round=2)
+    assert joiner._consensus_at == member._consensus_at == 2

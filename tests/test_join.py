@@ -56,13 +56,16 @@ def _command(out: Path, mode: str, extra: tuple[str, ...]) -> list[str]:
 
 def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joiner_env: dict[str, str] | None = None,
                  timeout_s: float = 240.0, joiners: int = 1, one_after_the_other: bool = False,
-                 cohort_extra: tuple[str, ...] = (), joiner_devices: int = 0) -> JoinJob:
+                 cohort_extra: tuple[str, ...] = (), joiner_devices: int = 0,
+                 hold_at_step: int = HOLD_AT_STEP) -> JoinJob:
     """The 2-rank cohort and, started at the same time, the joiner(s); the cohort's rank 0 waits at its
     step ``HOLD_AT_STEP`` until the joiners asked to join (it keeps training while they import,
     build their models and loaders), so that the join comes in the middle of the fit.
 
     ``joiner_devices``: each joiner starts without ``LOCAL_RANK`` and with ``--devices N``: its
     Lightning launcher brings N joining ranks.
+
+    ``hold_at_step``: rank 0's step at which it waits (a later step: a join in a later epoch).
 
     ``one_after_the_other``: the second joiner asks to join once the first acknowledged its
     admission, and rank 0 waits for its request at its first batch on three ranks (two admissions,
@@ -74,8 +77,8 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
            "XDG_CACHE_HOME": str(out / "cache")}  # the token file stays in the test's directory
     cohort_log = out / "job.log"
     joiner_logs = [out / ("joiner.log" if k == 0 else f"joiner{k + 1}.log") for k in range(joiners)]
-    holds = ((str(HOLD_AT_STEP), "0:2:3") if one_after_the_other
-             else (f"{HOLD_AT_STEP}:{joiners * max(1, joiner_devices)}",) if joiners else ())
+    holds = ((str(hold_at_step), "0:2:3") if one_after_the_other
+             else (f"{hold_at_step}:{joiners * max(1, joiner_devices)}",) if joiners else ())
     procs: list[subprocess.Popen] = []
     deadline = time.monotonic() + timeout_s
 
@@ -227,15 +230,15 @@ def test_two_joiners_ready_before_the_same_round_are_admitted_together(tmp_path:
     assert job.log.count(said) == 2 and all(log.count(said) == 1 for log in job.joiner_logs), job.log[-3000:]
 
 
-ASYNC_LATER_JOIN = pytest.mark.xfail(strict=True, reason=(
-    "known (issue 22): in cpu_async with few rounds per epoch the admission's consensus round, two rounds on, "
-    "keeps landing on an epoch's last round and the later joiner is never admitted; aiming one round on after an "
-    "epoch end admits it, but the joiner then fails at its first epoch (dispatch cursor: 'iterated again ... "
-    "without reopen()')"))
+ASYNC_EMPTY_FIRST_EPOCH = pytest.mark.xfail(strict=False, reason=(
+    "known (issue 22), about 1 run in 4: in cpu_async the second joiner, admitted mid-epoch, can find no batch "
+    "of that epoch left for it; its epoch loop ends without a batch and it enters the epoch-end callbacks alone "
+    "while the members wait for it in the next round (a 90 s SnapshotTimeout). A rank must join the rounds out "
+    "of data until the epoch's last one even when its iterator gave it nothing."))
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("mode", ("cpu_cadence", "cpu_sync", pytest.param("cpu_async", marks=ASYNC_LATER_JOIN),
+@pytest.mark.parametrize("mode", ("cpu_cadence", "cpu_sync", pytest.param("cpu_async", marks=ASYNC_EMPTY_FIRST_EPOCH),
                                   "nccl_sync", "nccl_cadence"))
 def test_two_joiners_one_after_the_other(tmp_path: Path, mode: str) -> None:
     # The first joiner is a member (rank 2) when the second is admitted: it takes that change too.
@@ -245,6 +248,19 @@ def test_two_joiners_one_after_the_other(tmp_path: Path, mode: str) -> None:
     check_grown(job, joins=seen)
     first = next(r for name, r in job.results.items() if name >= JOINER and r["global_rank"] == 2)
     assert [c["joined"] for c in first["changes"]] == [seen[1]], first["changes"]
+
+
+@pytest.mark.parametrize("mode", ["cpu_async", *(pytest.param(m, marks=pytest.mark.faults)
+                                                 for m in ("cpu_cadence", "cpu_sync", "nccl_sync", "nccl_cadence"))])
+def test_a_joiner_admitted_in_a_later_epoch_trains_its_first_iterator(tmp_path: Path, mode: str) -> None:
+    # Past epoch 0 Lightning's epoch loop builds a second iterator of the training loader unless
+    # it resumes; the joiner's first one (built and prefetched from in setup_data) must be the one
+    # it trains, or its cursor refuses the second and the chunk the first claimed is never trained.
+    job = run_join_job(tmp_path, mode, joiner_extra=("--request-once-held",), hold_at_step=75)
+    check_grown(job, joins=[[JOINER]])
+    assert job.results[0]["changes"][0]["epoch"] >= 1, job.results[0]["changes"]
+    # The joiner's ModelCheckpoint took the members' state: it saves the same files, no last-v1.ckpt.
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("last*.ckpt")) == ["last.ckpt"]
 
 
 LOSS_POINTS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
@@ -78,6 +78,24 @@ def loop_position(trainer: Trainer) -> dict[str, int]:
             "batches_that_stepped": int(epoch_loop._batches_that_stepped)}
 
 
+def callback_states(trainer: Trainer) -> dict[str, Any]:
+    """Every callback's state by its ``state_key``, as a checkpoint keeps them (what a joiner's
+    callbacks take from a member)."""
+    callbacks: list[Any] = cast(Any, trainer).callbacks  # set by Lightning's connector, not declared
+    return {callback.state_key: callback.state_dict() for callback in callbacks}
+
+
+def load_callback_states(trainer: Trainer, states: dict[str, Any]) -> None:
+    """A joiner's callbacks take a member's states (a ``ModelCheckpoint``'s best and last paths,
+    an ``EarlyStopping``'s counters): their epoch-end decisions, and the collectives those make,
+    are then the members'. A joiner without them saves ``last-v1.ckpt`` beside the members'
+    ``last.ckpt`` and asks one ``reduce`` more than they do."""
+    for callback in cast(Any, trainer).callbacks:
+        state = states.get(callback.state_key)
+        if state:
+            callback.load_state_dict(state)
+
+
 def position_loops(trainer: Trainer, position: dict[str, int]) -> None:
     """Start a joiner's loops inside the cohort's epoch: the epoch counter (its own batches of the
     epoch start at 0: it trains only its share) and the step counters of the member that sent it."""
@@ -92,5 +110,9 @@ def position_loops(trainer: Trainer, position: dict[str, int]) -> None:
                     epoch_loop.manual_optimization.optim_step_progress.total):
         tracker.ready = tracker.completed = steps
     epoch_loop._batches_that_stepped = int(position["batches_that_stepped"])
+    # Past epoch 0 the epoch loop builds a second iterator of the training loader unless the fit
+    # resumes: the joiner's first one (built in setup_data, and prefetched from: it claimed work)
+    # must be the one it trains. Lightning clears the mark after the epoch.
+    trainer.fit_loop._resuming_from_checkpoint = True
     # Sanity validation would run collectives the members are not in.
     trainer.num_sanity_val_steps = 0

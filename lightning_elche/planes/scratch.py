@@ -87,7 +87,9 @@ class PreRoundValues:
             torch._foreach_copy_(self._buffer_twins, self.layout.buffers.flats)
 
     def _all_usable(self, grads: list[Optional[Tensor]]) -> bool:
-        if None in grads:
+        # Not ``None in grads``: that compares every tensor with None through ``Tensor.__eq__``, about
+        # 15 µs each, more than the round's kernels on models of many tensors.
+        if any(grad is None for grad in grads):
             return False
         try:
             return [(g.layout, g.dtype, g.stride()) for g in grads] == self._grad_layouts  # type: ignore[union-attr]

@@ -20,7 +20,8 @@ A process started with ``ELCHE_JOIN=1`` (and ``LOCAL_RANK``, ``MASTER_ADDR``/``M
 joins the running job; ``ELCHE_TEST_MEMBER`` names its files. ``--joiner-dies`` makes it die right after
 its request (before it acknowledges admission), ``--joiner-dies-after-ack`` (SIGKILL) once it acknowledged
 its admission and read the admitted list, before the new process group; ``--request-after-first-join``
-makes it ask only once the first joiner acknowledged its admission; ``--width`` changes the model (a
+makes it ask only once the first joiner acknowledged its admission, ``--request-once-held`` only once
+launch rank 0 holds for it; ``--width`` changes the model (a
 bad join). ``--hold-for-joiner STEP[:COUNT[:WORLD]]`` (repeatable): launch rank 0 waits once, at its first
 batch from step ``STEP`` on with at least ``WORLD`` ranks in the fit, until ``COUNT`` (default 1) joiners
 asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
@@ -361,12 +362,32 @@ class HoldForJoiner(pl.Callback):
             return
         self.held = True
         store, deadline = trainer.strategy.job_store, time.monotonic() + 180.0
+        store.set(HOLDING_KEY, str(trainer.current_epoch))
         # Waiting here is not a stall: the peers judge this rank by its progress after its first round.
         progress = getattr(getattr(trainer.strategy, "_membership", None), "progress", None)
         while int(store.add("lightning_elche/join/requests", 0)) < self.count and time.monotonic() < deadline:
             if progress is not None:
                 progress.advance()
             time.sleep(0.1)
+
+
+HOLDING_KEY = "lightning_elche/test/rank0-holds"
+
+
+def request_once_held() -> None:
+    """A joiner asks to join only once launch rank 0 waits for it (``--hold-for-joiner``): the join
+    comes at that step, however fast the joiner starts."""
+    from lightning_elche.membership import admission
+
+    request = admission.JoinerLink.request
+
+    def request_later(self: Any, *args: Any, **kwargs: Any) -> None:
+        deadline = time.monotonic() + 180.0
+        while not self.store.check([HOLDING_KEY]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        request(self, *args, **kwargs)
+
+    admission.JoinerLink.request = request_later  # type: ignore[method-assign]
 
 
 def die_after_the_request() -> None:
@@ -459,6 +480,8 @@ def main(args: argparse.Namespace) -> None:
         die_after_the_ack()
     if args.request_after_first_join:
         request_after_the_first_join()
+    if args.request_once_held:
+        request_once_held()
     if args.member_dies_in_admission is not None:
         rank, point = args.member_dies_in_admission.split(":")
         if int(rank) == ORIGINAL_RANK and not os.environ.get("ELCHE_JOIN"):
@@ -551,6 +574,7 @@ if __name__ == "__main__":
     parser.add_argument("--joiner-dies", action="store_true")
     parser.add_argument("--joiner-dies-after-ack", action="store_true")
     parser.add_argument("--request-after-first-join", action="store_true", help="a joiner asks once the first acked")
+    parser.add_argument("--request-once-held", action="store_true", help="a joiner asks once rank 0 holds for it")
     parser.add_argument("--restart-lost", type=int, default=0, help="ElCheStrategy(restart_lost=N)")
     parser.add_argument("--member-dies-in-admission", default=None, help="RANK:POINT (admitted or applied)")
     parser.add_argument("--hold-for-joiner", action="append", default=[],
