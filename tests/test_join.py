@@ -183,10 +183,12 @@ def test_a_joiner_that_dies_before_its_admission_is_dropped(tmp_path: Path) -> N
     check_cohort_alone(job)
 
 
-def check_grown(job: JoinJob, joins: list[list[int]], lost: tuple[int, ...] = ()) -> None:
+def check_grown(job: JoinJob, joins: list[list[int]], lost: tuple[int, ...] = (), epochs: int = EPOCHS,
+                samples: int = SAMPLES) -> None:
     """The fit ended on the launch ranks that were not lost and every joiner, identical, with the
     given admissions (member ids per change) seen by every surviving launch rank, ``lost`` counted as
-    losses, and every sample of every epoch trained exactly once in the consensus."""
+    losses, and every sample of every epoch trained exactly once in the consensus (``epochs`` and
+    ``samples``: the job's, when its extra arguments changed them)."""
     logs = f"{job.log[-5000:]}\n--- joiners ---\n" + "\n---\n".join(log[-3000:] for log in job.joiner_logs)
     assert not job.leftover, f"processes left behind: {job.leftover}\n{logs}"
     assert job.cohort_rc == 0 and all(rc == 0 for rc in job.joiner_rcs), (job.cohort_rc, job.joiner_rcs, logs)
@@ -209,9 +211,9 @@ def check_grown(job: JoinJob, joins: list[list[int]], lost: tuple[int, ...] = ()
             for loss in first["losses"] for m in loss["lost"]}
     job.ranks = world + len(lost)
     trained = consensus_samples(job, kept)  # type: ignore[arg-type]  # a Job's out and ranks
-    assert sorted(trained) == list(range(EPOCHS))
+    assert sorted(trained) == list(range(epochs))
     for epoch, indices in trained.items():
-        counts = torch.bincount(torch.tensor(indices), minlength=SAMPLES)
+        counts = torch.bincount(torch.tensor(indices), minlength=samples)
         missing, twice = int((counts == 0).sum()), int((counts > 1).sum())
         assert missing == 0 and twice == 0, f"epoch {epoch}: {missing} samples never trained, {twice} twice\n{logs}"
     for joiner in joiners:
@@ -311,3 +313,12 @@ def test_a_joiner_without_local_rank_brings_its_devices_ranks(tmp_path: Path) ->
     # Admitted together, or one round after the other when the first asked before the second.
     assert seen in ([[2, 3]], [[2], [3]]), seen
     check_grown(job, joins=seen)
+
+
+@pytest.mark.extended
+def test_a_fit_seeded_other_than_0_admits_a_joiner(tmp_path: Path) -> None:
+    # The joiner's facts came from its preview loader (a RandomSampler: seed 0) and the members' from
+    # Lightning's DistributedSampler (seed PL_GLOBAL_SEED): every joiner of a fit seeded 3 was refused.
+    job = run_join_job(tmp_path, "cpu_cadence", joiner_extra=("--seed", "3"), cohort_extra=("--seed", "3"))
+    assert "its seed" not in job.joiner_log, job.joiner_log[-3000:]
+    check_joined(job)
