@@ -12,12 +12,13 @@ a round that saw joiners waiting, every member asks for a consensus round two ro
 first consensus round at which every rank still has data in the epoch and nobody stops, every
 member admits them (:meth:`Growth.after_round`): the admitted list, the entry (every member and
 joiner says it is there, and one that is gone is left out: :mod:`lightning_elche.membership.entry`),
-the next generation's group, then rank 0 sends each joiner, over that group, the consensus parameters and buffers, its
-own optimizer and scheduler states (for local SGD a peer's inner optimizer state is a state that
-trained the same consensus, and the one the joiner would otherwise rebuild from nothing) and the
-loop position; every holder takes the change (``apply_change``); rank 0 then sends the ElChe state
-(the engine's round record: controller, convergence guard, outer optimizer) and the dispatch
-state (``state_for_joiner``), which follow from the change.
+the next generation's group, then rank 0 sends each joiner, over that group, the consensus
+parameters and buffers, its own optimizer and scheduler states (for local SGD a peer's inner
+optimizer state is a state that trained the same consensus, and the one the joiner would otherwise
+rebuild from nothing), the loop position and its callbacks' states (as a resume restores them);
+every holder takes the change (``apply_change``); rank 0 then sends the ElChe state (the engine's
+round record: controller, convergence guard, outer optimizer) and the dispatch state
+(``state_for_joiner``), which follow from the change.
 
 **The joiner.** ``setup_distributed`` connects to the job's store and registers the next free
 member id, without a process group; Lightning's start-of-fit collectives answer locally until it
@@ -130,6 +131,10 @@ def _tensor_bytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_tensor_bytes(v) for v in value)
     return 0
+
+
+def _callbacks(trainer: Trainer) -> list[Any]:
+    return list(getattr(trainer, "callbacks", []))  # set by Lightning's connector; the class does not declare it
 
 
 def _warn_joined(change: Change, world_size: int) -> None:
@@ -255,6 +260,7 @@ class Growth:
             first = {"module": trainer.lightning_module.state_dict(), "loop": loop_position(trainer),
                      "optimizers": [o.state_dict() for o in trainer.optimizers],
                      "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+                     "callbacks": {c.state_key: c.state_dict() for c in _callbacks(trainer)},
                      "job": self._job}
             copied = _to_cpu(first)
             _mark(me, "state_copied")
@@ -394,6 +400,13 @@ class Growth:
         for config, state in zip(trainer.lr_scheduler_configs, first["schedulers"], strict=True):
             config.scheduler.load_state_dict(state)
         position_loops(trainer, first["loop"])
+        # As a resumed fit restores them: a ModelCheckpoint that does not know the members' last and
+        # best files takes another path at the epoch's end (one more file_exists reduce than the
+        # members: a collective mismatch at the first save after the join).
+        states = first.get("callbacks", {})
+        for callback in _callbacks(trainer):
+            if callback.state_key in states:
+                callback.load_state_dict(states[callback.state_key])
         received: list[Any] = [None]
         dist.recv_object_list(received, src=0)
         second = received[0]

@@ -184,16 +184,16 @@ def test_a_joiner_that_dies_before_its_admission_is_dropped(tmp_path: Path) -> N
 
 
 def check_grown(job: JoinJob, joins: list[list[int]], lost: tuple[int, ...] = (), epochs: int = EPOCHS,
-                samples: int = SAMPLES) -> None:
+                samples: int = SAMPLES, launch: int = 2) -> None:
     """The fit ended on the launch ranks that were not lost and every joiner, identical, with the
     given admissions (member ids per change) seen by every surviving launch rank, ``lost`` counted as
     losses, and every sample of every epoch trained exactly once in the consensus (``epochs`` and
-    ``samples``: the job's, when its extra arguments changed them)."""
+    ``samples``: the job's, when its extra arguments changed them; ``launch``: its launch ranks)."""
     logs = f"{job.log[-5000:]}\n--- joiners ---\n" + "\n---\n".join(log[-3000:] for log in job.joiner_logs)
     assert not job.leftover, f"processes left behind: {job.leftover}\n{logs}"
     assert job.cohort_rc == 0 and all(rc == 0 for rc in job.joiner_rcs), (job.cohort_rc, job.joiner_rcs, logs)
     joiners = sorted({m for admitted in joins for m in admitted})  # the joiners' files are named by member id
-    survivors = [m for m in (0, 1) if m not in lost]
+    survivors = [m for m in range(launch) if m not in lost]
     assert sorted(job.results) == survivors + joiners, f"finished: {sorted(job.results)}\n{logs}"
     world = len(survivors) + len(joiners)
     first = job.results[survivors[0]]

@@ -106,5 +106,11 @@ def position_loops(trainer: Trainer, position: dict[str, int]) -> None:
                     epoch_loop.manual_optimization.optim_step_progress.total):
         tracker.ready = tracker.completed = steps
     epoch_loop._batches_that_stepped = int(position["batches_that_stepped"])
+    # Lightning's setup_data already made the epoch's iterator (its fetcher prefetched the first batch,
+    # which the sampler claimed); past epoch 0 the epoch loop's start makes another one unless the fit
+    # loop resumes, and the joiner's sampler refuses a second opening of its first epoch (the first
+    # one's claims would be lost). Like a resumed fit, the joiner keeps the first iterator; Lightning
+    # clears the flag after that epoch.
+    trainer.fit_loop._resuming_from_checkpoint = True
     # Sanity validation would run collectives the members are not in.
     trainer.num_sanity_val_steps = 0
