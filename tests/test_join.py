@@ -286,10 +286,13 @@ def test_a_joiner_that_dies_after_acknowledging_is_dropped_within_seconds(tmp_pa
                                                    for m in ("cpu_sync", "cpu_async", "nccl_sync", "nccl_cadence"))])
 def test_restart_lost_restarts_a_killed_child_which_joins_the_fit(tmp_path: Path, mode: str) -> None:
     # Lightning's launcher started rank 1; it is killed at its step 8; rank 0 (its launcher) starts it
-    # again as a joiner (member 2), and waits at its step 25 until it asked to join.
+    # again as a joiner (member 2), and waits at its step 70 (epoch 1, alone) until it asked to join.
     job = run_join_job(tmp_path, mode, joiners=0, cohort_extra=("--fault", "kill:1:8", "--restart-lost", "1",
-                                                                "--hold-for-joiner", "25"))
+                                                                "--hold-for-joiner", "70"))
     check_grown(job, joins=[[JOINER]], lost=(1,))
+    # Past epoch 0 (the other join tests admit in epoch 0): a joiner there used to fail at its first
+    # batch (a second iterator of its first epoch) and at its first save (ModelCheckpoint's state).
+    assert [c["epoch"] for c in job.results[0]["changes"] if c["joined"]][0] >= 1, job.results[0]["changes"]
     assert "tolerates the loss and restarted it" in job.log and "restart 1 of restart_lost=1" in job.log, job.log
     # RankJoinedWarning on rank 0 and on the restarted process (both write to the job's log).
     assert job.log.count("ElCheStrategy joined rank 2 (member ids): 2 rank(s) go on") == 2, job.log[-3000:]
