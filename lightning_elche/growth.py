@@ -31,7 +31,6 @@ dispatch state. Its first batch is in the cohort's current epoch, its first roun
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import secrets
@@ -79,6 +78,7 @@ from lightning_elche.membership.change import Change, RanksLost
 from lightning_elche.membership.entry import Entry, settle_entry
 from lightning_elche.membership.groups import init_generation_group
 from lightning_elche.membership.survival import Survival, fence
+from lightning_elche.state_transfer import recv_state, send_state
 
 DISPATCH_STORE_PREFIX = "lightning_elche/dispatch/"
 JOIN_TIMING_ENV = "ELCHE_JOIN_TIMING"
@@ -105,13 +105,6 @@ def dispatch_store(membership: Membership) -> Any:
     return dist.PrefixStore(DISPATCH_STORE_PREFIX, membership.store)
 
 
-def _to_cpu(value: Any) -> Any:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, map_location="cpu", weights_only=False)
-
-
 def _mark(member: int, event: str, **fields: Any) -> None:
     """One moment of an admission, when ``ELCHE_JOIN_TIMING`` names a directory (admissions only:
     never on the per-step path)."""
@@ -120,17 +113,6 @@ def _mark(member: int, event: str, **fields: Any) -> None:
         return
     with open(os.path.join(directory, f"join-timing-{member}.jsonl"), "a") as sink:
         sink.write(json.dumps({"event": event, "time": time.time(), "member": member, **fields}) + "\n")
-
-
-def _tensor_bytes(value: Any) -> int:
-    """The tensor bytes in a nested payload (what the transfer has to move at the least)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
 
 
 def _callbacks(trainer: Trainer) -> list[Any]:
@@ -262,11 +244,8 @@ class Growth:
                      "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
                      "callbacks": {c.state_key: c.state_dict() for c in _callbacks(trainer)},
                      "job": self._job}
-            copied = _to_cpu(first)
-            _mark(me, "state_copied")
-            self._send(copied, change)
-            _mark(me, "state_sent", **({"tensor_bytes": _tensor_bytes(copied)} if os.environ.get(JOIN_TIMING_ENV)
-                                       else {}))
+            sent = send_state(first, change.joined)  # tensors in one buffer: the bulk of an admission's time
+            _mark(me, "state_sent", tensor_bytes=sent)
         for holder in self.survival.holders():
             holder.apply_change(change)
         _mark(me, "applied")
@@ -375,9 +354,7 @@ class Growth:
         device = strategy.root_device if strategy.root_device.type == "cuda" else None
         init_generation_group(membership, self._backend, self._timeout, device)
         _mark(member, "regrouped")
-        received: list[Any] = [None]
-        dist.recv_object_list(received, src=0)
-        self._first = received[0]
+        self._first = recv_state(0)
         _mark(member, "state_received")
         self._job = (str(self._first["job"][0]), str(self._first["job"][1]))
         strategy.set_world_ranks()  # Lightning's rank view follows the admitted rank

@@ -9,17 +9,19 @@ many parameters, plain SGD): a cohort of 2 ranks (Lightning's popen launcher) an
 a joiner (``ELCHE_JOIN=1``, member 2); cohort rank 0 waits at its step ``--hold-step`` until the
 joiner asked to join, so that the admission comes in the middle of an epoch. Every process records
 its admission's moments (``ELCHE_JOIN_TIMING``, lightning_elche/growth.py) and every batch it trains
-(``steps-rank<r>.jsonl``). The tool reports
+(``steps-rank<r>.jsonl``); ``--after-join`` seconds after the joiner's first batch the job is
+ended (exit codes -9 in the JSON are that). The tool reports
 
 * **ready -> first batch**: the joiner's request (its model and loader built) to the start of its
   first training batch;
 * **admission**: rank 0's admission, from the round that admits to the end of the change;
 * **stall**: per member, the longest gap between two of its batches that overlaps the admission,
-  less its median gap between batches (the step time), next to the longest gap elsewhere (an
-  ordinary round);
-* **transfer**: rank 0's copy of the state (``torch.save``/``load`` to CPU) and its send
-  (``send_object_list``: pickling, the transport, the joiner's unpickling) to the joiner's receipt,
-  the tensor bytes in it and the rate;
+  less its median gap between batches (the step time), next to the longest gap elsewhere within an
+  epoch (an ordinary round; the hold before the joiner's request left out);
+* **transfer**: from rank 0's new group to the joiner's receipt of the state: its tensors copied
+  into one buffer, one ``send``, the joiner's copies out of it (lightning_elche/state_transfer.py;
+  before it, a ``torch.save``/``load`` copy and ``send_object_list``'s pickling), the tensor bytes
+  and the rate;
 * **raw**: the same bytes as one ``uint8`` tensor, ``dist.broadcast`` and ``send``/``recv`` between
   two processes on this host over the same backend (gloo; NCCL with ``--accelerator gpu``), best
   of ``--raw-repeat``.
@@ -35,6 +37,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import statistics
@@ -66,7 +69,8 @@ def _environment(tag: str, port: int, out: Path) -> dict[str, str]:
 
 def run_job(out: Path, params: float, args: argparse.Namespace) -> dict[str, Any]:
     """One cohort and its joiner; what their records say (:func:`measure`)."""
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # the records are appended to
+    out.mkdir(parents=True)
     tag, port = secrets.token_hex(6), _free_port()
     env = _environment(tag, port, out)
     command = [sys.executable, str(SCRIPT), str(out), "--mode", args.mode, "--devices", "2", "--accelerator",
@@ -85,14 +89,18 @@ def run_job(out: Path, params: float, args: argparse.Namespace) -> dict[str, Any
         with open(out / "joiner.log", "w") as log:
             procs.append(subprocess.Popen(command, env=joiner_env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
-        for proc in procs:
-            proc.wait(timeout=max(1.0, started + args.timeout - time.time()))
-    except subprocess.TimeoutExpired:
-        pass
+        # The admission is over once the joiner trains: a while after its first batch the job is
+        # ended (a 1e8-parameter fit is slow and large; its end measures nothing).
+        joiner_steps = out / f"steps-rank{JOINER}.jsonl"
+        while any(p.poll() is None for p in procs) and time.time() < started + args.timeout:
+            rows = _rows(joiner_steps) if joiner_steps.exists() else []
+            if rows and time.time() > rows[0]["time"] + args.after_join:
+                break
+            time.sleep(0.5)
     finally:
         for pid in _tagged(tag):
             os.kill(pid, signal.SIGKILL)
-    row: dict[str, Any] = {"params": params, "exit_codes": [p.returncode for p in procs],
+    row: dict[str, Any] = {"params": params, "exit_codes": [p.poll() for p in procs],
                            "wall_s": time.time() - started}
     try:
         row.update(measure(out))
@@ -115,7 +123,9 @@ def measure(out: Path) -> dict[str, Any]:
     ready = _event(joiner, "ready")["time"]
     first_batch = _rows(out / f"steps-rank{JOINER}.jsonl")[0]["time"]
     admit_start, admit_end = _event(leader, "admit_start")["time"], _event(leader, "admit_end")["time"]
-    regrouped, copied = _event(leader, "regrouped")["time"], _event(leader, "state_copied")["time"]
+    regrouped = _event(leader, "regrouped")["time"]
+    # Before lightning_elche/state_transfer.py rank 0 copied the state (torch.save/load) before the send.
+    copied = next((m["time"] for m in leader if m["event"] == "state_copied"), regrouped)
     sent = _event(leader, "state_sent")
     received = _event(joiner, "state_received")["time"]
     tensor_bytes = int(sent["tensor_bytes"])
@@ -136,8 +146,10 @@ def measure(out: Path) -> dict[str, Any]:
         "admitted_in_epoch": int(_event(leader, "admit_start")["epoch"]),
     }
     for member in (0, 1):
-        times = [r["time"] for r in _rows(out / f"steps-rank{member}.jsonl")]
-        gaps = [(b - a, a, b) for a, b in zip(times, times[1:], strict=False)]
+        steps = _rows(out / f"steps-rank{member}.jsonl")
+        # Within an epoch: the gaps at an epoch's end are its validation and checkpoint.
+        gaps = [(b["time"] - a["time"], a["time"], b["time"]) for a, b in zip(steps, steps[1:], strict=False)
+                if a["epoch"] == b["epoch"]]
         during = [g for g, a, b in gaps if a <= admit_end and b >= admit_start]
         # Away from the hold (before the joiner's request) and the admission: the ordinary rounds.
         elsewhere = [g for g, a, b in gaps if b < ready - 1.0 or a > admit_end + 1.0]
@@ -262,6 +274,8 @@ def main() -> None:
     parser.add_argument("--hold-step", type=int, default=4, help="cohort rank 0 waits there for the join request")
     parser.add_argument("--liveness", type=float, default=30.0)
     parser.add_argument("--raw-repeat", type=int, default=3)
+    parser.add_argument("--after-join", type=float, default=20.0,
+                        help="seconds of training after the joiner's first batch before the job is ended")
     parser.add_argument("--timeout", type=float, default=900.0, help="per job, seconds")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -99,10 +99,12 @@ EPOCH_END_FAULTS: dict[str, tuple[str, int]] = {}
 class FaultLogModel(pl.LightningModule):
     def __init__(self, out_dir: str, samples: int, batch_size: int, width: int = 16, params: int = 0) -> None:
         super().__init__()
+        self.lr = 0.05
         if params:
             wide = int((-11 + (121 + 4 * (params - 1)) ** 0.5) / 2)  # w * w + 11 w + 1 = params
             self.net = nn.Sequential(nn.Linear(8, wide), nn.Tanh(), nn.Linear(wide, wide), nn.Tanh(),
                                      nn.Linear(wide, 1))
+            self.lr = 0.05 / wide  # the output sums `wide` units: 0.05 diverged within 3 rounds at 1e6
         else:
             self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
         self.out_dir, self.samples, self.batch_size = out_dir, samples, batch_size
@@ -138,7 +140,7 @@ class FaultLogModel(pl.LightningModule):
         self.log("epoch_members", float(2 ** ORIGINAL_RANK), reduce_fx="sum", sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(IndexedSamples(self.samples), batch_size=self.batch_size, shuffle=True)
