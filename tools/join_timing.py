@@ -233,9 +233,9 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"Admission cost, mode {args.mode}, 2 {args.accelerator} ranks + 1 joiner ({backend}), "
         f"host {socket.gethostname()} ({os.cpu_count()} cores), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"commit {_commit()}.",
-        f"Command: `python tools/join_timing.py --out {args.out} --params {' '.join(str(p) for p in args.params)} "
+        f"Command: `python tools/join_timing.py --out {args.out} --params {' '.join(f'{p:g}' for p in args.params)} "
         f"--mode {args.mode} --accelerator {args.accelerator} --samples {args.samples} --epochs {args.epochs} "
-        f"--hold-step {args.hold_step}`",
+        f"--hold-step {args.hold_step} --after-join {args.after_join}`",
         "",
         "| params | state MB | ready -> first batch s | admission s | entry+group s | copy s | send+recv s | "
         "transfer s | transfer MB/s | raw broadcast MB/s | raw send MB/s | transfer / raw send | "
