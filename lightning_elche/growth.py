@@ -223,11 +223,11 @@ class Growth:
     def _admit_joiners(self, trainer: Trainer, count: int, engine: Any, session: Any, sampler: Any) -> None:
         assert self.admitter is not None and self.survival is not None
         membership = self.admitter.membership
-        me = membership.original_rank
-        _mark(me, "admit_start", epoch=int(trainer.current_epoch))
+        me, started = membership.original_rank, time.time()
         joined = self.admitter.admit(count)
         if not joined:
             return
+        _mark(me, "admit_start", time=started, epoch=int(trainer.current_epoch))
         opened = membership.admit(joined)
         change = self._settle(opened, settle_entry(membership, opened.generation, opened.before, joined), engine,
                               session)
