@@ -22,6 +22,11 @@ ALIGN = 64
 """Each tensor starts at a multiple of this in the buffer, so that its view has its dtype's alignment."""
 
 
+STATE_DICT_METADATA = "_metadata"
+"""torch's ``Module.state_dict()`` attribute with each module's version (not a Lightning name, though
+Lightning has one of that name too: tests/test_architecture.py looks for those)."""
+
+
 @dataclass(frozen=True)
 class _Slot:
     """Where one tensor of the payload lies in the flat buffer."""
@@ -41,8 +46,8 @@ def _mapped(value: Any, each: Any) -> Any:
     dict's ``OrderedDict`` keeps its ``_metadata``: module versions that ``load_state_dict`` reads)."""
     if type(value) in (dict, OrderedDict):
         mapped = type(value)((k, each(v)) for k, v in value.items())
-        if hasattr(value, "_metadata"):
-            mapped._metadata = value._metadata
+        if hasattr(value, STATE_DICT_METADATA):
+            setattr(mapped, STATE_DICT_METADATA, getattr(value, STATE_DICT_METADATA))
         return mapped
     if type(value) in (list, tuple):
         return type(value)(each(v) for v in value)
