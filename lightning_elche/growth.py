@@ -12,12 +12,13 @@ a round that saw joiners waiting, every member asks for a consensus round two ro
 first consensus round at which every rank still has data in the epoch and nobody stops, every
 member admits them (:meth:`Growth.after_round`): the admitted list, the entry (every member and
 joiner says it is there, and one that is gone is left out: :mod:`lightning_elche.membership.entry`),
-the next generation's group, then rank 0 sends each joiner, over that group, the consensus parameters and buffers, its
-own optimizer and scheduler states (for local SGD a peer's inner optimizer state is a state that
-trained the same consensus, and the one the joiner would otherwise rebuild from nothing) and the
-loop position; every holder takes the change (``apply_change``); rank 0 then sends the ElChe state
-(the engine's round record: controller, convergence guard, outer optimizer) and the dispatch
-state (``state_for_joiner``), which follow from the change.
+the next generation's group, then rank 0 sends each joiner, over that group, the consensus
+parameters and buffers, its own optimizer and scheduler states (for local SGD a peer's inner
+optimizer state is a state that trained the same consensus, and the one the joiner would otherwise
+rebuild from nothing), the loop position and its callbacks' states (as a resume restores them);
+every holder takes the change (``apply_change``); rank 0 then sends the ElChe state (the engine's
+round record: controller, convergence guard, outer optimizer) and the dispatch state
+(``state_for_joiner``), which follow from the change.
 
 **The joiner.** ``setup_distributed`` connects to the job's store and registers the next free
 member id, without a process group; Lightning's start-of-fit collectives answer locally until it
@@ -30,7 +31,8 @@ dispatch state. Its first batch is in the cohort's current epoch, its first roun
 
 from __future__ import annotations
 
-import io
+import json
+import os
 import secrets
 import sys
 import time
@@ -51,6 +53,7 @@ from lightning_elche.checks import require_int
 from lightning_elche.loop_glue import configure_launcher
 from lightning_elche.loop_glue.joining import (
     callback_states,
+    injected_sampler_seed,
     load_callback_states,
     loader_of,
     loop_position,
@@ -77,8 +80,12 @@ from lightning_elche.membership.change import Change, RanksLost
 from lightning_elche.membership.entry import Entry, settle_entry
 from lightning_elche.membership.groups import init_generation_group
 from lightning_elche.membership.survival import Survival, fence
+from lightning_elche.state_transfer import recv_state, send_state
 
 DISPATCH_STORE_PREFIX = "lightning_elche/dispatch/"
+JOIN_TIMING_ENV = "ELCHE_JOIN_TIMING"
+"""A directory: every process appends the moments of its admissions to ``join-timing-<member>.jsonl``
+there (tools/join_timing.py reads them). Unset, nothing is timed."""
 RESTART_LOST_ALLOWED = ("expected an int >= 0: how many times in the fit rank 0 starts a lost child rank of its node "
                         "again, as a joiner (0 restarts none)")
 
@@ -100,11 +107,14 @@ def dispatch_store(membership: Membership) -> Any:
     return dist.PrefixStore(DISPATCH_STORE_PREFIX, membership.store)
 
 
-def _to_cpu(value: Any) -> Any:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, map_location="cpu", weights_only=False)
+def _mark(member: int, event: str, **fields: Any) -> None:
+    """One moment of an admission, when ``ELCHE_JOIN_TIMING`` names a directory (admissions only:
+    never on the per-step path)."""
+    directory = os.environ.get(JOIN_TIMING_ENV)
+    if not directory:
+        return
+    with open(os.path.join(directory, f"join-timing-{member}.jsonl"), "a") as sink:
+        sink.write(json.dumps({"event": event, "time": time.time(), "member": member, **fields}) + "\n")
 
 
 def _warn_joined(change: Change, world_size: int) -> None:
@@ -214,16 +224,20 @@ class Growth:
     def _admit_joiners(self, trainer: Trainer, count: int, engine: Any, session: Any, sampler: Any) -> None:
         assert self.admitter is not None and self.survival is not None
         membership = self.admitter.membership
+        me, started = membership.original_rank, time.time()
         joined = self.admitter.admit(count)
         if not joined:
             return
+        _mark(me, "admit_start", time=started, epoch=int(trainer.current_epoch))
         opened = membership.admit(joined)
         change = self._settle(opened, settle_entry(membership, opened.generation, opened.before, joined), engine,
                               session)
+        _mark(me, "entered")
         if change is None:
             return
         change = replace(change, regrouped_with=self.survival.groups.rebuild(change))
         membership.record(change)
+        _mark(me, "regrouped")
         leader = membership.rank == 0
         if leader:
             first = {"module": trainer.lightning_module.state_dict(), "loop": loop_position(trainer),
@@ -231,13 +245,17 @@ class Growth:
                      "optimizers": [o.state_dict() for o in trainer.optimizers],
                      "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
                      "job": self._job}
-            self._send(_to_cpu(first), change)
+            sent = send_state(first, change.joined)  # tensors in one buffer: the bulk of an admission's time
+            _mark(me, "state_sent", tensor_bytes=sent)
         for holder in self.survival.holders():
             holder.apply_change(change)
+        _mark(me, "applied")
         if leader:
             self._send({"engine": engine.round_record(), "callback_role": session.callback_role.state_dict(),
                         "dispatch": sampler.state_for_joiner()}, change)
+            _mark(me, "rest_sent")
         self.survival.follow_up(change)
+        _mark(me, "admit_end")
         if change.is_join:
             _warn_joined(change, membership.world_size)
 
@@ -303,10 +321,14 @@ class Growth:
         assert self._link is not None
         trainer = strategy.lightning_module.trainer
         job = self._job_view
-        self._facts = facts_of(strategy.elche.mode.value, strategy.lightning_module,
-                               loader_of(preview_train_loader(trainer)))
+        preview = loader_of(preview_train_loader(trainer))
+        self._facts = facts_of(strategy.elche.mode.value, strategy.lightning_module, preview)
+        seed = injected_sampler_seed(trainer, preview)  # the members' facts are of the sampler Lightning put in
+        if seed is not None:
+            self._facts = replace(self._facts, seed=seed)
         difference = job.facts.mismatch(self._facts)
         secret = read_join_secret(*self._address)
+        _mark(self._link.member, "ready")
         self._link.request(job, secret, self._facts)
         if difference is not None:  # the cohort refuses it too; say why here at once
             raise JoinRefused(f"ElCheStrategy(ELCHE_JOIN=1): this process cannot join the running fit: its "
@@ -317,6 +339,7 @@ class Growth:
             self._leave(strategy, "the fit ended before it could admit this joiner")
         started = time.perf_counter()
         member = self._link.member
+        _mark(member, "admitted")
         membership = Membership(self._link.store, job.fit_prefix, member, members[:before], strategy.liveness_timeout,
                                 self._timeout, max_failure=strategy.elche.max_failure)
         try:
@@ -328,11 +351,12 @@ class Growth:
                         reasons=dict(entry.lost), detected_at=time.time(), regrouped_with="new group")
         membership.enter(change)
         self.membership = membership
+        _mark(member, "entered")
         device = strategy.root_device if strategy.root_device.type == "cuda" else None
         init_generation_group(membership, self._backend, self._timeout, device)
-        received: list[Any] = [None]
-        dist.recv_object_list(received, src=0)
-        self._first = received[0]
+        _mark(member, "regrouped")
+        self._first = recv_state(0)
+        _mark(member, "state_received")
         self._job = (str(self._first["job"][0]), str(self._first["job"][1]))
         strategy.set_world_ranks()  # Lightning's rank view follows the admitted rank
         rank_zero_info(f"ElCheStrategy: joined the running fit as rank {membership.rank} of {membership.world_size} "
@@ -358,6 +382,8 @@ class Growth:
         received: list[Any] = [None]
         dist.recv_object_list(received, src=0)
         second = received[0]
+        if self.membership is not None:
+            _mark(self.membership.original_rank, "rest_received")
         engine.join_from(second["engine"])
         session.callback_role.load_state_dict(second["callback_role"])
         self._dispatch = second["dispatch"]
@@ -369,6 +395,8 @@ class Growth:
             self._undo_quiet()
             self._undo_quiet = None
             renumber_lightning_ranks(trainer, rank)
+            if self.membership is not None:
+                _mark(self.membership.original_rank, "training_starts")
 
     def _leave(self, strategy: Any, why: str) -> Any:
         rank_zero_info(f"ElCheStrategy(ELCHE_JOIN=1): nothing to join: {why}; exiting.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -75,3 +76,10 @@ def digits_convergence(rank: int, out_dir: str, port: int, seeds: int, epochs: i
             trainer.fit(module, train_dataloaders=train_loader(workload.train_set(), 32, drop_last=False))
             accuracy[arm].append(workload.evaluate(module)["held_out_acc"])
     Path(out_dir, f"digits{rank}.json").write_text(json.dumps(accuracy))
+
+
+def within_seed_noise(reference: list[float], other: list[float], floor: float = 0.01) -> bool:
+    """The means differ by no more than the seeds' spread (the wider arm's max - min; ``floor`` when the
+    seeds agree closer than that)."""
+    spread = max(max(reference) - min(reference), max(other) - min(other), floor)
+    return abs(statistics.mean(other) - statistics.mean(reference)) <= spread

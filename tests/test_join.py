@@ -186,15 +186,17 @@ def test_a_joiner_that_dies_before_its_admission_is_dropped(tmp_path: Path) -> N
     check_cohort_alone(job)
 
 
-def check_grown(job: JoinJob, joins: list[list[int]], lost: tuple[int, ...] = ()) -> None:
+def check_grown(job: JoinJob, joins: list[list[int]], lost: tuple[int, ...] = (), epochs: int = EPOCHS,
+                samples: int = SAMPLES, launch: int = 2) -> None:
     """The fit ended on the launch ranks that were not lost and every joiner, identical, with the
     given admissions (member ids per change) seen by every surviving launch rank, ``lost`` counted as
-    losses, and every sample of every epoch trained exactly once in the consensus."""
+    losses, and every sample of every epoch trained exactly once in the consensus (``epochs`` and
+    ``samples``: the job's, when its extra arguments changed them; ``launch``: its launch ranks)."""
     logs = f"{job.log[-5000:]}\n--- joiners ---\n" + "\n---\n".join(log[-3000:] for log in job.joiner_logs)
     assert not job.leftover, f"processes left behind: {job.leftover}\n{logs}"
     assert job.cohort_rc == 0 and all(rc == 0 for rc in job.joiner_rcs), (job.cohort_rc, job.joiner_rcs, logs)
     joiners = sorted({m for admitted in joins for m in admitted})  # the joiners' files are named by member id
-    survivors = [m for m in (0, 1) if m not in lost]
+    survivors = [m for m in range(launch) if m not in lost]
     assert sorted(job.results) == survivors + joiners, f"finished: {sorted(job.results)}\n{logs}"
     world = len(survivors) + len(joiners)
     first = job.results[survivors[0]]
@@ -212,9 +214,9 @@ def check_grown(job: JoinJob, joins: list[list[int]], lost: tuple[int, ...] = ()
             for loss in first["losses"] for m in loss["lost"]}
     job.ranks = world + len(lost)
     trained = consensus_samples(job, kept)  # type: ignore[arg-type]  # a Job's out and ranks
-    assert sorted(trained) == list(range(EPOCHS))
+    assert sorted(trained) == list(range(epochs))
     for epoch, indices in trained.items():
-        counts = torch.bincount(torch.tensor(indices), minlength=SAMPLES)
+        counts = torch.bincount(torch.tensor(indices), minlength=samples)
         missing, twice = int((counts == 0).sum()), int((counts > 1).sum())
         assert missing == 0 and twice == 0, f"epoch {epoch}: {missing} samples never trained, {twice} twice\n{logs}"
     for joiner in joiners:
@@ -300,10 +302,13 @@ def test_a_joiner_that_dies_after_acknowledging_is_dropped_within_seconds(tmp_pa
                                                    for m in ("cpu_sync", "cpu_async", "nccl_sync", "nccl_cadence"))])
 def test_restart_lost_restarts_a_killed_child_which_joins_the_fit(tmp_path: Path, mode: str) -> None:
     # Lightning's launcher started rank 1; it is killed at its step 8; rank 0 (its launcher) starts it
-    # again as a joiner (member 2), and waits at its step 25 until it asked to join.
+    # again as a joiner (member 2), and waits at its step 70 (epoch 1, alone) until it asked to join.
     job = run_join_job(tmp_path, mode, joiners=0, cohort_extra=("--fault", "kill:1:8", "--restart-lost", "1",
-                                                                "--hold-for-joiner", "25"))
+                                                                "--hold-for-joiner", "70"))
     check_grown(job, joins=[[JOINER]], lost=(1,))
+    # Past epoch 0 (the other join tests admit in epoch 0): a joiner there used to fail at its first
+    # batch (a second iterator of its first epoch) and at its first save (ModelCheckpoint's state).
+    assert [c["epoch"] for c in job.results[0]["changes"] if c["joined"]][0] >= 1, job.results[0]["changes"]
     assert "tolerates the loss and restarted it" in job.log and "restart 1 of restart_lost=1" in job.log, job.log
     # RankJoinedWarning on rank 0 and on the restarted process (both write to the job's log).
     assert job.log.count("ElCheStrategy joined rank 2 (member ids): 2 rank(s) go on") == 2, job.log[-3000:]
@@ -327,3 +332,12 @@ def test_a_joiner_without_local_rank_brings_its_devices_ranks(tmp_path: Path) ->
     # Admitted together, or one round after the other when the first asked before the second.
     assert seen in ([[2, 3]], [[2], [3]]), seen
     check_grown(job, joins=seen)
+
+
+@pytest.mark.extended
+def test_a_fit_seeded_other_than_0_admits_a_joiner(tmp_path: Path) -> None:
+    # The joiner's facts came from its preview loader (a RandomSampler: seed 0) and the members' from
+    # Lightning's DistributedSampler (seed PL_GLOBAL_SEED): every joiner of a fit seeded 3 was refused.
+    job = run_join_job(tmp_path, "cpu_cadence", joiner_extra=("--seed", "3"), cohort_extra=("--seed", "3"))
+    assert "its seed" not in job.joiner_log, job.joiner_log[-3000:]
+    check_joined(job)

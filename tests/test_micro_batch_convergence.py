@@ -10,19 +10,12 @@ import statistics
 
 import pytest
 import torch.multiprocessing as mp
-from convergence_helpers import digits_convergence
+from convergence_helpers import digits_convergence, within_seed_noise
 from process_helpers import free_port
 
 SEEDS = 3
 EPOCHS = 30
 ARMS = ("nccl_cadence", "nccl_cadence+micro")
-
-
-def within_seed_noise(reference: list[float], other: list[float], floor: float = 0.01) -> bool:
-    """The means differ by no more than the seeds' spread (the wider arm's max - min; ``floor`` when the
-    seeds agree closer than that)."""
-    spread = max(max(reference) - min(reference), max(other) - min(other), floor)
-    return abs(statistics.mean(other) - statistics.mean(reference)) <= spread
 
 
 def test_within_seed_noise_is_the_spread_of_the_seeds() -> None:

@@ -3,15 +3,16 @@ training loader it shows the cohort, and where its loops start."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, Optional, cast
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies.ddp import default_pg_timeout
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 _QUIET = ("broadcast", "barrier", "reduce", "all_gather")
 
@@ -58,6 +59,19 @@ def preview_train_loader(trainer: Trainer) -> Any:
     """The fit's training loader, built as Lightning will build it (the module's or datamodule's
     ``train_dataloader``): a joiner shows its dataset and batching to the cohort before it joins."""
     return trainer.fit_loop._data_source.dataloader()
+
+
+def injected_sampler_seed(trainer: Trainer, loader: DataLoader) -> Optional[int]:
+    """The seed the fit's training sampler will have when Lightning replaces ``loader``'s plain
+    sampler by its DistributedSampler (``use_distributed_sampler``): ``PL_GLOBAL_SEED``, as Lightning
+    seeds it; None when Lightning keeps the loader's own sampler. A joiner's preview loader still has
+    the plain sampler, whose seed the shape reads as 0, while the members' facts come from the
+    replaced one: without this, a fit seeded other than 0 refused every joiner."""
+    if not trainer._accelerator_connector.use_distributed_sampler:
+        return None
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        return None
+    return int(os.getenv("PL_GLOBAL_SEED", 0))
 
 
 def loader_of(loaders: Any) -> DataLoader:

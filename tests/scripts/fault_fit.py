@@ -50,6 +50,13 @@ start; every checkpoint file written whole is appended to ``writes.jsonl`` (by w
 ``--restart-lost N`` passes ``ElCheStrategy(restart_lost=N)``: the launcher restarts a lost child as a
 joiner (it names its files by the launch world size, the member id it gets).
 
+``--digits`` trains the digits workload of tests/test_convergence.py instead (scikit-learn digits, MLP
+64-256-256-10, SGD with momentum; ``--samples`` is ignored, no validation loop) and adds the held-out
+accuracy and loss of the final parameters to ``result-rank<r>.json``; ``--seed`` seeds the fit.
+
+``--params N`` makes the model an MLP 8-w-w-1 of about N parameters (w = sqrt(N)): a large state
+for a joiner to receive (tools/join_timing.py).
+
 ``--monitor DIR`` attaches an ``ElCheMonitor`` writing its record log to ``DIR/records``, its
 dashboard to ``DIR/dashboard.html`` and its timeline to ``DIR/timeline.json``.
 """
@@ -97,9 +104,16 @@ LOOP_IN_VALIDATION_STEP = [False]
 
 
 class FaultLogModel(pl.LightningModule):
-    def __init__(self, out_dir: str, samples: int, batch_size: int, width: int = 16) -> None:
+    def __init__(self, out_dir: str, samples: int, batch_size: int, width: int = 16, params: int = 0) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
+        self.lr = 0.05
+        if params:
+            wide = int((-11 + (121 + 4 * (params - 1)) ** 0.5) / 2)  # w * w + 11 w + 1 = params
+            self.net = nn.Sequential(nn.Linear(8, wide), nn.Tanh(), nn.Linear(wide, wide), nn.Tanh(),
+                                     nn.Linear(wide, 1))
+            self.lr = 0.05 / wide  # the output sums `wide` units: 0.05 diverged within 3 rounds at 1e6
+        else:
+            self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
         self.out_dir, self.samples, self.batch_size = out_dir, samples, batch_size
         self.probes = False
         self._log: Optional[Any] = None
@@ -137,7 +151,7 @@ class FaultLogModel(pl.LightningModule):
         self.log("epoch_members", float(2 ** ORIGINAL_RANK), reduce_fx="sum", sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(IndexedSamples(self.samples), batch_size=self.batch_size, shuffle=True)
@@ -163,6 +177,58 @@ class FaultLogModel(pl.LightningModule):
             "changes": CHANGES,
         }
         Path(self.out_dir, f"result-rank{ORIGINAL_RANK}.json").write_text(json.dumps(record))
+
+
+class IndexedDigits(torch.utils.data.Dataset):
+    """``(index, x, y)`` rows of the digits workload's training split (the index for the step record)."""
+
+    def __init__(self) -> None:
+        from lightning_elche.bench.workloads import digits_split
+
+        train, (self.held_x, self.held_y) = digits_split(torch.device("cpu"))
+        self.x, self.y = train.tensors
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
+
+
+class DigitsLogModel(FaultLogModel):
+    """The digits workload's MLP and optimizer with FaultLogModel's step record; the result gains the
+    held-out accuracy and loss of the parameters the fit ends with."""
+
+    def __init__(self, out_dir: str, batch_size: int) -> None:
+        from lightning_elche.bench.workloads import mlp
+
+        digits = IndexedDigits()
+        super().__init__(out_dir, len(digits), batch_size)
+        self.digits, self.net = digits, mlp(64, 256, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, x, y = batch
+        if self._log is None:
+            self._log = open(Path(self.out_dir, f"steps-rank{ORIGINAL_RANK}.jsonl"), "a")  # noqa: SIM115
+        self._log.write(json.dumps({"epoch": self.current_epoch, "batch_idx": batch_idx, "indices": idx.tolist(),
+                                    "time": time.time()}) + "\n")
+        self._log.flush()
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.digits, batch_size=self.batch_size, shuffle=True)
+
+    def on_fit_end(self) -> None:
+        super().on_fit_end()
+        with torch.no_grad():
+            logits = self.net(self.digits.held_x)
+            held = {"held_out_acc": float((logits.argmax(dim=1) == self.digits.held_y).float().mean()),
+                    "held_out_loss": float(nn.functional.cross_entropy(logits, self.digits.held_y))}
+        path = Path(self.out_dir, f"result-rank{ORIGINAL_RANK}.json")
+        path.write_text(json.dumps({**json.loads(path.read_text()), **held}))
 
 
 class InjectFault(pl.Callback):
@@ -486,7 +552,7 @@ def main(args: argparse.Namespace) -> None:
         rank, point = args.member_dies_in_admission.split(":")
         if int(rank) == ORIGINAL_RANK and not os.environ.get("ELCHE_JOIN"):
             die_in_admission(args.out_dir, point)
-    pl.seed_everything(0)
+    pl.seed_everything(args.seed)
     callbacks: list[pl.Callback] = [StepDelay(args.delays_ms), RecordChanges(), RecordValidation()]
     for fault in args.val_fault:
         kind, rank, batch, epoch = fault.split(":")
@@ -537,9 +603,10 @@ def main(args: argparse.Namespace) -> None:
                                restart_lost=args.restart_lost),
         callbacks=callbacks, logger=CSVLogger(args.out_dir, name="csv", version=0), enable_progress_bar=True,
         enable_model_summary=False, num_sanity_val_steps=args.sanity_steps, default_root_dir=args.out_dir,
-        log_every_n_steps=1,
+        log_every_n_steps=1, **({"limit_val_batches": 0} if args.digits else {}),
     )
-    model = FaultLogModel(args.out_dir, args.samples, args.batch_size, args.width)
+    model = (DigitsLogModel(args.out_dir, args.batch_size) if args.digits
+             else FaultLogModel(args.out_dir, args.samples, args.batch_size, args.width, int(args.params)))
     model.probes = probes
     for delay in args.val_delay:
         rank, seconds = delay.split(":")
@@ -579,5 +646,8 @@ if __name__ == "__main__":
     parser.add_argument("--member-dies-in-admission", default=None, help="RANK:POINT (admitted or applied)")
     parser.add_argument("--hold-for-joiner", action="append", default=[],
                         help="STEP[:COUNT[:WORLD]]: launch rank 0 waits there for COUNT join requests")
+    parser.add_argument("--params", type=float, default=0, help="an MLP of about this many parameters")
+    parser.add_argument("--digits", action="store_true", help="the digits workload (held-out accuracy in the result)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--monitor", default=None, help="attach an ElCheMonitor writing under this directory")
     main(parser.parse_args())

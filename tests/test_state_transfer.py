@@ -1,0 +1,75 @@
+"""A joiner's state over the group (lightning_elche.state_transfer): the tensors in one buffer, the
+rest pickled; every kind of value a state holds arrives equal, in its container types."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from process_helpers import free_port
+
+
+def _payload() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    module: OrderedDict[str, Any] = OrderedDict(
+        weight=torch.randn(5, 3, generator=generator).t(),  # not contiguous
+        half=torch.randn(7, generator=generator).half(),
+        steps=torch.tensor(12),  # a scalar
+        mask=torch.tensor([True, False, True]),
+        empty=torch.zeros(0, 4),
+    )
+    module._metadata = OrderedDict({"": {"version": 2}})  # type: ignore[attr-defined]
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (4,))
+    return {"module": module, "optimizers": [{"state": {0: {"momentum_buffer": torch.arange(6.0).view(2, 3)}},
+                                              "param_groups": [{"lr": 0.1, "params": [0]}]}],
+            "loop": {"epoch": 3}, "pair": (torch.ones(2, dtype=torch.int32), "text", None), "sparse": sparse}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (type(b) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape and a.layout == b.layout
+                and torch.equal(a.to_dense(), b.to_dense()))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from lightning_elche.state_transfer import recv_state, send_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        if rank == 0:
+            sent = send_state(_payload(), [1])
+            Path(out, "sent.json").write_text(json.dumps(sent))
+        else:
+            received = recv_state(0)
+            report = {"same": _same(_payload(), received),
+                      "metadata": received["module"]._metadata == {"": {"version": 2}},
+                      "own_storage": received["module"]["weight"].untyped_storage().nbytes() == 15 * 4}
+            Path(out, "received.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_state_arrives_equal_with_its_containers_metadata_and_a_sparse_tensor(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    received = json.loads((tmp_path / "received.json").read_text())
+    assert received == {"same": True, "metadata": True, "own_storage": True}
+    # The plain tensors' bytes (the sparse one is pickled): 15*4 + 7*2 + 8 + 3 + 0 + 6*4 + 2*4.
+    assert json.loads((tmp_path / "sent.json").read_text()) == 60 + 14 + 8 + 3 + 24 + 8
