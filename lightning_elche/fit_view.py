@@ -68,11 +68,14 @@ class ElCheFitView:
         rank's loss was already agreed in this fit. Called from the launcher's observer thread."""
         # Also once max_failure is reached: the survivors then save and exit by themselves, and a
         # kill from the launcher must not cut the save short.
+        # And once this rank's own part ended while losses were tolerated (rank 0 failed and left, or
+        # finished first): the survivors agree on their losses among themselves, and a kill from
+        # here would end a fit that goes on without this rank.
         membership = self._membership
         if membership is None:
             return False
-        return membership.active or (member is not None and any(member in change.lost_ids
-                                                                  for change in membership.losses))
+        return membership.active or membership.ended_tolerating or (
+            member is not None and any(member in change.lost_ids for change in membership.losses))
 
     # -- what callbacks may use ---------------------------------------------------------------------
 

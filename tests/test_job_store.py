@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
@@ -481,8 +482,26 @@ def test_the_strategy_tolerates_the_exit_of_a_rank_whose_loss_was_agreed_after_i
     strategy = ElCheStrategy(mode="cpu_sync")
     assert strategy.tolerates_rank_loss(1) is False  # no fit yet
     loss = Change(generation=1, before=(0, 1, 2), after=(0, 2), reasons={1: "its process is gone"})
-    strategy._membership = SimpleNamespace(active=True, losses=[loss])  # type: ignore[assignment]
+    strategy._membership = SimpleNamespace(active=True, ended_tolerating=False, losses=[loss])  # type: ignore[assignment]
     assert strategy.tolerates_rank_loss() and strategy.tolerates_rank_loss(2)
-    strategy._membership = SimpleNamespace(active=False, losses=[loss])  # type: ignore[assignment]
+    strategy._membership = SimpleNamespace(active=False, ended_tolerating=False, losses=[loss])  # type: ignore[assignment]
     assert strategy.tolerates_rank_loss(1) is True
     assert strategy.tolerates_rank_loss(2) is False and strategy.tolerates_rank_loss() is False
+
+
+def test_a_rank_0_that_left_the_fit_while_losses_were_tolerated_never_kills_the_survivors() -> None:
+    # Soak trials 0.155 and 0.186: rank 0 raised (an out-of-memory error) and left, the survivors
+    # agreed on its loss and another one's; the other rank's exit, seen afterwards by rank 0's
+    # observer, killed the survivors of a fit that went on without rank 0.
+    from lightning_elche import ElCheStrategy
+    from lightning_elche.membership.agreement import Membership
+
+    strategy = ElCheStrategy(mode="cpu_sync")
+    membership = Membership.__new__(Membership)  # no store: only what the launcher's question reads
+    membership.active, membership.ended_tolerating, membership.changes = True, False, []
+    membership.signals = SimpleNamespace(leave=lambda rank, reason: None)  # type: ignore[assignment]
+    membership.original_rank = 0
+    strategy._membership = membership
+    assert strategy.tolerates_rank_loss(2)
+    membership.leave("OutOfMemoryError")
+    assert not membership.active and strategy.tolerates_rank_loss(2) and strategy.tolerates_rank_loss()

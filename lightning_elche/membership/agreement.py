@@ -90,6 +90,9 @@ class Membership:
                                    self.signals.progress_key(member))
         self.active = True
         """Between set-up and the end of the fit: a peer that leaves is survived."""
+        self.ended_tolerating = False
+        """This rank's part of the fit ended (done, or it failed and left) while losses were
+        tolerated: what happens to the other ranks is theirs to agree on from then on."""
 
     # -- the current numbering --------------------------------------------------------------------
 
@@ -121,11 +124,13 @@ class Membership:
         return [m for change in self.changes for m in change.lost_original]
 
     def close(self) -> None:
+        self.ended_tolerating = self.ended_tolerating or self.active
         self.active = False
         self.heartbeat.close()
 
     def leave(self, reason: str) -> None:
         """Tell the peers that this rank is leaving the fit (an exception): they stop waiting for it."""
+        self.ended_tolerating = self.ended_tolerating or self.active
         self.active = False
         self.signals.leave(self.original_rank, reason)
 
