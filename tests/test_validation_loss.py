@@ -170,7 +170,8 @@ def run_validation_stall(tmp_path: Path, mode: str, rank: int, batch: int, epoch
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("mode", "rank", "batch", "epoch"), [
-    ("nccl_cadence", 1, 2, 1),
+    # All under faults (CI's time): CI's stuck-rank case is the training one in test_rank_loss.py.
+    pytest.param("nccl_cadence", 1, 2, 1, marks=pytest.mark.faults),
     *(pytest.param(mode, rank, batch, epoch, marks=pytest.mark.faults)
       for mode, rank, batch, epoch in [("cpu_async", 2, 1, 0), ("nccl_sync", 0, 3, 1), ("cpu_sync", 1, 0, 2),
                                        ("cpu_cadence", 0, 2, 0), ("cpu_async", 1, 1, None)]),
