@@ -35,6 +35,7 @@ rank last started to train, and its count then) and ``closed`` (its count at tea
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -445,6 +446,36 @@ class CheckedCollectives:
                 gathered = [torch.empty_like(sent) for _ in range(dist.get_world_size())]
                 self._wait(membership, dist.all_gather(gathered, sent, async_op=True), kind)
                 return torch.stack(gathered)
+
+        return self._retried(attempt)
+
+    def all_gather_object(self, local: Callable[[], Any]) -> list[Any]:
+        """Every rank's ``local()``, in rank order: ElChe's own gather (a checkpoint's coverage),
+        checked and watched. ``dist.all_gather_object`` blocks with no asynchronous form, so a
+        stopped peer would hold it until the transport's timeout; here the pickled objects travel
+        as two tensor gathers, each waited for through the rounds' watched wait (a lost peer is
+        found within the liveness timeout), and a survived loss runs it again on the survivors,
+        asking ``local()`` again (the change moved the lost rank's work)."""
+
+        def attempt() -> list[Any]:
+            membership = self._enter("all_gather_object()")
+            world_size = dist.get_world_size() if dist.is_initialized() else 1
+            if membership is None:  # not checked: a plain gather (a lone rank keeps its own)
+                gathered: list[Any] = [local()] * world_size
+                if world_size > 1:
+                    dist.all_gather_object(gathered, gathered[0])
+                return gathered
+            device = torch.device("cuda", torch.cuda.current_device()) if _uses_nccl() else torch.device("cpu")
+            data = torch.frombuffer(bytearray(pickle.dumps(local())), dtype=torch.uint8).to(device)
+            size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+            sizes = [torch.empty_like(size) for _ in range(world_size)]
+            self._wait(membership, dist.all_gather(sizes, size, async_op=True), "all_gather_object()")
+            lengths = [int(n) for n in torch.cat(sizes).tolist()]
+            padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+            padded[: data.numel()] = data
+            chunks = [torch.empty_like(padded) for _ in range(world_size)]
+            self._wait(membership, dist.all_gather(chunks, padded, async_op=True), "all_gather_object()")
+            return [pickle.loads(chunk[:n].cpu().numpy().tobytes()) for chunk, n in zip(chunks, lengths, strict=True)]
 
         return self._retried(attempt)
 

@@ -94,6 +94,8 @@ class RoundDriver:
         self.stall_stamp: Optional[ProgressStamp] = None
         """This rank's progress stamp (the strategy sets it): its bound follows its measured window."""
         self.after_each_round: Optional[Callable[[Trainer, RoundOutcome], None]] = None
+        self.gather_objects: Optional[Callable[[Callable[[], Any]], list[Any]]] = None
+        """Every rank's value of a callable, through the checked collectives (None: a plain gather)."""
         """Called last after every round (membership growth: an admission happens there)."""
         self.evaluations: Optional[EvaluationPlace] = None
         """Where this rank is in the fit's validations (the strategy sets it): published with an agreement."""
@@ -259,6 +261,8 @@ class RoundDriver:
         one gather at the sync point (all ranks are there, in the same order) assembles it."""
         sampler = self.sampler()
         assert sampler is not None
+        if self.gather_objects is not None:  # checked: a rank lost in it is survived (then asked again)
+            return sampler.coverage(self.gather_objects(lambda: sampler.local_coverage(sampler.started_batches or 0)))
         local = sampler.local_coverage(sampler.started_batches or 0)
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, local)

@@ -277,8 +277,9 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         self._rounds = RoundDriver(self._engine, self._session, lambda: self._sampler, self._round_listeners,
                                    self.elche.log_every_n_syncs, lambda: self.global_rank, self._fitting_trainer)
         self._rounds.evaluations = self._evaluations
+        self._rounds.gather_objects = getattr(self._collectives, "all_gather_object", None)  # coverage: checked
         self._engine.failures = self._survival(module.trainer, self._rounds)
-        self._rounds.stall_stamp = self._membership.progress if self._membership is not None else None
+        self._rounds.stall_stamp = self._membership.progress if self._membership else None
 
     def _survival(self, trainer: Trainer, rounds: RoundDriver) -> Optional[Survival]:
         membership = self._membership
@@ -362,8 +363,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
                                                        self._saves).recovered  # anywhere else: run it again
 
     def _stop_saving(self) -> contextlib.AbstractContextManager[None]:
-        watchdog = self._stop_watchdog
-        return watchdog.saving() if watchdog is not None else contextlib.nullcontext()
+        return self._stop_watchdog.saving() if self._stop_watchdog is not None else contextlib.nullcontext()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:

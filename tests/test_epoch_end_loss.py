@@ -164,3 +164,24 @@ def test_a_rank_stuck_at_an_epoch_end_is_found_and_survived(tmp_path: Path, mode
         (loss,) = result["losses"]
         reason = loss["reasons"][str(rank)]
         assert reason.startswith("stalled: ") and "in its epoch end" in reason, reason
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("mode", "kind"), [("cpu_sync", "stop"), ("cpu_async", "kill"), ("nccl_cadence", "stop")])
+def test_a_rank_lost_while_the_survivors_save_for_max_failure_is_survived_by_that_save(tmp_path: Path, mode: str,
+                                                                                     kind: str) -> None:
+    # Soak trials 0.122 and 0.153: max_failure=1 reached, then one more rank stopped or killed while
+    # every survivor saved last-ranks-lost.ckpt. The save's coverage gather was a plain
+    # all_gather_object: it waited out the 120 s transport timeout and failed, and the stopped rank
+    # was left behind. It is a checked, watched gather now: the survivors agree on the second loss,
+    # gather again among themselves, save, and stop.
+    job = run_job(tmp_path, mode, ["exit:1:5:0"], max_failure="1", timeout_s=100.0, ranks=4,
+                  extra=("--epoch-end-fault", f"{kind}:2:checkpoint_save:0"))
+    assert not job.leftover, f"processes left behind: {job.leftover}\n{job.log[-3000:]}"
+    assert job.returncode != 0 and not job.results, job.log[-3000:]
+    assert "RanksLost" in job.log and "lost rank 2" in job.log, job.log[-4000:]
+    assert json.loads((tmp_path / "fault-rank2.json").read_text())["phase"] == "checkpoint_save"
+    checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False, map_location="cpu")
+    assert checkpoint["epoch"] == 0 and checkpoint["elche"]["rounds"] > 0
+    assert job.elapsed_s < 60.0, f"the job took {job.elapsed_s:.0f} s: the save waited out the transport timeout"
