@@ -47,6 +47,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rank_loss_timing import _tagged  # noqa: E402  (a sibling tool: the processes a run left)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "fault_fit.py"
 TAG = "ELCHE_JOIN_TIMING_TOOL"
@@ -98,7 +101,7 @@ def run_job(out: Path, params: float, args: argparse.Namespace) -> dict[str, Any
                 break
             time.sleep(0.5)
     finally:
-        for pid in _tagged(tag):
+        for pid in _tagged(tag, TAG):
             os.kill(pid, signal.SIGKILL)
     row: dict[str, Any] = {"params": params, "exit_codes": [p.poll() for p in procs],
                            "wall_s": time.time() - started}
@@ -201,19 +204,6 @@ def measure_raw(size: int, repeat: int, backend: str, out: Path) -> dict[str, fl
     times = json.loads(path.read_text())
     return {f"raw_{kind}_s": min(values) for kind, values in times.items()} | {
         f"raw_{kind}_mb_s": size / min(values) / 1e6 for kind, values in times.items()}
-
-
-def _tagged(tag: str) -> list[int]:
-    marker = f"{TAG}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def _commit() -> str:

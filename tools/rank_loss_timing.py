@@ -99,8 +99,9 @@ def _steps(out: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _tagged(tag: str) -> list[int]:
-    marker = f"{TAG}={tag}".encode()
+def _tagged(tag: str, variable: str = TAG) -> list[int]:
+    """The live processes (not zombies) whose environment sets ``variable=tag``."""
+    marker = f"{variable}={tag}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():

@@ -118,15 +118,18 @@ class FaultLogModel(pl.LightningModule):
         self.probes = False
         self._log: Optional[Any] = None
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        idx, x, y = batch
+    def record_step(self, idx: torch.Tensor, batch_idx: int) -> None:
+        """One row per training_step call: per micro-batch when the rank splits its batches (the
+        batch's index tells which rows make one batch)."""
         if self._log is None:
             self._log = open(Path(self.out_dir, f"steps-rank{ORIGINAL_RANK}.jsonl"), "a")  # noqa: SIM115
-        # One row per training_step call: per micro-batch when the rank splits its batches (the
-        # batch's index tells which rows make one batch).
         self._log.write(json.dumps({"epoch": self.current_epoch, "batch_idx": batch_idx, "indices": idx.tolist(),
                                     "time": time.time()}) + "\n")
         self._log.flush()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, x, y = batch
+        self.record_step(idx, batch_idx)
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         return loss
@@ -208,11 +211,7 @@ class DigitsLogModel(FaultLogModel):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         idx, x, y = batch
-        if self._log is None:
-            self._log = open(Path(self.out_dir, f"steps-rank{ORIGINAL_RANK}.jsonl"), "a")  # noqa: SIM115
-        self._log.write(json.dumps({"epoch": self.current_epoch, "batch_idx": batch_idx, "indices": idx.tolist(),
-                                    "time": time.time()}) + "\n")
-        self._log.flush()
+        self.record_step(idx, batch_idx)
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
