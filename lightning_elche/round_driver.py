@@ -94,9 +94,9 @@ class RoundDriver:
         self.stall_stamp: Optional[ProgressStamp] = None
         """This rank's progress stamp (the strategy sets it): its bound follows its measured window."""
         self.after_each_round: Optional[Callable[[Trainer, RoundOutcome], None]] = None
+        """Called last after every round (membership growth: an admission happens there)."""
         self.gather_objects: Optional[Callable[[Callable[[], Any]], list[Any]]] = None
         """Every rank's value of a callable, through the checked collectives (None: a plain gather)."""
-        """Called last after every round (membership growth: an admission happens there)."""
         self.evaluations: Optional[EvaluationPlace] = None
         """Where this rank is in the fit's validations (the strategy sets it): published with an agreement."""
 
