@@ -97,11 +97,12 @@ def test_survival_hands_one_change_to_every_holder_in_order_then_warns() -> None
     membership = FakeMembership(change)
     dispatch = Holder("dispatch", log)
     dispatch.returned_batches = 3  # type: ignore[attr-defined]
+    dispatch.epoch = 4  # type: ignore[attr-defined]  # opened before the session's next batch (soak trial 0.153)
     survival = Survival(
         membership, FakeGroups(),  # type: ignore[arg-type]
         holders=lambda: [Holder("lightning", log), Holder("session", log), dispatch, Holder("engine", log)],
         handover=lambda: dispatch,  # type: ignore[arg-type, return-value]
-        recovery=Recovery(), epoch=lambda: 4, keep_epoch_open=lambda: log.append("epoch stays open"),
+        recovery=Recovery(), epoch=lambda: 3, keep_epoch_open=lambda: log.append("epoch stays open"),
     )
     with pytest.warns(UserWarning, match="lost rank 1 \\(gone\\)"):
         applied = survival.after_failed_round(PeerFailure("closed"))

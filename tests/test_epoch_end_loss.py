@@ -185,3 +185,29 @@ def test_a_rank_lost_while_the_survivors_save_for_max_failure_is_survived_by_tha
     checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False, map_location="cpu")
     assert checkpoint["epoch"] == 0 and checkpoint["elche"]["rounds"] > 0
     assert job.elapsed_s < 60.0, f"the job took {job.elapsed_s:.0f} s: the save waited out the transport timeout"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("mode", "last_step"), [
+    ("cpu_async", 8),  # a pooled epoch: the others train the rest before the stopped rank is found
+    *[pytest.param(m, step, marks=pytest.mark.faults)
+      for m, step in (("cpu_cadence", 8), ("nccl_cadence", 8), ("cpu_sync", 14), ("nccl_sync", 14))],
+])
+def test_a_rank_lost_in_the_max_failure_save_that_opens_the_next_epoch_is_survived(tmp_path: Path, mode: str,
+                                                                                    last_step: int) -> None:
+    # Soak trial 0.153 at 9a87474: max_failure was reached at an epoch's end, so every survivor saved
+    # at the next epoch's first batch, where the dispatch had already opened that epoch; a rank died
+    # in that save. The loss's agreement counted the lost rank's batches of the epoch that had ended
+    # against its claims in the new one, and every survivor failed with a ValueError.
+    # Rank 1 stops at its last step of epoch 0 (the sync modes' equal split gives it 15), so that
+    # the epoch's last round finds it lost and the survivors save when epoch 1 opens.
+    job = run_job(tmp_path, mode, [f"stop:1:{last_step}:0"], max_failure="1", timeout_s=100.0, ranks=4,
+                  extra=("--epoch-end-fault", "kill:2:checkpoint_save:1"))
+    assert not job.leftover, f"processes left behind: {job.leftover}\n{job.log[-3000:]}"
+    assert job.returncode != 0 and not job.results, job.log[-3000:]
+    assert "ValueError" not in job.log, job.log[-4000:]
+    assert "RanksLost" in job.log and "lost rank 2" in job.log, job.log[-4000:]
+    assert json.loads((tmp_path / "fault-rank2.json").read_text())["epoch"] == 1
+    checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False, map_location="cpu")
+    assert checkpoint["epoch"] == 1 and checkpoint["elche"]["rounds"] > 0
+    assert job.elapsed_s < 60.0, f"the job took {job.elapsed_s:.0f} s: the save waited out the transport timeout"

@@ -41,7 +41,11 @@ class RankLostWarning(UserWarning):
 
 
 class EpochHandover(Protocol):
-    """What the dispatch answers after a change: how many batches the lost ranks left in the epoch."""
+    """What the dispatch answers around a change: the epoch it hands over (it opens an epoch before
+    that epoch's first batch starts) and how many batches the lost ranks left in it."""
+
+    @property
+    def epoch(self) -> int: ...
 
     @property
     def returned_batches(self) -> int: ...
@@ -83,7 +87,7 @@ class Survival:
             change: the dispatch may be built during the fit).
         handover: the dispatch (None before it exists): whether the lost ranks left work in the epoch.
         recovery: the rounds' side (how far this rank got; the round record and the catch-up).
-        epoch: the epoch this rank trains (None before its first batch).
+        epoch: the epoch of this rank's last batch (None before its first), where no dispatch is.
         keep_epoch_open: called when the lost ranks left work, so that the retried round does not
             end the epoch even if every survivor had run out of its own data.
     """
@@ -108,7 +112,7 @@ class Survival:
 
     def after_failed_round(self, failure: PeerFailure) -> Change:
         """Agree, catch up, fence, regroup, apply and warn."""
-        change = self.membership.agree(failure, self.recovery.progress(self.epoch()))
+        change = self.membership.agree(failure, self.recovery.progress(self._handed_over_epoch()))
         self._catch_up(change)
         fence(change, self.membership)
         # Building the new groups blocks in rendezvous that have no steps: not judged as a stall.
@@ -119,6 +123,13 @@ class Survival:
                 holder.apply_change(change)
         self.follow_up(change)
         return change
+
+    def _handed_over_epoch(self) -> Optional[int]:
+        """The epoch whose batches the lost ranks' counts refer to: the dispatch's. A save or a
+        callback between the dispatch opening an epoch and its first batch can lose a rank, and
+        the counts of the epoch before would then be read against the claims of the new one."""
+        handover = self.handover()
+        return self.epoch() if handover is None else handover.epoch
 
     def follow_up(self, change: Change) -> None:
         """After every holder took ``change``: keep the epoch open when lost ranks left work in it,
