@@ -78,8 +78,9 @@ from lightning_elche.membership.admission import (
 from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import Change, RanksLost
 from lightning_elche.membership.entry import Entry, settle_entry
-from lightning_elche.membership.groups import init_generation_group
+from lightning_elche.membership.groups import init_generation_group, make_side_group_ahead
 from lightning_elche.membership.survival import Survival, fence
+from lightning_elche.planes import keeps_side_group
 from lightning_elche.state_transfer import recv_state, send_state
 
 DISPATCH_STORE_PREFIX = "lightning_elche/dispatch/"
@@ -141,6 +142,7 @@ class Growth:
         self._undo_quiet: Optional[Callable[[], None]] = None
         self.membership: Optional[Membership] = None
         self._first: Optional[dict[str, Any]] = None
+        self._rest: Optional[dict[str, Any]] = None
         self._dispatch: Any = None
         self._facts: Optional[FitFacts] = None
         self._job_view: Any = None
@@ -355,8 +357,17 @@ class Growth:
         device = strategy.root_device if strategy.root_device.type == "cuda" else None
         init_generation_group(membership, self._backend, self._timeout, device)
         _mark(member, "regrouped")
-        self._first = recv_state(0)
+        # Into its own parameters and buffers: memory already touched, and take_module copies nothing.
+        self._first = recv_state(0, into={"module": strategy.lightning_module.state_dict()})
         _mark(member, "state_received")
+        # What the members do with the change next (a side group, the rest of the state) is done
+        # here at once: they wait for it, and this joiner's setup takes a second or more.
+        if keeps_side_group(strategy.elche.run_mode.transport):
+            make_side_group_ahead(strategy.snapshot_timeout)
+        received: list[Any] = [None]
+        dist.recv_object_list(received, src=0)
+        self._rest = received[0]
+        _mark(member, "rest_received")
         self._job = (str(self._first["job"][0]), str(self._first["job"][1]))
         strategy.set_world_ranks()  # Lightning's rank view follows the admitted rank
         rank_zero_info(f"ElCheStrategy: joined the running fit as rank {membership.rank} of {membership.world_size} "
@@ -379,11 +390,8 @@ class Growth:
             config.scheduler.load_state_dict(state)
         position_loops(trainer, first["loop"])
         load_callback_states(trainer, first["callbacks"])
-        received: list[Any] = [None]
-        dist.recv_object_list(received, src=0)
-        second = received[0]
-        if self.membership is not None:
-            _mark(self.membership.original_rank, "rest_received")
+        second, self._rest = self._rest, None
+        assert second is not None
         engine.join_from(second["engine"])
         session.callback_role.load_state_dict(second["callback_role"])
         self._dispatch = second["dispatch"]

@@ -1,25 +1,31 @@
-"""A joiner's state over the new generation's group: the tensors as one flat buffer, the rest pickled.
+"""A joiner's state over the new generation's group: the tensors as raw bytes, the rest pickled.
 
 ``dist.send_object_list`` pickles the whole payload, and a tensor pickles as its storage saved into
 bytes: several copies of every byte on each side before and after the transport (a 400 MB state
-reached a fifth of gloo's raw rate: docs/failures.md, "Admission cost"). Here the payload's
-tensors are copied once into one ``uint8`` buffer, sent with one ``dist.send``, and the joiner
-rebuilds them from the buffer it received (one copy each); only the skeleton (everything but the tensors,
-and each tensor's dtype, shape and offset) goes through pickling. A tensor that is not a plain
-dense one (sparse, quantized, a subclass) keeps the pickled way inside the skeleton.
+reached a fifth of gloo's raw rate: docs/failures.md, "Admission cost"). Here only the skeleton
+(everything but the tensors, and each tensor's dtype, shape and place) is pickled. A large tensor
+(:data:`DIRECT_BYTES` or more) goes as it lies, with its own ``dist.send``, and the joiner receives
+it into a tensor of its own: no copy on either side beyond the transport's. The small ones are
+copied into one ``uint8`` buffer, sent at once, and copied out of it on arrival, so that a state of
+many small tensors pays one message instead of one per tensor. A tensor that is not a plain dense
+one (sparse, quantized, a subclass) keeps the pickled way inside the skeleton.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 ALIGN = 64
 """Each tensor starts at a multiple of this in the buffer, so that its view has its dtype's alignment."""
+
+DIRECT_BYTES = 1 << 20
+"""From this size on a tensor is sent on its own: copying it into the buffer would cost more than a message."""
 
 
 STATE_DICT_METADATA = "_metadata"
@@ -29,12 +35,14 @@ Lightning has one of that name too: tests/test_architecture.py looks for those).
 
 @dataclass(frozen=True)
 class _Slot:
-    """Where one tensor of the payload lies in the flat buffer."""
+    """Where one tensor of the payload lies: at ``offset`` in the flat buffer, or (``direct``) in
+    a message of its own, in the order of the skeleton."""
 
     offset: int
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    direct: bool = False
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -57,20 +65,59 @@ def _mapped(value: Any, each: Any) -> Any:
 def _strip(value: Any, tensors: list[torch.Tensor], offset: list[int]) -> Any:
     if isinstance(value, torch.Tensor) and _plain(value):
         nbytes = value.numel() * value.element_size()
+        tensors.append(value)
+        if nbytes >= DIRECT_BYTES:
+            return _Slot(-1, nbytes, value.dtype, tuple(value.shape), direct=True)
         slot = _Slot(offset[0], nbytes, value.dtype, tuple(value.shape))
         offset[0] += -(-nbytes // ALIGN) * ALIGN
-        tensors.append(value)
         return slot
     if isinstance(value, torch.Tensor):  # pickled with the skeleton: on the CPU, as a plain tensor's arrives
         return value.detach().cpu()
     return _mapped(value, lambda v: _strip(v, tensors, offset))
 
 
-def _rebuild(value: Any, buffer: torch.Tensor) -> Any:
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``tensor``'s memory as a flat ``uint8`` view (gloo and NCCL send any dtype so)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _typed(raw: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    return raw.view(slot.dtype).view(slot.shape)
+
+
+def _at(into: Any, key: Any) -> Any:
+    """What ``into`` holds where the skeleton has ``key`` (None where it has nothing there)."""
+    if isinstance(into, dict):
+        return into.get(key)
+    if isinstance(into, (list, tuple)) and isinstance(key, int) and key < len(into):
+        return into[key]
+    return None
+
+
+def _targets(value: Any, into: Any, device: torch.device) -> list[Optional[torch.Tensor]]:
+    """For each slot of the skeleton (in :func:`_slots`'s order), the tensor of ``into`` at its
+    place that can take its bytes as they arrive: same dtype and shape, contiguous, on ``device``."""
     if isinstance(value, _Slot):
+        usable = (isinstance(into, torch.Tensor) and _plain(into) and into.dtype == value.dtype
+                  and tuple(into.shape) == value.shape and into.is_contiguous() and into.device == device)
+        return [into if usable else None]
+    if type(value) in (dict, OrderedDict):
+        return [t for k, v in value.items() for t in _targets(v, _at(into, k), device)]
+    if type(value) in (list, tuple):
+        return [t for i, v in enumerate(value) for t in _targets(v, _at(into, i), device)]
+    return []
+
+
+def _rebuild(value: Any, buffer: torch.Tensor, arrived: Iterator[Optional[torch.Tensor]]) -> Any:
+    if isinstance(value, _Slot):
+        tensor = next(arrived)  # a direct slot's tensor, or the target a packed slot is copied into
+        if value.direct:
+            assert tensor is not None
+            return tensor
+        packed = _typed(buffer[value.offset : value.offset + value.nbytes], value)
         # A copy of its own: a view would keep the whole buffer alive as long as any state it holds.
-        return buffer[value.offset : value.offset + value.nbytes].view(value.dtype).view(value.shape).clone()
-    return _mapped(value, lambda v: _rebuild(v, buffer))
+        return packed.clone() if tensor is None else tensor.copy_(packed)
+    return _mapped(value, lambda v: _rebuild(v, buffer, arrived))
 
 
 def _transport_device() -> torch.device:
@@ -86,14 +133,16 @@ def send_state(payload: Any, ranks: tuple[int, ...] | list[int]) -> int:
     device = _transport_device()
     buffer = torch.empty(offset[0], dtype=torch.uint8, device=device)
     slots = _slots(skeleton)
+    direct: list[torch.Tensor] = []
     for slot, tensor in zip(slots, tensors, strict=True):
-        if slot.nbytes:
-            target = buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-            target.copy_(tensor.detach())
+        if slot.direct:  # as it lies when it is contiguous and on the transport's device (the usual case)
+            direct.append(_as_bytes(tensor.detach().to(device).contiguous()))
+        elif slot.nbytes:
+            _typed(buffer[slot.offset : slot.offset + slot.nbytes], slot).copy_(tensor.detach())
     for rank in ranks:
         dist.send_object_list([(skeleton, offset[0])], dst=rank)
-        if offset[0]:
-            dist.send(buffer, dst=rank)
+        for raw in ([buffer] if offset[0] else []) + direct:
+            dist.send(raw, dst=rank)
     return sum(s.nbytes for s in slots)
 
 
@@ -108,15 +157,28 @@ def _slots(value: Any) -> list[_Slot]:
     return []
 
 
-def recv_state(src: int = 0) -> Any:
-    """The payload :func:`send_state` sent from ``src``, its tensors on the CPU."""
+def recv_state(src: int = 0, into: Any = None) -> Any:
+    """The payload :func:`send_state` sent from ``src``, its tensors on the CPU.
+
+    ``into`` (optional) mirrors part of the payload with tensors that may take the values in place
+    (a joiner's own ``module.state_dict()``: its memory is already there, and loading it later
+    copies nothing): where one matches (:func:`_targets`) the payload holds that tensor, filled.
+    """
     received: list[Any] = [None]
     dist.recv_object_list(received, src=src)
     skeleton, size = received[0]
-    buffer = torch.empty(size, dtype=torch.uint8, device=_transport_device())
+    device = _transport_device()
+    buffer = torch.empty(size, dtype=torch.uint8, device=device)
     if size:
         dist.recv(buffer, src=src)
-    return _rebuild(skeleton, buffer.cpu())
+    arrived: list[Optional[torch.Tensor]] = []
+    for slot, target in zip(_slots(skeleton), _targets(skeleton, into, device), strict=True):
+        if slot.direct:
+            raw = torch.empty(slot.nbytes, dtype=torch.uint8, device=device) if target is None else _as_bytes(target)
+            dist.recv(raw, src=src)
+            target = _typed(raw.cpu(), slot) if target is None else target
+        arrived.append(target)
+    return _rebuild(skeleton, buffer.cpu(), iter(arrived))
 
 
 __all__ = ["recv_state", "send_state"]

@@ -23,6 +23,9 @@ def _payload() -> dict[str, Any]:
         steps=torch.tensor(12),  # a scalar
         mask=torch.tensor([True, False, True]),
         empty=torch.zeros(0, 4),
+        # From DIRECT_BYTES (1 MiB) on a tensor goes in a message of its own.
+        large=torch.randn(600, 500, generator=generator).t(),  # 1.2 MB, not contiguous
+        large_bf16=torch.randn(1024, 520, generator=generator).bfloat16(),  # 1.07 MB
     )
     module._metadata = OrderedDict({"": {"version": 2}})  # type: ignore[attr-defined]
     sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (4,))
@@ -56,10 +59,15 @@ def _rank(rank: int, port: int, out: str) -> None:
             sent = send_state(_payload(), [1])
             Path(out, "sent.json").write_text(json.dumps(sent))
         else:
-            received = recv_state(0)
-            report = {"same": _same(_payload(), received),
+            # Targets in place for one direct and one packed tensor; a wrong shape and a missing key are ignored.
+            targets = {"large": torch.empty(500, 600), "half": torch.empty(7).half(), "mask": torch.empty(4).bool()}
+            addresses = {k: t.data_ptr() for k, t in targets.items()}
+            received = recv_state(0, into={"module": targets, "nothing": [torch.empty(1)]})
+            in_place = {k: received["module"][k].data_ptr() == addresses[k] for k in targets}
+            report = {"same": _same(_payload(), received), "in_place": in_place,
                       "metadata": received["module"]._metadata == {"": {"version": 2}},
-                      "own_storage": received["module"]["weight"].untyped_storage().nbytes() == 15 * 4}
+                      "own_storage": [received["module"][k].untyped_storage().nbytes() for k in ("weight", "large")]
+                      == [15 * 4, 600 * 500 * 4]}
             Path(out, "received.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
@@ -70,6 +78,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 def test_a_state_arrives_equal_with_its_containers_metadata_and_a_sparse_tensor(tmp_path: Path) -> None:
     mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     received = json.loads((tmp_path / "received.json").read_text())
-    assert received == {"same": True, "metadata": True, "own_storage": True}
-    # The plain tensors' bytes (the sparse one is pickled): 15*4 + 7*2 + 8 + 3 + 0 + 6*4 + 2*4.
-    assert json.loads((tmp_path / "sent.json").read_text()) == 60 + 14 + 8 + 3 + 24 + 8
+    assert received == {"same": True, "in_place": {"large": True, "half": True, "mask": False}, "metadata": True,
+                        "own_storage": True}
+    # The plain tensors' bytes (the sparse one is pickled): 15*4 + 7*2 + 8 + 3 + 0 + 6*4 + 2*4, and the large two.
+    assert json.loads((tmp_path / "sent.json").read_text()) == 60 + 14 + 8 + 3 + 24 + 8 + 600 * 500 * 4 + 1024 * 520 * 2

@@ -25,9 +25,22 @@ from lightning_elche.membership.change import Change
 log = logging.getLogger(__name__)
 
 
+_made_ahead: list[Any] = []
+"""A joiner's side group, made before its plane exists (:func:`make_side_group_ahead`)."""
+
+
 def new_side_group(timeout: timedelta) -> Any:
     """A gloo group over the current members (every member calls it, in the same order)."""
+    if _made_ahead:
+        return _made_ahead.pop()
     return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def make_side_group_ahead(timeout: timedelta) -> None:
+    """A joiner makes the side group its plane will take as soon as it has its state: the members
+    make theirs when they take the change, and would otherwise wait there for the joiner's whole
+    setup (its plane is built with its model, a second or more for a large one)."""
+    _made_ahead.append(dist.new_group(backend="gloo", timeout=timeout))
 
 
 def abandon_group(group: Any, watch: Optional[Membership]) -> None:

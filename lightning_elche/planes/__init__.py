@@ -11,7 +11,7 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-from lightning_elche.planes.base import AveragingPlane, PlaneSetup, RoundResult, build_plane
+from lightning_elche.planes.base import AveragingPlane, PlaneSetup, RoundResult, build_plane, keeps_side_group
 from lightning_elche.planes.collective import CollectivePlane
 from lightning_elche.planes.cpu import CpuPlane, SnapshotTimeout
 
@@ -19,4 +19,4 @@ for _module in pkgutil.iter_modules([str(Path(__file__).parent)]):  # any other 
     importlib.import_module(f"{__package__}.{_module.name}")
 
 __all__ = ["AveragingPlane", "CollectivePlane", "CpuPlane", "PlaneSetup", "RoundResult", "SnapshotTimeout",
-           "build_plane"]
+           "build_plane", "keeps_side_group"]

@@ -70,6 +70,11 @@ def build_plane(setup: PlaneSetup) -> AveragingPlane:
     return _PLANES[setup.run_mode.transport].build(setup)
 
 
+def keeps_side_group(transport: Transport) -> bool:
+    """Whether the plane of ``transport`` builds a process group of its own."""
+    return transport in _PLANES and _PLANES[transport].keeps_side_group
+
+
 class AveragingPlane(ABC):
     """Moves one round's metadata and replicas between ranks.
 
@@ -84,6 +89,9 @@ class AveragingPlane(ABC):
 
     #: Whether training may continue while a round is in flight.
     non_blocking: bool = False
+
+    keeps_side_group: ClassVar[bool] = False
+    """The plane builds a process group of its own (every member again at each change)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

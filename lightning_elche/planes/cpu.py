@@ -142,6 +142,7 @@ class CpuPlane(AveragingPlane):
     """
 
     transport = Transport.HOST
+    keeps_side_group = True
 
     @classmethod
     def build(cls, setup: PlaneSetup) -> CpuPlane:
