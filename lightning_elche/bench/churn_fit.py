@@ -121,6 +121,24 @@ class StepCheckpoint(Callback):
                                                             "global_step": trainer.global_step})
 
 
+def init_attempt_group() -> None:
+    """DDP under torchrun: the default process group on the job's store under a prefix of its own per
+    attempt (``TORCHELASTIC_RESTART_COUNT``). Lightning's own ``env://`` init reads the store without
+    one, and a restarted attempt then found the previous attempt's gloo addresses there and failed
+    to connect (torch 2.13, ``--standalone``); Lightning sees the group and keeps it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not hosted_by_agent and rank == 0, timeout=timedelta(seconds=60))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"/elche_churn/attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning_elche.bench.churn_fit")
     parser.add_argument("out")
@@ -146,6 +164,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.kind == "ddp":
         Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
         callbacks.append(StepCheckpoint(ckpt_dir, args.ckpt_every))
+        init_attempt_group()
         strategy: Any = DDPStrategy(process_group_backend="gloo")
         resume = os.path.join(ckpt_dir, CKPT) if os.path.exists(os.path.join(ckpt_dir, CKPT)) else None
     else:
