@@ -21,10 +21,12 @@ from lightning_elche.bench.churn import (
     ChurnConfig,
     build_churn_config,
     choose_victim,
+    churn_markdown,
     ddp_goodput,
     elche_goodput,
     fault_count,
     fault_schedule,
+    goal_met,
 )
 from lightning_elche.bench.config import parse_args
 
@@ -72,7 +74,7 @@ def test_elche_counts_only_rounds_completed_inside_the_clock():
     row = elche_goodput(events, 100.0, 110.0)
     assert row["consensus_samples"] == 448 and row["rounds"] == 2
     assert row["samples_per_s"] == pytest.approx(44.8)
-    assert (row["members_min"], row["members_max"]) == (3, 4)
+    assert (row["members_min"], row["members_max"]) == (3, 4) and row["round_s_mean"] == pytest.approx(5.0)
 
 
 def _steps(attempt: int, first_step: int, count: int, start: float, samples: int = 64) -> list[dict[str, object]]:
@@ -98,6 +100,30 @@ def test_ddp_ending_in_a_restart_holds_only_its_newest_checkpoint():
     assert row["consensus_samples"] == 20 * 64 and row["lost_samples"] == 10 * 64
     # The same record without the kill: the attempt is alive and holds its last step.
     assert ddp_goodput(events, 100.0, 110.0)["consensus_samples"] == 30 * 64
+
+
+def test_the_goal_is_judged_only_where_the_rate_decides_it():
+    arms = {ELCHE_JOINS: {"vs_own_fault_free": 0.93}}
+    assert goal_met(arms, 1.0) is True and goal_met(arms, 4.0) is True and goal_met(arms, 0.5) is None
+    arms = {ELCHE_JOINS: {"vs_own_fault_free": 0.85}}
+    assert goal_met(arms, 1.0) is False and goal_met(arms, 0.5) is False and goal_met(arms, 4.0) is None
+    assert goal_met({}, 1.0) is None
+
+
+def test_report_table_has_every_arm_its_ratios_and_the_arms_a_cut_run_did_not_reach():
+    row = {"kills": [{}], "joiners_started": [{}], "joiners_trained": 1, "members_min": 3, "members_max": 4,
+           "consensus_samples": 12800, "samples_per_s": 320.0, "vs_own_fault_free": 0.914,
+           "vs_ddp_fault_free": 2.5, "ended_early": None}
+    result = {"rig": "cpu4", "commit": "abc", "date": "2026-12-02",
+              "command": "python -m lightning_elche.bench --churn 1",
+              "machine": {"cpu": "x", "logical_cpus": 16, "torch": "2.11", "lightning": "2.6.6", "python": "3.12"},
+              "config": {**_config().__dict__, "slowdowns": [1.0, 3.0]}, "schedule": [{"at_s": 12.5, "pick": 0.3}],
+              "faults_per_minute_per_4_ranks": 1.0, "arms_planned": list(ARMS), "arms": {ELCHE_JOINS: row},
+              "goal": {"met": True}}
+    text = churn_markdown(result)
+    assert "| elche_joins | 1 | 1 / 1 | 3-4 | 12,800 | 320 | 0.91 | 2.50 |" in text
+    assert "not run (the run was cut short): elche_fault_free, elche_shrink, ddp_fault_free, ddp_torchrun" in text
+    assert "at 12.5 s" in text and "Commit abc" in text and ": met (this run: --churn 1)" in text
 
 
 # -- the knobs ----------------------------------------------------------------------------------
@@ -126,7 +152,7 @@ def test_command_line_reaches_the_config_and_bad_values_exit_2(capsys):
     config = build_churn_config(args)
     assert (config.rate, config.delay_s, config.seconds, config.seed) == (4.0, 3.0, 40.0, 7)
     assert config.ranks == 4 and config.slowdowns == (1.0, 1.5, 2.0, 3.0) and config.model == "resnet20"
-    assert config.arms == ARMS and args.commit == "abc123"
+    assert config.arms == ARMS and args.commit == "abc123" and config.ckpt_every == 25
     assert build_churn_config(parse_args(["--rig", "cpu2", "--budget", "tiny", "--churn", "1"])).seconds == 15.0
     assert main(["--rig", "cpu4", "--churn", "-1"]) == 2
     assert "ChurnConfig(rate=-1.0) is invalid" in capsys.readouterr().err

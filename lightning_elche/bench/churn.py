@@ -171,7 +171,8 @@ def elche_goodput(events: list[dict[str, Any]], t0: float, t1: float) -> dict[st
     worlds = [int(e["world"]) for e in rounds]
     return {"consensus_samples": samples, "rounds": len(rounds), "samples_per_s": samples / (t1 - t0),
             "members_min": min(worlds, default=0), "members_max": max(worlds, default=0),
-            "members_mean": sum(worlds) / len(worlds) if worlds else 0.0}
+            "members_mean": sum(worlds) / len(worlds) if worlds else 0.0,
+            "round_s_mean": (t1 - t0) / len(rounds) if rounds else None}
 
 
 def ddp_goodput(events: list[dict[str, Any]], t0: float, t1: float, kill_times: tuple[float, ...] = ()
@@ -461,7 +462,7 @@ def _result(config: ChurnConfig, schedule: list[Fault], arms: dict[str, Any], st
     return {**stamp, "machine": machine(), "config": asdict(config), "arms_planned": list(config.arms),
             "schedule": [asdict(f) for f in schedule], "faults_per_minute_per_4_ranks": faults_per_min,
             "goal": {"arm": ELCHE_JOINS, "vs_own_fault_free_at_least": 0.9, "at_rate": 1.0,
-                     "met": _goal_met(arms, config.rate)},
+                     "met": goal_met(arms, config.rate)},
             "arms": arms}
 
 
@@ -469,11 +470,16 @@ def _ratio(value: Optional[float], base: Optional[float]) -> Optional[float]:
     return value / base if value is not None and base else None
 
 
-def _goal_met(arms: dict[str, Any], rate: float) -> Optional[bool]:
-    """The goal holds at 1 fault per minute per four ranks: judged only from a run at that rate or a
-    harsher one (None: not measured)."""
+def goal_met(arms: dict[str, Any], rate: float) -> Optional[bool]:
+    """Whether ``elche_joins`` kept >= 0.9 of its fault-free rate at 1 fault per minute per four
+    ranks, as far as this run's rate tells: met at that rate or a harsher one, missed at that rate
+    or a milder one (None: not measured, or missed only at a harsher rate)."""
     ratio = arms.get(ELCHE_JOINS, {}).get("vs_own_fault_free")
-    return None if ratio is None or rate < 1.0 else bool(ratio >= 0.9)
+    if ratio is None:
+        return None
+    if ratio >= 0.9:
+        return True if rate >= 1.0 else None
+    return False if rate <= 1.0 else None
 
 
 def _fmt(value: Optional[float], digits: int = 2) -> str:
@@ -510,18 +516,20 @@ def churn_markdown(result: dict[str, Any]) -> str:
         members = (f"{row['members_min']}-{row['members_max']}" if "members_min" in row
                    else f"{config['ranks']} ({row.get('attempts', 0)} attempt(s))")
         lost = f" (lost {row['lost_samples']:,})" if row.get("lost_samples") else ""
-        lines.append(f"| {arm} | {len(row['kills'])} | {len(row['joiners_started'])} / {row['joiners_trained']} | "
+        name = arm if row.get("ended_early") is None else f"{arm} (ended early, exit {row['ended_early']})"
+        lines.append(f"| {name} | {len(row['kills'])} | {len(row['joiners_started'])} / {row['joiners_trained']} | "
                      f"{members} | {row['consensus_samples']:,}{lost} | {row['samples_per_s']:.0f} | "
                      f"{_fmt(row['vs_own_fault_free'])} | {_fmt(row['vs_ddp_fault_free'])} |")
     missing = [arm for arm in result.get("arms_planned", []) if arm not in result["arms"]]
     if missing:
         lines.append(f"| not run (the run was cut short): {', '.join(missing)} | | | | | | | |")
     goal = result["goal"]
-    verdict = {None: "not judged (run at --churn 1 or harsher)", True: "met", False: "not met"}[goal["met"]]
+    verdict = {None: "not judged by this run (a milder rate that met it, a harsher one that missed it, or no "
+                     "measurement)", True: "met", False: "not met"}[goal["met"]]
     lines += [
         "",
         f"Goal (issue 22): {ELCHE_JOINS} >= 0.9 of its fault-free rate at 1 fault per minute per four ranks: "
-        f"{verdict} at this run's rate.",
+        f"{verdict} (this run: --churn {config['rate']:g}).",
         "",
         "How the numbers are computed: *samples into the model* for ElChe is the sum, over the averaging rounds "
         "that completed inside the measured time, of the samples every member trained in that round (the round "
@@ -531,6 +539,7 @@ def churn_markdown(result: dict[str, Any]) -> str:
         "the end; steps trained after the last checkpoint by an attempt that was then killed are lost (shown in "
         "brackets), and every restart's start-up and checkpoint load are inside the clock. samples/s = that / the "
         "measured time. Replacements (elche_joins) and restarts (ddp_torchrun) start up inside the clock too. "
+        "An ElChe count ends at its last completed round (short by up to one round: `round_s_mean` in the JSON). "
         "Rank 0 is never killed (it hosts the job's store and the records).",
     ]
     return "\n".join(lines) + "\n"

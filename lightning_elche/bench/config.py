@@ -396,7 +396,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="comma-separated churn arms (default: elche_fault_free, elche_joins, elche_shrink, "
                             "ddp_fault_free, ddp_torchrun)")
     churn.add_argument("--churn-mode", default="cpu_cadence", help="ElCheStrategy mode of the churn arms")
-    churn.add_argument("--churn-ckpt-every", type=int, default=50, metavar="N",
+    churn.add_argument("--churn-ckpt-every", type=int, default=25, metavar="N",
                        help="DDP churn arms: optimizer steps between checkpoints")
     parser.add_argument("--commit", default=None,
                         help="the commit to stamp the results with (a copied tree without git; else git's HEAD)")
