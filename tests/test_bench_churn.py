@@ -16,6 +16,7 @@ from lightning_elche.bench.__main__ import main
 from lightning_elche.bench.churn import (
     ARMS,
     DDP_RESTART,
+    ELCHE_CLEAN,
     ELCHE_JOINS,
     ELCHE_SHRINK,
     ChurnConfig,
@@ -103,16 +104,19 @@ def test_ddp_ending_in_a_restart_holds_only_its_newest_checkpoint():
 
 
 def test_the_goal_is_judged_only_where_the_rate_decides_it():
-    arms = {ELCHE_JOINS: {"vs_own_fault_free": 0.93}}
+    clean = {ELCHE_CLEAN: {"rounds": 12}}
+    arms = {**clean, ELCHE_JOINS: {"vs_own_fault_free": 0.93, "rounds": 11}}
     assert goal_met(arms, 1.0) is True and goal_met(arms, 4.0) is True and goal_met(arms, 0.5) is None
-    arms = {ELCHE_JOINS: {"vs_own_fault_free": 0.85}}
+    arms = {**clean, ELCHE_JOINS: {"vs_own_fault_free": 0.85, "rounds": 11}}
     assert goal_met(arms, 1.0) is False and goal_met(arms, 0.5) is False and goal_met(arms, 4.0) is None
     assert goal_met({}, 1.0) is None
+    # Too few rounds: the rounding of the last one would decide it.
+    assert goal_met({**clean, ELCHE_JOINS: {"vs_own_fault_free": 0.95, "rounds": 4}}, 1.0) is None
 
 
 def test_report_table_has_every_arm_its_ratios_and_the_arms_a_cut_run_did_not_reach():
     row = {"kills": [{}], "joiners_started": [{}], "joiners_trained": 1, "members_min": 3, "members_max": 4,
-           "consensus_samples": 12800, "samples_per_s": 320.0, "vs_own_fault_free": 0.914,
+           "consensus_samples": 12800, "samples_per_s": 320.0, "rounds": 11, "vs_own_fault_free": 0.914,
            "vs_ddp_fault_free": 2.5, "ended_early": None}
     result = {"rig": "cpu4", "commit": "abc", "date": "2026-12-02",
               "command": "python -m lightning_elche.bench --churn 1",
@@ -121,7 +125,7 @@ def test_report_table_has_every_arm_its_ratios_and_the_arms_a_cut_run_did_not_re
               "faults_per_minute_per_4_ranks": 1.0, "arms_planned": list(ARMS), "arms": {ELCHE_JOINS: row},
               "goal": {"met": True}}
     text = churn_markdown(result)
-    assert "| elche_joins | 1 | 1 / 1 | 3-4 | 12,800 | 320 | 0.91 | 2.50 |" in text
+    assert "| elche_joins | 1 | 1 / 1 | 3-4 (11 rounds) | 12,800 | 320 | 0.91 | 2.50 |" in text
     assert "not run (the run was cut short): elche_fault_free, elche_shrink, ddp_fault_free, ddp_torchrun" in text
     assert "at 12.5 s" in text and "Commit abc" in text and ": met (this run: --churn 1)" in text
 

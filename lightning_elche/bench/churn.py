@@ -344,8 +344,7 @@ def run_arm(arm: str, config: ChurnConfig, schedule: list[Fault], arm_dir: Path,
             now = time.time()
             if pending and now >= t0 + pending[0].at_s:
                 victim = choose_victim(pending[0].pick, _candidates(tag))
-                if victim is None and arm == ELCHE_SHRINK and not [p for p in tagged(tag) if p.rank_process
-                                                                   and not p.launch_rank0]:
+                if victim is None and arm == ELCHE_SHRINK:  # no process but launch rank 0 is left
                     run.skipped.append({"at_s": pending[0].at_s, "why": "only rank 0 is left"})
                     pending.pop(0)
                 elif victim is not None:
@@ -470,12 +469,18 @@ def _ratio(value: Optional[float], base: Optional[float]) -> Optional[float]:
     return value / base if value is not None and base else None
 
 
+MIN_JUDGED_ROUNDS = 10
+"""The goal is judged only when both ElChe arms it compares completed this many rounds: an arm's
+count ends at its last completed round, so with fewer the rounding of one round decides it."""
+
+
 def goal_met(arms: dict[str, Any], rate: float) -> Optional[bool]:
     """Whether ``elche_joins`` kept >= 0.9 of its fault-free rate at 1 fault per minute per four
     ranks, as far as this run's rate tells: met at that rate or a harsher one, missed at that rate
-    or a milder one (None: not measured, or missed only at a harsher rate)."""
+    or a milder one (None: not measured, too few rounds, or missed only at a harsher rate)."""
     ratio = arms.get(ELCHE_JOINS, {}).get("vs_own_fault_free")
-    if ratio is None:
+    rounds = [arms.get(arm, {}).get("rounds", 0) for arm in (ELCHE_CLEAN, ELCHE_JOINS)]
+    if ratio is None or min(rounds) < MIN_JUDGED_ROUNDS:
         return None
     if ratio >= 0.9:
         return True if rate >= 1.0 else None
@@ -513,7 +518,7 @@ def churn_markdown(result: dict[str, Any]) -> str:
         if row.get("samples_per_s") is None:
             lines.append(f"| {arm} | failed: {row.get('error')} | | | | | | |")
             continue
-        members = (f"{row['members_min']}-{row['members_max']}" if "members_min" in row
+        members = (f"{row['members_min']}-{row['members_max']} ({row['rounds']} rounds)" if "members_min" in row
                    else f"{config['ranks']} ({row.get('attempts', 0)} attempt(s))")
         lost = f" (lost {row['lost_samples']:,})" if row.get("lost_samples") else ""
         name = arm if row.get("ended_early") is None else f"{arm} (ended early, exit {row['ended_early']})"
@@ -524,8 +529,9 @@ def churn_markdown(result: dict[str, Any]) -> str:
     if missing:
         lines.append(f"| not run (the run was cut short): {', '.join(missing)} | | | | | | | |")
     goal = result["goal"]
-    verdict = {None: "not judged by this run (a milder rate that met it, a harsher one that missed it, or no "
-                     "measurement)", True: "met", False: "not met"}[goal["met"]]
+    verdict = {None: f"not judged by this run (a milder rate that met it, a harsher one that missed it, fewer "
+                     f"than {MIN_JUDGED_ROUNDS} rounds in an ElChe arm, or no measurement)", True: "met",
+               False: "not met"}[goal["met"]]
     lines += [
         "",
         f"Goal (issue 22): {ELCHE_JOINS} >= 0.9 of its fault-free rate at 1 fault per minute per four ranks: "
