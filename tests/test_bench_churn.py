@@ -160,6 +160,8 @@ def test_command_line_reaches_the_config_and_bad_values_exit_2(capsys):
     assert build_churn_config(parse_args(["--rig", "cpu2", "--budget", "tiny", "--churn", "1"])).seconds == 15.0
     assert main(["--rig", "cpu4", "--churn", "-1"]) == 2
     assert "ChurnConfig(rate=-1.0) is invalid" in capsys.readouterr().err
+    assert main(["--rig", "cpu4", "--churn", "1", "--churn-mode", "fast"]) == 2
+    assert "ChurnConfig(mode='fast') is invalid: expected an ElChe mode of this build (" in capsys.readouterr().err
     assert main(["--rig", "gpu2-homo", "--churn", "1"]) == 2
     assert "ChurnConfig(rig='gpu2-homo') is invalid: expected a CPU rig" in capsys.readouterr().err
 

@@ -566,6 +566,13 @@ def build_churn_config(args: Any) -> ChurnConfig:
         budget = replace(budget, model=args.model)
     headline = settings_for(rig, args.slowdowns, args.rank_slowdowns)[0]
     samples = args.tp_epoch_samples or (budget.tp_samples if budget.name == "tiny" else 2048 * rig.world_size)
+    from lightning_elche.bench.arms import available_elche_modes
+
+    modes, skipped = available_elche_modes()
+    if args.churn_mode not in modes:
+        not_built = f"; not built: {', '.join(skipped)}" if skipped else ""
+        raise _invalid("ChurnConfig(mode", args.churn_mode, f"an ElChe mode of this build ({', '.join(modes)}"
+                       f"{not_built})", "pass e.g. --churn-mode cpu_cadence")
     arms = ARMS if args.churn_arms is None else tuple(a.strip() for a in args.churn_arms.split(",") if a.strip())
     return ChurnConfig(rate=args.churn, delay_s=args.churn_delay,
                        seconds=budget.churn_seconds if args.churn_seconds is None else args.churn_seconds,
