@@ -128,6 +128,8 @@ def test_report_table_has_every_arm_its_ratios_and_the_arms_a_cut_run_did_not_re
     assert "| elche_joins | 1 | 1 / 1 | 3-4 (11 rounds) | 12,800 | 320 | 0.91 | 2.50 |" in text
     assert "not run (the run was cut short): elche_fault_free, elche_shrink, ddp_fault_free, ddp_torchrun" in text
     assert "at 12.5 s" in text and "Commit abc" in text and ": met (this run: --churn 1)" in text
+    assert "Structure only" not in text
+    assert "**Structure only**: 16 logical CPUs for 4 ranks" in churn_markdown({**result, "crowded": True})
 
 
 # -- the knobs ----------------------------------------------------------------------------------
@@ -200,3 +202,18 @@ def test_cpu2_churn_run_kills_replaces_restarts_and_reports_every_arm(tmp_path: 
         assert arms[arm]["vs_own_fault_free"] is not None
     table = (out / "cpu2-churn.md").read_text()
     assert all(f"| {arm} |" in table for arm in ARMS) and "How the numbers are computed" in table
+
+
+def test_a_machine_without_a_core_per_process_is_reported_as_structure_only(monkeypatch):
+    from lightning_elche.bench import churn
+
+    arms = {ELCHE_CLEAN: {"samples_per_s": 100.0, "rounds": 20},
+            ELCHE_JOINS: {"samples_per_s": 95.0, "rounds": 20}}
+    host = {"cpu": "x", "logical_cpus": 2, "host": "h", "python": "3", "torch": "t", "lightning": "l"}
+    monkeypatch.setattr(churn, "machine", lambda: host)
+    result = churn._result(_config(arms=(ELCHE_CLEAN, ELCHE_JOINS)), [], arms, {})
+    assert result["crowded"] and result["goal"]["met"] is None
+    assert arms[ELCHE_JOINS]["vs_own_fault_free"] == pytest.approx(0.95)
+    host["logical_cpus"] = 16
+    result = churn._result(_config(arms=(ELCHE_CLEAN, ELCHE_JOINS)), [], arms, {})
+    assert not result["crowded"] and result["goal"]["met"] is True
