@@ -267,11 +267,38 @@ def replot(path: Path, plots: bool) -> int:
     return 0
 
 
+def churn_main(args: Any, argv: list[str]) -> int:
+    """``--churn``: the goodput-under-churn arms (:mod:`lightning_elche.bench.churn`) instead of the protocol."""
+    from lightning_elche.bench.churn import build_churn_config, run_churn
+
+    try:
+        config = build_churn_config(args)
+    except ValueError as error:
+        print(f"[bench] {error}", file=sys.stderr)
+        return 2
+    commit, dirty = (args.commit, False) if args.commit else git_commit()
+    command = shlex.join(["python", "-m", "lightning_elche.bench", *argv])
+    stamp = {"rig": args.rig, "commit": commit, "commit_dirty": dirty,
+             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command}
+    print(f"[bench] {command}: churn arms {', '.join(config.arms)}, {config.seconds:g} s each", flush=True)
+    t0 = time.time()
+    result = run_churn(config, Path(args.out), f"{args.rig}-churn", stamp)
+    print((Path(args.out) / f"{args.rig}-churn.md").read_text())
+    failed = [arm for arm in config.arms if result["arms"].get(arm, {}).get("samples_per_s") is None]
+    print(f"[bench] wrote {args.out}/{args.rig}-churn.md and .json in {time.time() - t0:.0f} s", flush=True)
+    if failed:
+        print(f"[bench] churn arms without a measurement: {', '.join(failed)}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.replot is not None:
         return replot(args.replot, not args.no_plots)
+    if args.churn is not None:
+        return churn_main(args, argv)
     modes, skipped = available_elche_modes()
     try:
         config = build_config(args, modes, skipped)

@@ -251,12 +251,15 @@ class Budget:
     other_settings: bool = True
     micro_iters: int = 20
     char_model: Optional[str] = None
+    churn_seconds: float = 45.0
+    """``--churn``: measured wall time of each churn arm (``--churn-seconds``)."""
 
 
 _CPU_BUDGETS = {
-    "tiny": Budget("tiny", "mlp", 1024, 32, 1.0, 4, 3, 1, 32, 60.0, 1 << 16, 150.0, micro_iters=5),
+    "tiny": Budget("tiny", "mlp", 1024, 32, 1.0, 4, 3, 1, 32, 60.0, 1 << 16, 150.0, micro_iters=5,
+                   churn_seconds=15.0),
     "quick": Budget("quick", "resnet20", 1024, 32, 6.0, 20, 10, 1, 32, 120.0, 1 << 18, 420.0),
-    "full": Budget("full", "resnet20", 2048, 32, 20.0, 40, 30, 3, 32, 240.0, 1 << 19, 840.0),
+    "full": Budget("full", "resnet20", 2048, 32, 20.0, 40, 30, 3, 32, 240.0, 1 << 19, 840.0, churn_seconds=90.0),
 }
 _GPU_BUDGETS = {
     "tiny": Budget("tiny", "mlp", 8192, 256, 1.0, 4, 2, 1, 64, 60.0, 1 << 18, 150.0, micro_iters=5),
@@ -380,6 +383,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              "throughput section train with ElCheStrategy(micro_batch=...); DDP runs every rank at "
                              "the smallest micro-batch with gradient accumulation (lightning_elche/bench/limits.py)")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
+    churn = parser.add_argument_group("goodput under churn (lightning_elche/bench/churn.py; docs/benchmarks.md)")
+    churn.add_argument("--churn", type=float, default=None, metavar="RATE",
+                       help="run the churn benchmark instead: RATE faults (kill -9 of a rank other than rank 0) per "
+                            "minute per four ranks")
+    churn.add_argument("--churn-delay", type=float, default=5.0, metavar="S",
+                       help="seconds from a kill to the start of its replacement (elche_joins arm)")
+    churn.add_argument("--churn-seconds", type=float, default=None, metavar="S",
+                       help="measured wall time of each churn arm (default: the budget's churn_seconds)")
+    churn.add_argument("--churn-seed", type=int, default=0, help="seed of the fault schedule (same for every arm)")
+    churn.add_argument("--churn-arms", default=None,
+                       help="comma-separated churn arms (default: elche_fault_free, elche_joins, elche_shrink, "
+                            "ddp_fault_free, ddp_torchrun)")
+    churn.add_argument("--churn-mode", default="cpu_cadence", help="ElCheStrategy mode of the churn arms")
+    churn.add_argument("--churn-ckpt-every", type=int, default=25, metavar="N",
+                       help="DDP churn arms: optimizer steps between checkpoints")
+    parser.add_argument("--commit", default=None,
+                        help="the commit to stamp the results with (a copied tree without git; else git's HEAD)")
     args = parser.parse_args(argv)
     if args.rig is None and args.replot is None:
         parser.error("--rig is required")
