@@ -24,7 +24,9 @@ from lightning_elche.coverage import EpochCoverage
 from lightning_elche.dispatch import ElCheSampler
 from lightning_elche.engine import ElCheEngine, RoundOutcome
 from lightning_elche.loop_glue import (
+    add_missing_epoch_metrics,
     can_stop_early,
+    epoch_metric_specs,
     reopen_training_epoch,
     save_and_requeue_slurm_job,
     skip_validation_after_this_batch,
@@ -140,6 +142,19 @@ class RoundDriver:
             if not still_out_of_data():
                 break
 
+    def without_a_batch(self, trainer: Trainer) -> bool:
+        """This rank's iterator of the epoch ended before it gave a batch (a joiner admitted once the
+        others had claimed the epoch's last work). It is out of data as a rank at its last batch is:
+        it joins the rounds, without mass, until the one that ends the epoch (every rank runs the
+        same rounds), unless work comes its way. Returns whether it did (the epoch was reopened:
+        the loop fetches again); False: the epoch (or the fit) ends here as on the others."""
+        if self.session.leaving:
+            return False
+        if self.reopen(trainer):
+            return True
+        self.sync(trainer, out_of_data=True)
+        return not self.session.leaving
+
     def reopen(self, trainer: Trainer) -> bool:
         """At this rank's last batch: continue the epoch if a lost rank's work came its way."""
         sampler = self.sampler()
@@ -171,8 +186,27 @@ class RoundDriver:
             if outcome.budget_reached and not outcome.epoch_over and outcome.stop_level == StopRequest.NONE:
                 skip_validation_after_this_batch(trainer)  # as Lightning's max_steps inside an epoch
         self.session.saw_should_stop(trainer.should_stop)
+        if outcome.epoch_over and any(r.epoch_batches == 0 for r in outcome.reports):
+            self.share_epoch_metrics(trainer)
         if self.after_each_round is not None:
             self.after_each_round(trainer, outcome)
+
+    def share_epoch_metrics(self, trainer: Trainer) -> None:
+        """At the round that ends an epoch in which a rank trained no batch (a joiner admitted once
+        the epoch's work was all claimed): that rank logged none of the epoch's synced training
+        metrics, and the epoch's end would reduce them on the others alone. Every rank gathers the
+        metrics every rank logged (one object gather, the same on all) and registers those it lacks
+        at their neutral value."""
+        local = epoch_metric_specs(trainer)
+        if self.gather_objects is not None:
+            gathered = self.gather_objects(lambda: local)
+        else:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, local)
+        seen: dict[str, dict[str, Any]] = {}
+        for specs in gathered:
+            seen.update((spec["key"], spec) for spec in specs if spec["key"] not in seen)
+        add_missing_epoch_metrics(trainer, list(seen.values()))
 
     def publish(self, trainer: Trainer, outcome: RoundOutcome) -> None:
         log_now = self.rank() == 0 and (outcome.index % self.log_every_n_syncs == 0 or outcome.epoch_over)

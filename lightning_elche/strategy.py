@@ -27,7 +27,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.ddp import default_pg_timeout
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
@@ -52,6 +51,7 @@ from lightning_elche.growth import Growth, RankJoinedWarning, dispatch_store
 from lightning_elche.loop_glue import (
     LightningPatches,
     LightningRankView,
+    batch_samples,
     check_lightning_version,
     check_step_schedulers,
     default_group_store,
@@ -341,8 +341,8 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
             raise TypeError("ElCheStrategy supports exactly one training DataLoader.")
         self._growth.training_starts(trainer, self.global_rank)
         self._patches.silence_per_step_sigterm_broadcast(trainer)
-        self._patches.watch_batches(trainer, self._after_batch_hooks,
-                                   lambda: self._session.refuse_skipped_epoch(self.global_rank))
+        self._patches.watch_batches(trainer, self._after_batch_hooks, lambda: self._session.refuse_skipped_epoch(
+            self.global_rank), self._without_a_batch)
 
     # -- stop signals: honoured at the next round, within a bounded grace in any case --------------
 
@@ -367,20 +367,27 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._training_goes_on(batch_samples(batch, self._sampler.batch_size if self._sampler else 0))
+        if self._sampler is not None:
+            self._sampler.batch_started()
+        if self._micro_batching is not None:
+            self._micro_batching.batch_started(batch_idx % self._fitting_trainer().accumulate_grad_batches == 0)
+
+    def _training_goes_on(self, samples: int) -> None:
         assert self._engine is not None and self._rounds is not None
         trainer = self._fitting_trainer()
         self._advance_progress(training=True)
         if self._session.pending_save.saves:
             with self._stop_saving():  # the stop's own save: its grace starts again
                 self._rounds.save_and_exit(trainer, self._membership, self.elche.max_failure)
-        if self._session.start_batch(trainer.current_epoch, self._batch_samples(batch)):
+        if self._session.start_batch(trainer.current_epoch, samples):
             self._engine.start_epoch()
             if self._collectives is not None:
                 self._collectives.training_started(trainer.current_epoch)
-        if self._sampler is not None:
-            self._sampler.batch_started()
-        if self._micro_batching is not None:
-            self._micro_batching.batch_started(batch_idx % trainer.accumulate_grad_batches == 0)
+
+    def _without_a_batch(self) -> bool:
+        self._training_goes_on(0)  # the iterator of the epoch gave no batch: rounds until its end
+        return self._rounds is not None and self._rounds.without_a_batch(self._fitting_trainer())
 
     def _advance_progress(self, training: bool) -> None:
         # Per step: one Python add; the heartbeat thread publishes it (membership/stall.py).
@@ -396,17 +403,10 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
             return super().validation_step(*args, **kwargs)
 
     def _after_batch_hooks(self) -> None:
-        # A should_stop set in on_train_batch_end comes after this batch's optimizer step: this rank
-        # would leave the epoch alone. It travels to the next round instead.
+        # A should_stop set in on_train_batch_end (after the step) travels to the next round instead.
         trainer = self._fitting_trainer()
         if self._session.hold_back_local_stop(trainer.should_stop):
             trainer.should_stop = False
-
-    def _batch_samples(self, batch: Any) -> int:
-        try:
-            return extract_batch_size(batch)
-        except Exception:  # an exotic batch: count the loader's nominal batch size
-            return self._sampler.batch_size if self._sampler else 0
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -232,16 +232,8 @@ def test_two_joiners_ready_before_the_same_round_are_admitted_together(tmp_path:
     assert job.log.count(said) == 2 and all(log.count(said) == 1 for log in job.joiner_logs), job.log[-3000:]
 
 
-ASYNC_EMPTY_FIRST_EPOCH = pytest.mark.xfail(strict=False, reason=(
-    "known (issue 22), about 1 run in 4: in cpu_async the second joiner, admitted mid-epoch, can find no batch "
-    "of that epoch left for it; its epoch loop ends without a batch and it enters the epoch-end callbacks alone "
-    "while the members wait for it in the next round (a 90 s SnapshotTimeout). A rank must join the rounds out "
-    "of data until the epoch's last one even when its iterator gave it nothing."))
-
-
 @pytest.mark.faults
-@pytest.mark.parametrize("mode", ("cpu_cadence", "cpu_sync", pytest.param("cpu_async", marks=ASYNC_EMPTY_FIRST_EPOCH),
-                                  "nccl_sync", "nccl_cadence"))
+@pytest.mark.parametrize("mode", ("cpu_cadence", "cpu_sync", "cpu_async", "nccl_sync", "nccl_cadence"))
 def test_two_joiners_one_after_the_other(tmp_path: Path, mode: str) -> None:
     # The first joiner is a member (rank 2) when the second is admitted: it takes that change too.
     job = run_join_job(tmp_path, mode, joiners=2, one_after_the_other=True)
@@ -263,6 +255,30 @@ def test_a_joiner_admitted_in_a_later_epoch_trains_its_first_iterator(tmp_path: 
     assert job.results[0]["changes"][0]["epoch"] >= 1, job.results[0]["changes"]
     # The joiner's ModelCheckpoint took the members' state: it saves the same files, no last-v1.ckpt.
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("last*.ckpt")) == ["last.ckpt"]
+
+
+DRY = ("--join-when-dry", "--epochs", "2")
+
+
+@pytest.mark.parametrize("mode", ["cpu_async", *(pytest.param(m, marks=pytest.mark.faults)
+                                                 for m in ("cpu_cadence", "nccl_cadence"))])
+def test_a_joiner_whose_first_iterator_is_empty_drains_the_epoch_with_the_members(tmp_path: Path, mode: str) -> None:
+    # Issue 22: the members claim the whole epoch before the joiner's first claim. Its epoch loop got
+    # no batch and left the epoch alone (the members waited for it in the rounds: a SnapshotTimeout);
+    # it now joins the rounds out of data until the epoch's last one, and ends the epoch with them.
+    job = run_join_job(tmp_path, mode, joiner_extra=("--request-once-held", *DRY), cohort_extra=DRY)
+    dry = json.loads((tmp_path / f"dry-rank{JOINER}.json").read_text())
+    assert dry["dry"], dry  # the case itself: nothing of the epoch was left for the joiner's first iterator
+    check_grown(job, joins=[[JOINER]], epochs=2)
+    epoch = dry["epoch"]
+    rows = [json.loads(line) for line in (tmp_path / f"steps-rank{JOINER}.jsonl").read_text().splitlines()]
+    assert all(r["epoch"] != epoch for r in rows), "the joiner trained in the epoch it found claimed"
+    validated = {rank: [v for v in map(json.loads, (tmp_path / f"val-rank{rank}.jsonl").read_text().splitlines())
+                        if v["epoch"] == epoch and not v["sanity"]] for rank in (0, 1, JOINER)}
+    # Its epoch end ran in step with the members': one validation of that epoch, on the same parameters.
+    assert [len(v) for v in validated.values()] == [1, 1, 1], validated
+    assert validated[JOINER][0]["metrics"] == validated[0][0]["metrics"], validated
+    assert validated[JOINER][0]["params"] == validated[0][0]["params"]
 
 
 LOSS_POINTS = {

@@ -38,6 +38,7 @@ from lightning_elche.loop_glue.launcher import (
     configure_launcher,
 )
 from lightning_elche.loop_glue.loaders import (
+    batch_samples,
     reopen_training_epoch,
     sampler_for,
     user_sampler_name,
@@ -51,6 +52,8 @@ from lightning_elche.loop_glue.ranks import (
     renumber_lightning_ranks,
 )
 from lightning_elche.loop_glue.results import (
+    add_missing_epoch_metrics,
+    epoch_metric_specs,
     logging_batch,
 )
 from lightning_elche.loop_glue.signals import (
@@ -90,6 +93,8 @@ __all__ = [
     "SUPPORTED_LIGHTNING",
     "SigtermHandler",
     "TolerantSubprocessLauncher",
+    "add_missing_epoch_metrics",
+    "batch_samples",
     "can_stop_early",
     "chained_user_handler",
     "check_lightning_version",
@@ -100,6 +105,7 @@ __all__ = [
     "default_group_store",
     "discard_interrupted_evaluation",
     "distributed_is_initialized",
+    "epoch_metric_specs",
     "init_process_group_on_job_store",
     "lightning_phase",
     "logged_callback_metrics",

@@ -11,7 +11,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_elche.augment import AugmentedDataset
@@ -108,6 +108,15 @@ def user_sampler_name(sampler: Any) -> str:
     if type(sampler) is DistributedSamplerWrapper:
         sampler = sampler.dataset._sampler  # type: ignore[attr-defined]  # a _DatasetSamplerWrapper
     return type(sampler).__name__
+
+
+def batch_samples(batch: Any, nominal: int) -> int:
+    """The samples in a training batch as Lightning counts them; ``nominal`` (the loader's batch size)
+    for a batch it cannot measure."""
+    try:
+        return extract_batch_size(batch)
+    except Exception:  # noqa: BLE001 (an exotic batch)
+        return nominal
 
 
 def reopen_training_epoch(trainer: Trainer, before: Callable[[], None]) -> bool:

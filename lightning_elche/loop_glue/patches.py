@@ -77,27 +77,41 @@ class LightningPatches:
         self._undo.append(lambda: vars(fit_loop).pop("setup_data", None))  # back to the class's method
 
     def watch_batches(self, trainer: Trainer, after_batch_hooks: Callable[[], None],
-                      on_epoch_skipped: Callable[[], None]) -> None:
+                      on_epoch_skipped: Callable[[], None], on_no_batch: Callable[[], bool]) -> None:
         """Call ``after_batch_hooks()`` once a training batch's ``on_train_batch_end`` hooks have run
         (before an end-of-epoch validation and before the epoch loop reads ``trainer.should_stop``),
         and ``on_epoch_skipped()`` when ``on_train_batch_start`` returned -1 (Lightning then leaves
         the epoch on this rank alone). No strategy hook runs at either point, so the epoch loop's
         two methods are wrapped.
+
+        ``on_no_batch()`` runs when the fetcher has no batch at all for this rank where the epoch
+        loop asks for one (its iterator of the epoch gave nothing: a joiner admitted after the
+        epoch's work was all claimed): True when work came its way (the loop fetches again),
+        False when the epoch ends for it. Lightning would leave the epoch at once, without its
+        epoch-end validation; the batch is taken for the epoch's last one instead, so that the
+        epoch ends as on a rank at its last batch (validation, epoch-interval schedulers).
         """
         epoch_loop = trainer.fit_loop.epoch_loop
         advance, on_advance_end = epoch_loop.advance, epoch_loop.on_advance_end
 
         def advance_watching_for_skip(data_fetcher: Any) -> None:
             current = epoch_loop.batch_progress.current
-            unstarted = current.ready - current.started  # type: ignore[attr-defined]  # a _ProcessedTracker
-            try:
-                advance(data_fetcher)
-            except StopIteration:
-                # Lightning's -1 path marks this batch ready but never starts it; a plain end of
-                # data raises before the batch is ready.
-                if current.ready - current.started > unstarted:  # type: ignore[attr-defined]
-                    on_epoch_skipped()
-                raise
+            while True:
+                ready = current.ready
+                unstarted = ready - current.started  # type: ignore[attr-defined]  # a _ProcessedTracker
+                try:
+                    advance(data_fetcher)
+                    return
+                except StopIteration:
+                    # Lightning's -1 path marks this batch ready but never starts it; a plain end of
+                    # data raises before the batch is ready.
+                    if current.ready - current.started > unstarted:  # type: ignore[attr-defined]
+                        on_epoch_skipped()
+                    if current.ready != ready or epoch_loop.batch_progress.is_last_batch:
+                        raise
+                if not on_no_batch():
+                    epoch_loop.batch_progress.is_last_batch = True  # on_advance_end: the epoch's end
+                    return
 
         def on_advance_end_after_batch_hooks(data_fetcher: Any) -> None:
             after_batch_hooks()

@@ -21,7 +21,9 @@ joins the running job; ``ELCHE_TEST_MEMBER`` names its files. ``--joiner-dies`` 
 its request (before it acknowledges admission), ``--joiner-dies-after-ack`` (SIGKILL) once it acknowledged
 its admission and read the admitted list, before the new process group; ``--request-after-first-join``
 makes it ask only once the first joiner acknowledged its admission, ``--request-once-held`` only once
-launch rank 0 holds for it; ``--width`` changes the model (a
+launch rank 0 holds for it; ``--join-when-dry`` (cohort and joiner, pooled modes) makes the members train
+to the epoch's end after an admission and the joiner's first claim wait for that (its first iterator is
+empty); ``--width`` changes the model (a
 bad join). ``--hold-for-joiner STEP[:COUNT[:WORLD]]`` (repeatable): launch rank 0 waits once, at its first
 batch from step ``STEP`` on with at least ``WORLD`` ranks in the fit, until ``COUNT`` (default 1) joiners
 asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
@@ -455,6 +457,57 @@ def request_once_held() -> None:
     admission.JoinerLink.request = request_later  # type: ignore[method-assign]
 
 
+def join_when_dry(out_dir: str) -> None:
+    """``--join-when-dry``: the joiner is admitted to an epoch whose work the members then claim all
+    before it can claim any (its first iterator is empty). A member that admitted a joiner joins no
+    round of that epoch before it is out of data (it trains through the pool); the joiner's first claim
+    waits (at most 60 s) until the pool and the queue of its span are dry, and it writes
+    ``dry-rank<r>.json`` (the epoch, and whether they were)."""
+    from lightning_elche import growth
+    from lightning_elche.dispatch.pool import PoolDispatch
+    from lightning_elche.engine import ElCheEngine
+
+    if not os.environ.get("ELCHE_JOIN"):
+        admit_joiners, window_due = growth.Growth._admit_joiners, ElCheEngine.window_due
+
+        def admit_then_train_to_the_end(self: Any, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+            admit_joiners(self, trainer, *args, **kwargs)
+            NO_ROUNDS_IN_EPOCH[0] = int(trainer.current_epoch)
+
+        def due_unless_training_to_the_end(self: Any) -> bool:
+            return NO_ROUNDS_IN_EPOCH[0] != TRAINING_EPOCH[0] and window_due(self)
+
+        growth.Growth._admit_joiners = admit_then_train_to_the_end  # type: ignore[method-assign]
+        ElCheEngine.window_due = due_unless_training_to_the_end  # type: ignore[method-assign]
+        return
+    continue_epoch = PoolDispatch._continue_epoch
+    waited: list[bool] = []
+
+    def continue_once_dry(self: Any, order: list[int]) -> Any:
+        if not waited:
+            deadline = time.monotonic() + 60.0
+            while self._work_left() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            waited.append(not self._work_left())
+            Path(out_dir, f"dry-rank{ORIGINAL_RANK}.json").write_text(json.dumps({"epoch": self.epoch,
+                                                                                 "dry": waited[0]}))
+        return continue_epoch(self, order)
+
+    PoolDispatch._continue_epoch = continue_once_dry  # type: ignore[method-assign]
+
+
+NO_ROUNDS_IN_EPOCH = [-1]
+"""``--join-when-dry`` on a member: the epoch in which it admitted a joiner."""
+TRAINING_EPOCH = [-1]
+"""The epoch of this rank's latest training batch (``TrainingEpoch``)."""
+
+
+class TrainingEpoch(pl.Callback):
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        TRAINING_EPOCH[0] = int(trainer.current_epoch)
+
+
 def die_after_the_request() -> None:
     from lightning_elche.membership import admission
 
@@ -547,12 +600,14 @@ def main(args: argparse.Namespace) -> None:
         request_after_the_first_join()
     if args.request_once_held:
         request_once_held()
+    if args.join_when_dry:
+        join_when_dry(args.out_dir)
     if args.member_dies_in_admission is not None:
         rank, point = args.member_dies_in_admission.split(":")
         if int(rank) == ORIGINAL_RANK and not os.environ.get("ELCHE_JOIN"):
             die_in_admission(args.out_dir, point)
     pl.seed_everything(args.seed)
-    callbacks: list[pl.Callback] = [StepDelay(args.delays_ms), RecordChanges(), RecordValidation()]
+    callbacks: list[pl.Callback] = [StepDelay(args.delays_ms), RecordChanges(), RecordValidation(), TrainingEpoch()]
     for fault in args.val_fault:
         kind, rank, batch, epoch = fault.split(":")
         if int(rank) == ORIGINAL_RANK:
@@ -641,6 +696,7 @@ if __name__ == "__main__":
     parser.add_argument("--joiner-dies-after-ack", action="store_true")
     parser.add_argument("--request-after-first-join", action="store_true", help="a joiner asks once the first acked")
     parser.add_argument("--request-once-held", action="store_true", help="a joiner asks once rank 0 holds for it")
+    parser.add_argument("--join-when-dry", action="store_true", help="the joiner's first iterator finds no work")
     parser.add_argument("--restart-lost", type=int, default=0, help="ElCheStrategy(restart_lost=N)")
     parser.add_argument("--member-dies-in-admission", default=None, help="RANK:POINT (admitted or applied)")
     parser.add_argument("--hold-for-joiner", action="append", default=[],
