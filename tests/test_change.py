@@ -28,6 +28,8 @@ def test_joiners_take_the_last_ranks_and_have_no_old_rank() -> None:
     assert change.carry(["a", "b", "c"], lambda: "new") == ["a", "c", "new", "new"]
     assert change.is_loss and change.is_join
     assert change.describe() == "lost rank 2 (gone); joined rank 7, rank 8"
+    # Joiners admitted together take ranks in the order they asked; the message names them by id.
+    assert Change(generation=3, before=(0,), after=(0, 8, 7)).describe() == "joined rank 7, rank 8"
 
 
 @pytest.mark.parametrize(

@@ -173,7 +173,8 @@ class Change:
         if self.lost_ids:
             parts.append("lost " + ", ".join(f"rank {m} ({self.reasons.get(m, 'lost')})" for m in self.lost_ids))
         if self.joined_ids:
-            parts.append("joined " + ", ".join(f"rank {m}" for m in self.joined_ids))
+            # By id: joiners admitted together take their ranks in the order they asked, which races.
+            parts.append("joined " + ", ".join(f"rank {m}" for m in sorted(self.joined_ids)))
         return "; ".join(parts) or "no change"
 
 
