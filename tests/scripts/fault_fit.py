@@ -3,7 +3,7 @@
     python fault_fit.py OUT_DIR --mode M --devices 3 --fault kill:1:12 [--fault stop:2:30] [--max-failure N]
 
 A fault is ``KIND:RANK:STEP[:EPOCH]``: on original rank ``RANK``, before its optimizer step number ``STEP``
-(with ``EPOCH``: its ``STEP``-th step of that epoch, from 0)
+(with ``EPOCH``: its ``STEP``-th step of that epoch, from 0, or with ``STEP`` ``last`` its last batch of it)
 (its own count), ``kill`` sends itself SIGKILL, ``stop`` SIGSTOP, ``raise`` raises in the step,
 ``oom`` raises ``torch.OutOfMemoryError`` as a CUDA allocation that fails inside the step would,
 ``exit`` ends the process with ``os._exit(1)`` (no exception, no notice), ``loop`` spins in an
@@ -232,6 +232,10 @@ class DigitsLogModel(FaultLogModel):
         path.write_text(json.dumps({**json.loads(path.read_text()), **held}))
 
 
+LAST_STEP = -1
+"""``--fault KIND:RANK:last:EPOCH``: the rank's last batch of the epoch (known once its loader is dry)."""
+
+
 class InjectFault(pl.Callback):
     """Before this rank's optimizer step number ``step`` (of epoch ``epoch``, when given): the fault
     ``kind`` (once; the module's docstring lists them)."""
@@ -247,7 +251,10 @@ class InjectFault(pl.Callback):
         in_epoch, self.epoch_steps = self.epoch_steps, self.epoch_steps + 1
         if self.epoch is None and trainer.global_step != self.step:
             return
-        if self.epoch is not None and (trainer.current_epoch != self.epoch or in_epoch != self.step):
+        if self.epoch is not None and trainer.current_epoch != self.epoch:
+            return
+        last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # the fetcher found no batch after it
+        if self.epoch is not None and (in_epoch != self.step if self.step != LAST_STEP else not last):
             return
         record: dict[str, Any] = {"kind": self.kind, "time": time.time(), "epoch": trainer.current_epoch}
         progress = getattr(getattr(trainer.strategy, "_membership", None), "progress", None)
@@ -631,8 +638,11 @@ def main(args: argparse.Namespace) -> None:
         kind, rank, step, *epoch = fault.split(":")
         if kind not in KINDS:
             raise SystemExit(f"--fault {fault} is invalid: expected KIND:RANK:STEP[:EPOCH] with KIND one of {KINDS}")
+        if step == "last" and not epoch:
+            raise SystemExit(f"--fault {fault} is invalid: STEP 'last' needs an EPOCH")
         if int(rank) == ORIGINAL_RANK:
-            callbacks.append(InjectFault(args.out_dir, kind, int(step), int(epoch[0]) if epoch else None))
+            callbacks.append(InjectFault(args.out_dir, kind, LAST_STEP if step == "last" else int(step),
+                                         int(epoch[0]) if epoch else None))
     if args.monitor is not None:
         monitor_dir = Path(args.monitor)
         callbacks.append(ElCheMonitor(record_log_dir=str(monitor_dir / "records"),
