@@ -198,11 +198,7 @@ class RoundDriver:
         metrics every rank logged (one object gather, the same on all) and registers those it lacks
         at their neutral value."""
         local = epoch_metric_specs(trainer)
-        if self.gather_objects is not None:
-            gathered = self.gather_objects(lambda: local)
-        else:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, local)
+        gathered = self._gathered(lambda: local)
         seen: dict[str, dict[str, Any]] = {}
         for specs in gathered:
             seen.update((spec["key"], spec) for spec in specs if spec["key"] not in seen)
@@ -295,12 +291,17 @@ class RoundDriver:
         one gather at the sync point (all ranks are there, in the same order) assembles it."""
         sampler = self.sampler()
         assert sampler is not None
-        if self.gather_objects is not None:  # checked: a rank lost in it is survived (then asked again)
-            return sampler.coverage(self.gather_objects(lambda: sampler.local_coverage(sampler.started_batches or 0)))
-        local = sampler.local_coverage(sampler.started_batches or 0)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, local)
-        return sampler.coverage(gathered)
+        return sampler.coverage(self._gathered(lambda: sampler.local_coverage(sampler.started_batches or 0),
+                                               world_size))
+
+    def _gathered(self, value_of: Callable[[], Any], world_size: Optional[int] = None) -> list[Any]:
+        """Every rank's ``value_of()``: through the checked collectives where the strategy gave them
+        (a rank lost in the gather is survived, and the value asked again), else one plain gather."""
+        if self.gather_objects is not None:
+            return self.gather_objects(value_of)
+        gathered: list[Any] = [None] * (world_size or dist.get_world_size())
+        dist.all_gather_object(gathered, value_of())
+        return gathered
 
     def save_and_exit(self, trainer: Trainer, membership: Optional[Membership], max_failure: Any) -> NoReturn:
         """A stop signal was acted on at the last round: save the consensus with the epoch's coverage

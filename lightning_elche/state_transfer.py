@@ -62,14 +62,15 @@ def _mapped(value: Any, each: Any) -> Any:
     return value
 
 
-def _strip(value: Any, tensors: list[torch.Tensor], offset: list[int]) -> Any:
+def _strip(value: Any, tensors: list[tuple[_Slot, torch.Tensor]], offset: list[int]) -> Any:
     if isinstance(value, torch.Tensor) and _plain(value):
         nbytes = value.numel() * value.element_size()
-        tensors.append(value)
         if nbytes >= DIRECT_BYTES:
-            return _Slot(-1, nbytes, value.dtype, tuple(value.shape), direct=True)
-        slot = _Slot(offset[0], nbytes, value.dtype, tuple(value.shape))
-        offset[0] += -(-nbytes // ALIGN) * ALIGN
+            slot = _Slot(-1, nbytes, value.dtype, tuple(value.shape), direct=True)
+        else:
+            slot = _Slot(offset[0], nbytes, value.dtype, tuple(value.shape))
+            offset[0] += -(-nbytes // ALIGN) * ALIGN
+        tensors.append((slot, value))
         return slot
     if isinstance(value, torch.Tensor):  # pickled with the skeleton: on the CPU, as a plain tensor's arrives
         return value.detach().cpu()
@@ -94,17 +95,18 @@ def _at(into: Any, key: Any) -> Any:
     return None
 
 
-def _targets(value: Any, into: Any, device: torch.device) -> list[Optional[torch.Tensor]]:
-    """For each slot of the skeleton (in :func:`_slots`'s order), the tensor of ``into`` at its
-    place that can take its bytes as they arrive: same dtype and shape, contiguous, on ``device``."""
+def _slots(value: Any, into: Any, device: torch.device) -> list[tuple[_Slot, Optional[torch.Tensor]]]:
+    """The skeleton's slots in the order :func:`_strip` made them, each with the tensor of ``into``
+    at its place that can take its bytes as they arrive (same dtype and shape, contiguous, on
+    ``device``), if there is one."""
     if isinstance(value, _Slot):
         usable = (isinstance(into, torch.Tensor) and _plain(into) and into.dtype == value.dtype
                   and tuple(into.shape) == value.shape and into.is_contiguous() and into.device == device)
-        return [into if usable else None]
+        return [(value, into if usable else None)]
     if type(value) in (dict, OrderedDict):
-        return [t for k, v in value.items() for t in _targets(v, _at(into, k), device)]
+        return [t for k, v in value.items() for t in _slots(v, _at(into, k), device)]
     if type(value) in (list, tuple):
-        return [t for i, v in enumerate(value) for t in _targets(v, _at(into, i), device)]
+        return [t for i, v in enumerate(value) for t in _slots(v, _at(into, i), device)]
     return []
 
 
@@ -127,14 +129,13 @@ def _transport_device() -> torch.device:
 def send_state(payload: Any, ranks: tuple[int, ...] | list[int]) -> int:
     """Send ``payload`` (dicts, lists and tuples of tensors and picklable values) to each of
     ``ranks``; returns the tensor bytes sent to each."""
-    tensors: list[torch.Tensor] = []
+    tensors: list[tuple[_Slot, torch.Tensor]] = []
     offset = [0]
     skeleton = _strip(payload, tensors, offset)
     device = _transport_device()
     buffer = torch.empty(offset[0], dtype=torch.uint8, device=device)
-    slots = _slots(skeleton)
     direct: list[torch.Tensor] = []
-    for slot, tensor in zip(slots, tensors, strict=True):
+    for slot, tensor in tensors:
         if slot.direct:  # as it lies when it is contiguous and on the transport's device (the usual case)
             direct.append(_as_bytes(tensor.detach().to(device).contiguous()))
         elif slot.nbytes:
@@ -143,18 +144,7 @@ def send_state(payload: Any, ranks: tuple[int, ...] | list[int]) -> int:
         dist.send_object_list([(skeleton, offset[0])], dst=rank)
         for raw in ([buffer] if offset[0] else []) + direct:
             dist.send(raw, dst=rank)
-    return sum(s.nbytes for s in slots)
-
-
-def _slots(value: Any) -> list[_Slot]:
-    """The skeleton's slots in the order :func:`_strip` made them."""
-    if isinstance(value, _Slot):
-        return [value]
-    if type(value) in (dict, OrderedDict):
-        return [s for v in value.values() for s in _slots(v)]
-    if type(value) in (list, tuple):
-        return [s for v in value for s in _slots(v)]
-    return []
+    return sum(slot.nbytes for slot, _ in tensors)
 
 
 def recv_state(src: int = 0, into: Any = None) -> Any:
@@ -162,7 +152,7 @@ def recv_state(src: int = 0, into: Any = None) -> Any:
 
     ``into`` (optional) mirrors part of the payload with tensors that may take the values in place
     (a joiner's own ``module.state_dict()``: its memory is already there, and loading it later
-    copies nothing): where one matches (:func:`_targets`) the payload holds that tensor, filled.
+    copies nothing): where one matches (:func:`_slots`) the payload holds that tensor, filled.
     """
     received: list[Any] = [None]
     dist.recv_object_list(received, src=src)
@@ -172,7 +162,7 @@ def recv_state(src: int = 0, into: Any = None) -> Any:
     if size:
         dist.recv(buffer, src=src)
     arrived: list[Optional[torch.Tensor]] = []
-    for slot, target in zip(_slots(skeleton), _targets(skeleton, into, device), strict=True):
+    for slot, target in _slots(skeleton, into, device):
         if slot.direct:
             raw = torch.empty(slot.nbytes, dtype=torch.uint8, device=device) if target is None else _as_bytes(target)
             dist.recv(raw, src=src)

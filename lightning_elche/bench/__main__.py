@@ -15,7 +15,6 @@ import json
 import multiprocessing
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,16 +28,10 @@ from lightning_elche.bench.arms import available_elche_modes
 from lightning_elche.bench.config import BenchConfig, build_config, parse_args
 from lightning_elche.bench.plan import CONVERGENCE, SOLO_RANK0, THROUGHPUT, Group, build_plan, convergence_arms
 from lightning_elche.bench.report import markdown, plot, write_json
-from lightning_elche.bench.worker import EXIT_THROTTLE, worker_main
+from lightning_elche.bench.worker import EXIT_THROTTLE, free_port, worker_main
 
 EXIT_FAILED = 1
 GRACE_S = 15.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def git_commit() -> tuple[str, bool]:

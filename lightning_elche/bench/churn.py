@@ -62,6 +62,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_elche.bench.churn_fit import EVENTS
+from lightning_elche.bench.worker import cpu_model, free_port
+from lightning_elche.checks import invalid
 
 ELCHE_CLEAN, ELCHE_JOINS, ELCHE_SHRINK = "elche_fault_free", "elche_joins", "elche_shrink"
 DDP_CLEAN, DDP_RESTART = "ddp_fault_free", "ddp_torchrun"
@@ -90,7 +92,7 @@ class Fault:
 
 
 def _invalid(owner: str, value: object, expected: str, remedy: str) -> ValueError:
-    return ValueError(f"{owner}={value!r}) is invalid: expected {expected}; {remedy}")
+    return invalid(f"{owner}={value!r})", f"expected {expected}; {remedy.rstrip('.')}")
 
 
 @dataclass(frozen=True)
@@ -249,12 +251,6 @@ def tagged(tag: str) -> list[Proc]:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def read_events(arm_dir: Path) -> list[dict[str, Any]]:
     path = arm_dir / EVENTS
     if not path.exists():
@@ -313,7 +309,7 @@ def run_arm(arm: str, config: ChurnConfig, schedule: list[Fault], arm_dir: Path,
     """Start the arm's processes, apply the schedule (faulted arms), kill everything at the end."""
     arm_dir.mkdir(parents=True, exist_ok=True)
     (arm_dir / EVENTS).unlink(missing_ok=True)
-    tag, port = secrets.token_hex(8), _free_port()
+    tag, port = secrets.token_hex(8), free_port()
     env = _environment(tag, arm_dir, port)
     kind = "ddp" if arm.startswith("ddp") else "elche"
     fit = _fit_command(config, arm_dir, kind)
@@ -405,12 +401,7 @@ def measure(run: ArmRun, arm_dir: Path) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     versions = {}
     for package in ("torch", "lightning"):
         try:

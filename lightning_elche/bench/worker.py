@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import platform
+import socket
 import time
 import traceback
 import warnings
@@ -191,7 +192,7 @@ def describe_device(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
@@ -212,7 +213,14 @@ def _nccl_version() -> str:
     return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
 
 
-def _cpu_model() -> str:
+def free_port() -> int:
+    """A TCP port free on this host now (for a job's store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
