@@ -227,6 +227,7 @@ def check_saving_stop(job: Job, max_failure: str) -> None:
     """The acceptance checks of a job that reached ``max_failure``: every survivor saves a consensus
     checkpoint and fails with ``RanksLost``; none finishes the fit; nothing is left running."""
     assert not job.leftover, f"processes left behind: {job.leftover}\n{job.log[-3000:]}"
+    assert fired_faults(job.out), f"no fault fired, so max_failure could not be reached\n{job.log[-3000:]}"
     assert job.returncode != 0, "the survivor must exit non-zero when max_failure is reached"
     assert not job.results, f"no rank may finish the fit normally: {sorted(job.results)} did\n{job.log[-4000:]}"
     assert "RanksLost" in job.log and f"max_failure={max_failure} reached" in job.log, job.log[-4000:]
