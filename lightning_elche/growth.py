@@ -71,6 +71,7 @@ from lightning_elche.membership.admission import (
     JoinerLink,
     JoinRefused,
     create_join_secret,
+    job_address,
     joining_requested,
     publish_job,
     read_join_secret,
@@ -160,7 +161,7 @@ class Growth:
     def configure_launcher(self, strategy: Any, tolerates_loss: Callable[[int], bool]) -> None:
         """The strategy's launcher: Lightning's, sparing the survivors of a loss, restarting a lost child
         as a joiner ``restart_lost`` times while this fit admits joiners."""
-        configure_launcher(strategy, tolerates_loss, self.restart_lost, lambda: self.admits_joiners)
+        configure_launcher(strategy, tolerates_loss, self.restart_lost, lambda: self.admits_joiners, self.joining)
 
     # -- members -----------------------------------------------------------------------------------
 
@@ -306,8 +307,7 @@ class Growth:
     def connect(self, strategy: Any) -> None:
         """``setup_distributed`` of a joiner: the job's store, a member id in its registry, no group."""
         backend, timeout = prepare_joiner(strategy)
-        environment = strategy.cluster_environment
-        self._address = (environment.main_address, int(environment.main_port))
+        self._address = job_address(strategy.cluster_environment)
         self._backend, self._timeout = backend, timeout
         store = job_store.connect(*self._address, timeout)
         self._link = JoinerLink(store, timeout.total_seconds())

@@ -54,10 +54,11 @@ def _command(out: Path, mode: str, extra: tuple[str, ...]) -> list[str]:
             *extra]
 
 
-def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joiner_env: dict[str, str] | None = None,
-                 timeout_s: float = 240.0, joiners: int = 1, one_after_the_other: bool = False,
+def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (),
+                 joiner_env: dict[str, str | None] | None = None, timeout_s: float = 240.0, joiners: int = 1,
+                 one_after_the_other: bool = False,
                  cohort_extra: tuple[str, ...] = (), joiner_devices: int = 0,
-                 hold_at_step: int = HOLD_AT_STEP) -> JoinJob:
+                 hold_at_step: int = HOLD_AT_STEP, cohort_tasks: tuple[dict[str, str], ...] = ({},)) -> JoinJob:
     """The 2-rank cohort and, started at the same time, the joiner(s); the cohort's rank 0 waits at its
     step ``HOLD_AT_STEP`` until the joiners asked to join (it keeps training while they import,
     build their models and loaders), so that the join comes in the middle of the fit.
@@ -69,7 +70,11 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
 
     ``one_after_the_other``: the second joiner asks to join once the first acknowledged its
     admission, and rank 0 waits for its request at its first batch on three ranks (two admissions,
-    two changes)."""
+    two changes).
+
+    ``cohort_tasks``: the cohort's processes, each this environment over the job's: by default one
+    (Lightning's launcher starts rank 1), or one per rank as a cluster's launcher starts them. In
+    ``joiner_env`` a variable set to ``None`` is removed from the joiner's environment."""
     out.mkdir(parents=True, exist_ok=True)
     tag = secrets.token_hex(8)
     port = free_port()
@@ -83,8 +88,8 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
     deadline = time.monotonic() + timeout_s
 
     def start_joiner(k: int) -> None:
-        environment = {**env, "ELCHE_JOIN": "1", "LOCAL_RANK": "0", "ELCHE_TEST_MEMBER": str(JOINER + k),
-                       **(joiner_env or {})}
+        overlay = {"ELCHE_JOIN": "1", "LOCAL_RANK": "0", "ELCHE_TEST_MEMBER": str(JOINER + k), **(joiner_env or {})}
+        environment = {name: value for name, value in {**env, **overlay}.items() if value is not None}
         extra = (*joiner_extra, "--request-after-first-join") if one_after_the_other and k > 0 else joiner_extra
         if joiner_devices:
             del environment["LOCAL_RANK"]
@@ -96,11 +101,12 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
     try:
         with open(cohort_log, "w") as sink:
             hold = tuple(a for h in holds for a in ("--hold-for-joiner", h))
-            procs.append(subprocess.Popen(_command(out, mode, (*hold, *cohort_extra)), env=env, stdout=sink,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            for task in cohort_tasks:
+                procs.append(subprocess.Popen(_command(out, mode, (*hold, *cohort_extra)), env={**env, **task},
+                                              stdout=sink, stderr=subprocess.STDOUT, start_new_session=True))
         for k in range(joiners):
             start_joiner(k)
-        for proc, log in zip(procs, (cohort_log, *joiner_logs), strict=True):
+        for proc, log in zip(procs, (*(cohort_log for _ in cohort_tasks), *joiner_logs), strict=True):
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -112,9 +118,11 @@ def run_join_job(out: Path, mode: str, joiner_extra: tuple[str, ...] = (), joine
     finally:
         end_launch(procs, tag)
     results = rank_results(out)
-    return JoinJob(out, procs[0].returncode, procs[1].returncode if joiners else 0, cohort_log.read_text(),
+    cohort, joining = procs[:len(cohort_tasks)], procs[len(cohort_tasks):]
+    cohort_rc = next((p.returncode for p in cohort if p.returncode != 0), 0)
+    return JoinJob(out, cohort_rc, joining[0].returncode if joiners else 0, cohort_log.read_text(),
                    joiner_logs[0].read_text() if joiners else "", results, leftover,
-                   joiner_rcs=[p.returncode for p in procs[1:]], joiner_logs=[log.read_text() for log in joiner_logs])
+                   joiner_rcs=[p.returncode for p in joining], joiner_logs=[log.read_text() for log in joiner_logs])
 
 
 def check_joined(job: JoinJob) -> None:

@@ -24,7 +24,7 @@ JOIN_ENV = "ELCHE_JOIN"  # lightning_elche.membership.admission.JOIN_ENV: a rest
 
 
 def configure_launcher(strategy: Any, tolerates_loss: Callable[[int], bool], restart_lost: int = 0,
-                       restartable: Callable[[], bool] = lambda: False) -> None:
+                       restartable: Callable[[], bool] = lambda: False, joining: bool = False) -> None:
     """``DDPStrategy._configure_launcher``, with a popen launcher that spares the survivors of a loss.
 
     Lightning's popen launcher (the default for ``devices=N``) kills every rank as soon as one
@@ -36,13 +36,18 @@ def configure_launcher(strategy: Any, tolerates_loss: Callable[[int], bool], res
     ``restart_lost``: how many times in the fit rank 0 starts a lost child again, as a joiner
     (``ELCHE_JOIN=1``, the same command, environment and ``LOCAL_RANK``), while ``restartable()``
     (the fit admits joiners).
+
+    ``joining``: this process joins a running fit (``ELCHE_JOIN=1``). Started by a cluster (a task
+    of its own ``srun`` step), it is one rank whatever its step's shape, so the step is not held to
+    ``Trainer(devices=..., num_nodes=...)`` (the admission checks what the fit needs instead).
     """
     if strategy._start_method != "popen":
         DDPStrategy._configure_launcher(strategy)
         return
     assert strategy.cluster_environment is not None
     strategy._launcher = TolerantSubprocessLauncher(strategy.cluster_environment, strategy.num_processes,
-                                                    strategy.num_nodes, tolerates_loss, restart_lost, restartable)
+                                                    strategy.num_nodes, tolerates_loss, restart_lost, restartable,
+                                                    joining)
 
 
 class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
@@ -55,14 +60,16 @@ class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
 
     def __init__(self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int,
                  tolerates_loss: Callable[[int], bool], restart_lost: int = 0,
-                 restartable: Callable[[], bool] = lambda: False) -> None:
+                 restartable: Callable[[], bool] = lambda: False, joining: bool = False) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.tolerates_loss = tolerates_loss
         self.restart_lost = restart_lost
         self.restartable = restartable
+        self.joining = joining
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
-        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not (self.joining and self.cluster_environment.creates_processes_externally):
+            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
             first_member = self.cluster_environment.node_rank() * self.num_processes

@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning.fabric.plugins.environments import SLURMEnvironment
+
 from lightning_elche.membership.agreement import Membership
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,17 @@ class FitOver(Exception):
 def joining_requested() -> bool:
     """Whether this process was started to join a running fit (``ELCHE_JOIN=1``)."""
     return os.environ.get(JOIN_ENV, "").strip() not in ("", "0")
+
+
+def job_address(environment: Any) -> tuple[str, int]:
+    """Where a joiner finds the job's store: its cluster environment's ``main_address`` and
+    ``main_port``. A task of a new SLURM ``srun`` step sees its own step's node list, and Lightning
+    would take the store to be on the step's first node; without ``MASTER_ADDR`` the job's store is
+    on the allocation's first node (``SLURM_JOB_NODELIST``), where the training step's rank 0 runs."""
+    allocation = os.environ.get("SLURM_JOB_NODELIST")
+    if isinstance(environment, SLURMEnvironment) and "MASTER_ADDR" not in os.environ and allocation:
+        os.environ["MASTER_ADDR"] = SLURMEnvironment.resolve_root_node_address(allocation)
+    return str(environment.main_address), int(environment.main_port)
 
 
 def key(name: str) -> str:

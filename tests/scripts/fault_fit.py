@@ -91,9 +91,9 @@ from lightning_elche import ElCheMonitor, ElCheStrategy  # noqa: E402
 # launcher restarted, with ``--restart-lost``: the launch world size, the member id of the first joiner).
 _RESTARTED = bool(os.environ.get("ELCHE_JOIN")) and "ELCHE_TEST_MEMBER" not in os.environ and "WORLD_SIZE" in os.environ
 # A joiner started without LOCAL_RANK brings its devices' ranks: they are named from ELCHE_TEST_MEMBER on.
+_LOCAL = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))  # a launcher's, or srun's
 ORIGINAL_RANK = (int(os.environ["WORLD_SIZE"]) if _RESTARTED else
-                 int(os.environ["ELCHE_TEST_MEMBER"]) + int(os.environ.get("LOCAL_RANK", "0"))
-                 if "ELCHE_TEST_MEMBER" in os.environ else int(os.environ.get("LOCAL_RANK", "0")))
+                 int(os.environ["ELCHE_TEST_MEMBER"]) + _LOCAL if "ELCHE_TEST_MEMBER" in os.environ else _LOCAL)
 CHANGES: list[dict[str, Any]] = []
 KINDS = ("kill", "stop", "raise", "oom", "exit", "loop", "sleep_in_collective")
 EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
@@ -171,6 +171,7 @@ class FaultLogModel(pl.LightningModule):
             "global_rank": self.trainer.global_rank,
             "world_size": self.trainer.world_size,
             "is_global_zero": self.trainer.is_global_zero,
+            "environment": type(strategy.cluster_environment).__name__,
             "val_count": float(self.trainer.callback_metrics.get("val_count", -1.0)),
             "params": [p.detach().flatten().tolist() for p in self.parameters()],
             "losses": [
