@@ -38,11 +38,15 @@ class Throttle(Callback):
     """Make rank ``rank`` about ``slowdown`` times slower than it would be.
 
     * ``sleep`` (the CPU default): after each backward pass the rank sleeps ``slowdown - 1`` times
-      the host time from the batch start (for a later backward of the same batch, a micro-batch's:
-      from the end of the last pause) to the moment the last parameter gradient was computed.
-      The sleep frees the core, as a slower device would. Ending the span at the last gradient
-      keeps communication out of it: DDP's gradient all-reduce finishes after that point, so a
-      DDP run is not slowed more than an ElChe run by the same throttle.
+      the host time from the first forward of a direct child module of the LightningModule in
+      that batch (for a later backward of the same batch, a micro-batch's: the first such forward
+      after the last pause) to the moment the last parameter gradient was computed.
+      The sleep frees the core, as a slower device would. Both ends keep communication out of the
+      span: Lightning DDP's forward broadcasts the buffers (a collective that waits for the other
+      ranks) before the module's children run, and DDP's gradient all-reduce finishes after the
+      last gradient, so a rank that waits on others is not slowed for its wait (counted, it made a
+      throttled rank sleep longer the more it waited: a feedback loop). A module whose step runs
+      no child module is timed from the batch start (or the last pause).
     * ``sm_limit`` (the CUDA default): the rank computes on the stream of a CUDA green context
       that holds only ``total_sms / slowdown`` SMs, so the slowdown is real device time. Work that
       is not compute-bound (a small model fed from the CPU) may not slow down: check with a solo
@@ -68,8 +72,10 @@ class Throttle(Callback):
         self.sleep_s = 0.0
         self.sms: Optional[int] = None
         self._t0 = 0.0
+        self._t_forward: Optional[float] = None
         self._t_grads: Optional[float] = None
         self._grad_hook: Any = None
+        self._forward_hooks: list[Any] = []
         self._green: Any = None
         self._previous_stream: Optional[torch.cuda.Stream] = None
 
@@ -99,6 +105,14 @@ class Throttle(Callback):
                 self._grad_hook = torch.autograd.graph.register_multi_grad_hook(
                     params, self._on_gradients_ready, mode="all"
                 )
+            # Direct children only: the first of them to run starts the span, one hook call per child.
+            self._forward_hooks = [
+                child.register_forward_pre_hook(self._on_child_forward) for child in pl_module.children()
+            ]
+
+    def _on_child_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._t_forward is None:
+            self._t_forward = time.perf_counter()
 
     def _on_gradients_ready(self, grads: Any) -> None:
         self._t_grads = time.perf_counter()
@@ -107,6 +121,9 @@ class Throttle(Callback):
         if self._grad_hook is not None:
             self._grad_hook.remove()
             self._grad_hook = None
+        for hook in self._forward_hooks:
+            hook.remove()
+        self._forward_hooks = []
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.active_method == "sm_limit":
@@ -138,18 +155,21 @@ class Throttle(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.active_method == "sleep":
             self._t_grads = None
+            self._t_forward = None
             self._t0 = time.perf_counter()
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.active_method == "sleep":
+            start = self._t_forward if self._t_forward is not None else self._t0
             end = self._t_grads if self._t_grads is not None else time.perf_counter()
-            pause = (self.slowdown - 1.0) * (end - self._t0)
+            pause = (self.slowdown - 1.0) * max(0.0, end - start)
             self.sleep_s += pause
             time.sleep(pause)
             # A batch trained as micro-batches (ElCheStrategy(micro_batch=...)) or with a user's manual
             # backward runs several backwards: the next one is slowed for its own compute, not again
             # for this span and its pause (which would grow the pauses geometrically).
             self._t0 = time.perf_counter()
+            self._t_forward = None
             self._t_grads = None
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -1,16 +1,26 @@
-"""``Throttle``: knob checks and the choice of method, without processes."""
+"""``Throttle``: knob checks, the choice of method and the measured span, without processes."""
+
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_elche.testing as testing
 from lightning_elche.testing import Throttle, green_context_sms
 
 
-@pytest.mark.parametrize(("kwargs", "knob"), [
-    ({"rank": -1, "slowdown": 2.0}, "rank"), ({"rank": 0, "slowdown": 0.5}, "slowdown"),
-    ({"rank": 0, "slowdown": 2.0, "method": "nap"}, "method"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "knob"),
+    [
+        ({"rank": -1, "slowdown": 2.0}, "rank"),
+        ({"rank": 0, "slowdown": 0.5}, "slowdown"),
+        ({"rank": 0, "slowdown": 2.0, "method": "nap"}, "method"),
+    ],
+)
 def test_bad_knobs_name_themselves(kwargs, knob):
     with pytest.raises(ValueError, match=f"Throttle\\({knob}="):
         Throttle(**kwargs)
@@ -54,3 +64,68 @@ def test_sleep_slows_each_backward_of_a_batch_by_its_own_compute(monkeypatch):
         throttle.on_after_backward(None, None)
     assert throttle.sleep_s == pytest.approx(6.0)  # 3x slower: 2 s of pause per 1 s of compute
     assert clock[0] == pytest.approx(9.0)
+
+
+class _WaitThenCompute(LightningModule):
+    """``wait()`` before the child's forward (as Lightning DDP's buffer broadcast waits on the other
+    ranks), ``compute()`` inside it."""
+
+    def __init__(self, wait, compute=lambda: None) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.wait, self.compute = wait, compute
+
+    def training_step(self, batch, batch_idx):
+        self.wait()
+        out = self.layer(batch[0])
+        self.compute()
+        return out.square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_wait_before_the_first_child_forward_is_not_slowed(monkeypatch):
+    # Fake clock: 5 s of waiting, then 1 s of compute, per backward. Counting the wait made a rank
+    # that waited on the others sleep (k - 1) x 6 s, and so wait longer on it next time.
+    clock = [0.0]
+    monkeypatch.setattr(testing.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(testing.time, "sleep", lambda seconds: clock.__setitem__(0, clock[0] + seconds))
+
+    def advance(seconds):
+        return lambda: clock.__setitem__(0, clock[0] + seconds)
+
+    module = _WaitThenCompute(wait=advance(5.0), compute=advance(1.0))
+    throttle = Throttle(0, 3.0)
+    trainer = SimpleNamespace(global_rank=0, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    throttle.setup(trainer, module, "fit")
+    batch = (torch.randn(8, 4),)
+    throttle.on_train_batch_start(trainer, module, batch, 0)
+    for _ in range(2):  # two micro-batches of one batch, each waiting before its forward
+        module.training_step(batch, 0).backward()
+        throttle.on_after_backward(trainer, module)
+    assert throttle.sleep_s == pytest.approx(4.0)  # 2 s of pause per 1 s of compute, the waits not counted
+    throttle.teardown(trainer, module, "fit")
+    assert not throttle._forward_hooks and throttle._grad_hook is None
+
+
+def test_a_lightning_fit_does_not_slow_the_wait_before_the_forward():
+    # Real time, a real fit: 0.1 s of waiting before each forward of a tiny layer (ms of compute).
+    # Counted, each of the 4 steps would sleep >= 0.1 s at k = 2.
+    steps, wait_s = 4, 0.1
+    module = _WaitThenCompute(wait=lambda: time.sleep(wait_s))
+    throttle = Throttle(0, 2.0)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=[throttle],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    data = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=8)
+    trainer.fit(module, train_dataloaders=data)
+    assert throttle.active_method == "sleep"
+    assert 0.0 < throttle.sleep_s < steps * wait_s / 2
