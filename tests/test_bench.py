@@ -353,6 +353,10 @@ def test_cpu2_tiny_end_to_end(tmp_path):
     assert arms["ddp"]["idle_method"].startswith("estimate")
     assert positive(result["ideal_samples_per_s"])
     assert result["measured_slowdown"] >= result["config"]["min_slowdown"]
+    assert result["measured_slowdown_range_per_pass"] == [[result["measured_slowdown"]] * 2]  # one pass, no bracket
+    assert isinstance(result["noise_warnings"], list)
+    for warning in result["noise_warnings"]:  # also on stderr
+        assert warning["message"] in output
 
     conv = result["convergence"]
     assert conv["quality"] == "held_out_acc" and conv["seeds_run"] >= 1

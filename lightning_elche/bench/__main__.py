@@ -222,8 +222,10 @@ def summarize(config: BenchConfig, plan: list[Group], records: dict[str, list[di
         "ideal_samples_per_s": headline["ideal_samples_per_s"],
         "measured_slowdown": headline["measured_slowdown"],
         "measured_slowdown_per_pass": headline["measured_slowdown_per_pass"],
+        "measured_slowdown_range_per_pass": headline["measured_slowdown_range_per_pass"],
         "solo_brackets": headline["solo_brackets"],
         "spread_warnings": headline["spread_warnings"],
+        "noise_warnings": headline["noise_warnings"],
         "speed_share": headline["speed_share"],
         "throttle_check": records.get("throttle_check", [None])[0],
         "arms": arms,
@@ -236,6 +238,16 @@ def summarize(config: BenchConfig, plan: list[Group], records: dict[str, list[di
     if headline.get("limits"):
         result["limits"] = headline["limits"]
     return result
+
+
+def warn_noise(result: dict[str, Any]) -> list[str]:
+    """Print each noise warning of the headline and the other settings to stderr; returns them."""
+    sections = [(result["setting"]["label"], result), *result.get("other_settings", {}).items()]
+    lines = [f"[bench] warning ({label}): {w['message']}." for label, section in sections
+             for w in section.get("noise_warnings", [])]
+    for line in lines:
+        print(line, file=sys.stderr)
+    return lines
 
 
 def _read_errors(run_dir: str) -> str:
@@ -331,6 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {**stamp, **result, "wall_s": time.time() - t0}
     text = write_outputs(result, out_dir, config.plots)
     print(text)
+    warn_noise(result)
     print(f"[bench] wrote {out_dir / config.rig.name}.md, .json and {len(result['plots'].get('files', []))} plot(s) "
           f"in {result['wall_s']:.0f} s")
     return 0

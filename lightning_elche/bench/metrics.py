@@ -275,6 +275,7 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
             "opening": [opening[rep] for rep in sorted(opening)],
             "closing": [closing[rep] for rep in sorted(opening)],
             "drift": [closing[rep] / opening[rep] - 1.0 if opening[rep] else None for rep in sorted(opening)],
+            "representatives": sorted(opening),
         }
     rates = [class_rate[rep] for rep in reps]
     ideal = sum(rates)
@@ -298,16 +299,22 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
         row["efficiency"] = row["samples_per_s"] / ideal if ideal > 0 else None
         row["speedup_vs_ddp"] = _ratio(row["samples_per_s"], ddp_rate)
     slowest = min(rates[1:]) if len(rates) > 1 else None
+    # Rank 0's device against the slowest other: on 2 ranks, solo rank 0 ÷ solo rank 1.
+    measured = rates[0] / slowest if slowest else None
+    measured_each = [measured]
     if bracket is not None:
         for key in ("opening", "closing"):
             class_rates = dict(zip(sorted(class_rate), bracket[key], strict=True))
             others = [class_rates[rep] for rep in reps[1:]]
             bracket[f"measured_slowdown_{key}"] = class_rates[reps[0]] / min(others) if others and min(others) else None
+        measured_each = [bracket["measured_slowdown_opening"], bracket["measured_slowdown_closing"]]
+    finite = [m for m in measured_each if m is not None]
     return {
         "solo_bracket": bracket,
         "ideal_samples_per_s": ideal,
-        # Rank 0's device against the slowest other: on 2 ranks, solo rank 0 ÷ solo rank 1.
-        "measured_slowdown": rates[0] / slowest if slowest else None,
+        "measured_slowdown": measured,
+        # What the throttle gave in this pass: [min, max] over its solo fits (A-B-A: before and after the arms).
+        "measured_slowdown_range": [min(finite), max(finite)] if finite else None,
         "speed_share": speed_share,
         "arms": arms,
     }
@@ -321,27 +328,74 @@ SPREAD_WARNING = 0.05
 """An arm whose efficiency varies more than this (max - min over the median) between passes is
 flagged in the report: the machine's speed changed more than the rig can measure through."""
 
+DRIFT_WARNING = 0.05
+"""A solo fit whose rate moves more than this between passes (max - min over the median), or
+between the opening and closing solos of one A-B-A pass, is flagged: the ideal it sets moved."""
 
-def efficiency_spread(values: Sequence[Optional[float]]) -> Optional[float]:
-    """``(max - min) / median`` of an arm's per-pass efficiencies (None with fewer than two)."""
-    finite = [v for v in values if v is not None]
+
+def relative_spread(values: Sequence[Optional[float]]) -> Optional[float]:
+    """``(max - min) / median`` of the finite values (None with fewer than two)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
     if len(finite) < 2 or statistics.median(finite) <= 0:
         return None
     return (max(finite) - min(finite)) / statistics.median(finite)
 
 
+def efficiency_spread(values: Sequence[Optional[float]]) -> Optional[float]:
+    """``(max - min) / median`` of an arm's per-pass efficiencies (None with fewer than two)."""
+    return relative_spread(values)
+
+
+def _range(values: Sequence[Optional[float]]) -> Optional[list[float]]:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return [min(finite), max(finite)] if finite else None
+
+
+def noise_warnings(section: dict[str, Any]) -> list[dict[str, Any]]:
+    """What in an aggregated section says the machine was not steady enough to read it closely:
+    an arm's efficiency spread above :data:`SPREAD_WARNING` between passes, a solo's rate drift
+    above :data:`DRIFT_WARNING` between passes or within one A-B-A pass. Each warning has its
+    ``kind``, ``arm``, ``value`` (a fraction), ``pass`` (1-based; None between passes) and ``message``."""
+    out: list[dict[str, Any]] = []
+    for arm, row in section["arms"].items():
+        spread = row.get("efficiency_spread")
+        if row.get("kind") != "solo" and spread is not None and spread > SPREAD_WARNING:
+            out.append({"kind": "efficiency_spread", "arm": arm, "value": spread, "pass": None,
+                        "message": f"the efficiency of `{arm}` varies by {100 * spread:.1f} % between passes "
+                                   f"(> {100 * SPREAD_WARNING:.0f} %): do not read differences below that spread"})
+        drift = row.get("rate_drift")
+        if row.get("kind") == "solo" and drift is not None and drift > DRIFT_WARNING:
+            out.append({"kind": "solo_drift", "arm": arm, "value": drift, "pass": None,
+                        "message": f"the solo rate of `{arm}` drifts by {100 * drift:.1f} % between passes "
+                                   f"(> {100 * DRIFT_WARNING:.0f} %): the machine's speed changed between passes"})
+    for number, bracket in enumerate(section.get("solo_brackets") or [], start=1):
+        if not bracket:
+            continue
+        for rep, change in zip(bracket.get("representatives", range(len(bracket["drift"]))), bracket["drift"],
+                               strict=True):
+            if change is not None and abs(change) > DRIFT_WARNING:
+                arm = f"solo_rank{rep}"
+                out.append({"kind": "solo_drift_in_pass", "arm": arm, "value": change, "pass": number,
+                            "message": f"the solo rate of `{arm}` moved by {100 * change:+.1f} % across the arms "
+                                       f"of pass {number} (> {100 * DRIFT_WARNING:.0f} %): the machine's speed "
+                                       "changed within the pass"})
+    return out
+
+
 def aggregate_passes(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Median over passes of every headline number; the last pass's details (idle, shares, ...).
 
-    With several passes each arm also gets ``efficiency_spread`` and the section a
-    ``spread_warnings`` list (arms above :data:`SPREAD_WARNING`), and the measured slowdown of
-    every pass (and, A-B-A, before and after its arms) is listed."""
+    With several passes each arm also gets the [min, max] of its samples/s and efficiency over
+    the passes and its ``efficiency_spread`` (a solo its ``rate_drift``); the section lists the
+    measured slowdown of every pass and its [min, max] range, the ``spread_warnings`` (arms above
+    :data:`SPREAD_WARNING`) and every :func:`noise_warnings`."""
     if not passes:
         return {}
     last = passes[-1]
     out: dict[str, Any] = {
         "passes": len(passes),
         "measured_slowdown_per_pass": [p["measured_slowdown"] for p in passes],
+        "measured_slowdown_range_per_pass": [p.get("measured_slowdown_range") for p in passes],
         "solo_brackets": [p.get("solo_bracket") for p in passes],
         "ideal_samples_per_s": _median(p["ideal_samples_per_s"] for p in passes),
         "measured_slowdown": _median(p["measured_slowdown"] for p in passes),
@@ -355,13 +409,19 @@ def aggregate_passes(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
             merged[key] = _median(values)
             if len(passes) > 1:
                 merged[f"{key}_per_pass"] = values
+                if key in ("samples_per_s", "efficiency"):
+                    merged[f"{key}_range"] = _range(values)
         idle = [p["arms"][arm]["idle"] for p in passes if arm in p["arms"]]
         merged["idle"] = [_median(v[k] for v in idle) for k in range(len(idle[0]))]
         merged["efficiency_spread"] = efficiency_spread([p["arms"][arm].get("efficiency") for p in passes
                                                          if arm in p["arms"]])
+        if merged.get("kind") == "solo":
+            merged["rate_drift"] = relative_spread([p["arms"][arm]["samples_per_s"] for p in passes
+                                                    if arm in p["arms"]])
         out["arms"][arm] = merged
     out["spread_warnings"] = [arm for arm, row in out["arms"].items() if row.get("kind") != "solo"
                               and (row["efficiency_spread"] or 0.0) > SPREAD_WARNING]
+    out["noise_warnings"] = noise_warnings(out)
     return out
 
 

@@ -58,8 +58,15 @@ def throughput_table(section: dict[str, Any], world: int = 2) -> list[str]:
     for arm, row in section["arms"].items():
         idle = _pair(row.get("idle")) + (" (est.)" if row.get("idle_method", "").startswith("estimate") else "")
         share = _pair(row.get("batch_share")) if row.get("kind") != "solo" else "-"
+        rate, efficiency = _rate(row["samples_per_s"]), _num(row.get("efficiency"))
+        if row.get("samples_per_s_range"):  # several passes: the median and [min, max] over them
+            low, high = row["samples_per_s_range"]
+            rate += f" [{_rate(low)}, {_rate(high)}]"
+        if row.get("efficiency_range"):
+            low, high = row["efficiency_range"]
+            efficiency += f" [{_num(low)}, {_num(high)}]"
         lines.append(
-            f"| `{arm}` | {_rate(row['samples_per_s'])} | {_num(row.get('efficiency'))} | "
+            f"| `{arm}` | {rate} | {efficiency} | "
             f"{_num(row.get('speedup_vs_ddp'), suffix='x')} | {_count(row.get('syncs'))} | "
             f"{_bytes(row.get('bytes_per_sample'))} | {idle} | {share} |"
         )
@@ -234,8 +241,8 @@ def slowdown_line(section: dict[str, Any], world: int) -> str:
 
 def noise_lines(section: dict[str, Any]) -> list[str]:
     """How steady the machine was: each pass's measured slowdown (and, A-B-A, the solo rates'
-    drift across the arms), each arm's efficiency per pass and its spread, and a warning when an
-    arm's spread is above 5 % (older results: nothing)."""
+    drift across the arms), each arm's efficiency per pass and its spread, the solo rates per pass,
+    and the warnings (an arm's spread or a solo's drift above 5 %; older results: what they hold)."""
     passes = int(section.get("passes", 1))
     brackets = [b for b in section.get("solo_brackets", []) if b]
     lines: list[str] = []
@@ -247,21 +254,35 @@ def noise_lines(section: dict[str, Any]) -> list[str]:
         lines.append(f"Solo fits before and after the arms of each pass (A-B-A; the ideal is their mean): measured "
                      f"slowdown before / after {slow}; solo rate drift per speed class {drift}.")
     if passes > 1:
-        per_pass = ", ".join(f"{_num(p)}x" for p in section.get("measured_slowdown_per_pass", []))
-        lines.append(f"Measured slowdown per pass: {per_pass}.")
-        cells = []
+        ranges = section.get("measured_slowdown_range_per_pass") or [None] * passes
+        per_pass = ", ".join(
+            f"{_num(p)}x" + (f" [{_num(r[0])}x, {_num(r[1])}x]" if r and brackets else "")
+            for p, r in zip(section.get("measured_slowdown_per_pass", []), ranges, strict=False))
+        lines.append(f"Measured slowdown per pass{' [min, max] of its solo fits' if brackets else ''}: {per_pass}.")
+        cells, solos = [], []
         for arm, row in section["arms"].items():
-            if row.get("kind") == "solo" or "efficiency_per_pass" not in row:
+            if row.get("kind") == "solo":
+                if "samples_per_s_per_pass" in row:
+                    rates = ", ".join(_rate(v) for v in row["samples_per_s_per_pass"])
+                    drift = row.get("rate_drift")
+                    solos.append(f"`{arm}` {rates} (drift {_num(None if drift is None else 100 * drift, 1, ' %')})")
+                continue
+            if "efficiency_per_pass" not in row:
                 continue
             spread = row.get("efficiency_spread")
             values = ", ".join(_num(v) for v in row["efficiency_per_pass"])
             cells.append(f"`{arm}` {values} (spread {_num(None if spread is None else 100 * spread, 1, ' %')})")
         lines.append(f"Efficiency per pass (median in the table; spread = (max - min) / median): {'; '.join(cells)}.")
-    warned = section.get("spread_warnings") or []
-    if warned:
-        lines.append(f"**Warning**: the efficiency of {', '.join(f'`{a}`' for a in warned)} varies by more than 5 % "
-                     "between passes: the machine's load changed more than the passes measure through; do not "
-                     "read their differences below that spread.")
+        if solos:
+            lines.append(f"Solo samples/s per pass (drift = (max - min) / median): {'; '.join(solos)}.")
+    if "noise_warnings" in section:
+        lines += [f"**Warning**: {w['message']}." for w in section["noise_warnings"]]
+    else:  # results recorded before the solo drift was checked
+        warned = section.get("spread_warnings") or []
+        if warned:
+            lines.append(f"**Warning**: the efficiency of {', '.join(f'`{a}`' for a in warned)} varies by more than "
+                         "5 % between passes: the machine's load changed more than the passes measure through; do "
+                         "not read their differences below that spread.")
     return ["", *lines] if lines else []
 
 
