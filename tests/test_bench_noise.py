@@ -58,6 +58,9 @@ def test_each_arm_gets_the_median_and_range_of_its_passes_in_the_json_and_the_ta
     row = next(line for line in throughput_table(section) if line.startswith("| `ddp` |"))
     assert "| 50.0 [40.0, 60.0] | 0.40 [0.32, 0.48] |" in row
     assert section["spread_warnings"] == ["ddp"] and _kinds(section) == [("efficiency_spread", "ddp", None)]
+    assert "**Warning**: the efficiency varies by more than 5 % between passes: `ddp` 40.0 %;" in "\n".join(
+        noise_lines(section)
+    )
     # One pass: no range, so the committed single-pass tables replot unchanged.
     single = metrics.aggregate_passes([_pass((100, 25), 25)])
     assert "samples_per_s_range" not in single["arms"]["ddp"] and single["noise_warnings"] == []
@@ -86,7 +89,7 @@ def test_a_solo_drifting_more_than_5_percent_between_passes_warns():
     assert ("solo_drift", "solo_rank0", None) in _kinds(drifting)
     assert ("solo_drift", "solo_rank1", None) not in _kinds(drifting)
     text = "\n".join(noise_lines(drifting))
-    assert "**Warning**: the solo rate of `solo_rank0` drifts by 10.0 % between passes" in text
+    assert "**Warning**: the solo rate drifts by more than 5 % between passes: `solo_rank0` 10.0 %;" in text
     assert "Solo samples/s per pass (drift = (max - min) / median): `solo_rank0` 100, 100, 110 (drift 10.0 %)" in text
 
 
@@ -99,7 +102,10 @@ def test_a_solo_moving_more_than_5_percent_within_an_a_b_a_pass_warns_with_its_p
     )  # rank 0 -7 %
     assert _kinds(section) == [("solo_drift_in_pass", "solo_rank0", 2)]
     assert section["noise_warnings"][0]["value"] == pytest.approx(-0.07)
-    assert "moved by -7.0 % across the arms of pass 2" in "\n".join(noise_lines(section))
+    assert "moved by more than 5 % across the arms of a pass: `solo_rank0` -7.0 % (pass 2);" in "\n".join(
+        noise_lines(section)
+    )
+    assert "moved by -7.0 % across the arms of pass 2" in section["noise_warnings"][0]["message"]
 
 
 def test_the_warnings_go_to_stderr_for_every_setting(capsys):

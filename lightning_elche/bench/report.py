@@ -276,7 +276,7 @@ def noise_lines(section: dict[str, Any]) -> list[str]:
         if solos:
             lines.append(f"Solo samples/s per pass (drift = (max - min) / median): {'; '.join(solos)}.")
     if "noise_warnings" in section:
-        lines += [f"**Warning**: {w['message']}." for w in section["noise_warnings"]]
+        lines += _grouped_warnings(section["noise_warnings"])
     else:  # results recorded before the solo drift was checked
         warned = section.get("spread_warnings") or []
         if warned:
@@ -284,6 +284,29 @@ def noise_lines(section: dict[str, Any]) -> list[str]:
                          "5 % between passes: the machine's load changed more than the passes measure through; do "
                          "not read their differences below that spread.")
     return ["", *lines] if lines else []
+
+
+_WARNING_TEXT = {
+    "efficiency_spread": ("the efficiency varies by more than 5 % between passes", "do not read differences "
+                          "below that spread"),
+    "solo_drift": ("the solo rate drifts by more than 5 % between passes", "the machine's speed changed between "
+                   "passes, and every efficiency of a pass with it"),
+    "solo_drift_in_pass": ("a solo rate moved by more than 5 % across the arms of a pass", "the machine's speed "
+                           "changed within the pass (its ideal is the mean of the two)"),
+}
+
+
+def _grouped_warnings(warnings: list[dict[str, Any]]) -> list[str]:
+    """One report line per kind of noise warning (the JSON and stderr keep one per arm)."""
+    lines = []
+    for kind, (what, meaning) in _WARNING_TEXT.items():
+        found = [w for w in warnings if w["kind"] == kind]
+        if not found:
+            continue
+        cells = ", ".join(f"`{w['arm']}` {100 * w['value']:{'+' if w['pass'] else ''}.1f} %"
+                          + (f" (pass {w['pass']})" if w["pass"] else "") for w in found)
+        lines.append(f"**Warning**: {what}: {cells}; {meaning}.")
+    return lines
 
 
 def convergence_table(conv: dict[str, Any]) -> list[str]:
