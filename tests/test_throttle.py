@@ -1,6 +1,9 @@
-"""``Throttle``: knob checks, the choice of method and the measured span, without processes."""
+"""``Throttle``: knob checks, the choice of method and the measured span (one 2-rank DDP fit)."""
 
+import json
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -129,3 +132,30 @@ def test_a_lightning_fit_does_not_slow_the_wait_before_the_forward():
     trainer.fit(module, train_dataloaders=data)
     assert throttle.active_method == "sleep"
     assert 0.0 < throttle.sleep_s < steps * wait_s / 2
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_a_ddp_rank_waiting_in_the_buffer_broadcast_is_not_slowed_for_its_wait(tmp_path):
+    # Rank 0 reaches each forward 0.2 s late; throttled rank 1 waits for it in DDP's pre-forward
+    # buffer broadcast. Counted as compute (before the fix), rank 1 slept about 0.2 s per step.
+    from multirank_helpers import clean_environment, free_port, run_together
+
+    script = Path(__file__).resolve().parent / "scripts" / "throttle_wait_fit.py"
+    port = str(free_port())
+    commands = []
+    for rank in range(2):
+        env = {
+            **clean_environment(),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "WORLD_SIZE": "2",
+            "NODE_RANK": "0",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+        }
+        commands.append(([sys.executable, str(script), str(tmp_path)], env))
+    run_together(commands, tmp_path / "logs", timeout_s=120)
+    record = json.loads((tmp_path / "rank1.json").read_text())
+    assert record["method"] == "sleep"
+    assert 0.0 < record["sleep_per_step_s"] < record["late_s"] / 4, record
