@@ -147,7 +147,7 @@ def test_a_rank_without_a_batch_ends_the_epoch_with_the_same_metrics_steps_and_s
     assert dry["dry"], dry  # the case: the joiner's first iterator of its epoch gave no batch
     check_grown(job, joins=[[JOINER]], epochs=2)
     # A torchmetric's sync the joiner did not join held the members for the whole timeout (120 s).
-    assert took < 100, f"the job took {took:.0f} s"
+    assert took < 115, f"the job took {took:.0f} s"
     check_epoch_ends(tmp_path, (0, 1, JOINER), 2, SAMPLES, BATCH)
     epoch = dry["epoch"]
     start, end = (next(r for r in rows(tmp_path / f"epoch-ends-rank{JOINER}.jsonl") if r["epoch"] == epoch
