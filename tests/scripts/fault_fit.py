@@ -67,10 +67,12 @@ dashboard to ``DIR/dashboard.html`` and its timeline to ``DIR/timeline.json``.
 epoch's index, the same on every rank that trained) and ``epoch_torchmetric`` (a ``SumMetric`` of the
 samples trained, synced by torchmetrics: the epoch's samples); and it steps three schedulers, all
 keeping the learning rate: a step-interval and an epoch-interval ``LambdaLR`` and a step-interval
-``ReduceLROnPlateau`` on ``val_sq_err`` (from the first validation on). Every rank appends each ``log_metrics`` call
-its loggers get to ``logged-rank<original rank>.jsonl`` (step and metrics: the loggers of a rank other
-than 0 write nothing) and, after each epoch's end, its step counters and schedulers' counts to
-``epoch-ends-rank<original rank>.jsonl`` (and, at its first epoch's start, the schedulers' counts).
+``ReduceLROnPlateau`` on ``val_sq_err`` (from the first validation on). Every rank appends each
+``log_metrics`` call its loggers get to ``logged-rank<original rank>.jsonl`` (step and metrics: the
+loggers of a rank other than 0 write nothing) and, after each epoch's end, its step counters, its
+schedulers' counts and how long the epoch's end took (from the callbacks' ``on_train_epoch_end``)
+to ``epoch-ends-rank<original rank>.jsonl`` (and, at its first epoch's start, the counts it starts
+from).
 """
 
 from __future__ import annotations
@@ -441,11 +443,16 @@ class RecordingLogger(Logger):
 
 class RecordEpochEnds(pl.Callback):
     """After each training epoch's end (the next epoch's start, or the end of training): this rank's
-    step counters and its schedulers' counts, to ``epoch-ends-rank<original rank>.jsonl``."""
+    step counters, its schedulers' counts and the epoch end's duration, to
+    ``epoch-ends-rank<original rank>.jsonl``."""
 
     def __init__(self, out_dir: str) -> None:
         self.path = Path(out_dir, f"epoch-ends-rank{ORIGINAL_RANK}.jsonl")
         self.first_epoch: Optional[int] = None  # a joiner starts in the cohort's epoch
+        self.ending = 0.0  # when this rank's last epoch end started (its callbacks' on_train_epoch_end)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.ending = time.time()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.first_epoch is None:
@@ -462,6 +469,7 @@ class RecordEpochEnds(pl.Callback):
         with open(self.path, "a") as sink:
             sink.write(json.dumps({
                 "epoch": epoch, "start": start, "global_step": trainer.global_step,
+                "epoch_end_s": None if start else time.time() - self.ending,  # its hooks, metrics, saves
                 "cohort_step": engine.state.cohort_step,
                 "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
                 "schedulers": {c.name: c.scheduler.last_epoch for c in trainer.lr_scheduler_configs}}) + "\n")
