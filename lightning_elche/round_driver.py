@@ -193,10 +193,15 @@ class RoundDriver:
 
     def share_epoch_metrics(self, trainer: Trainer) -> None:
         """At the round that ends an epoch in which a rank trained no batch (a joiner admitted once
-        the epoch's work was all claimed): that rank logged none of the epoch's synced training
-        metrics, and the epoch's end would reduce them on the others alone. Every rank gathers the
-        metrics every rank logged (one object gather, the same on all) and registers those it lacks
-        at their neutral value."""
+        the epoch's work was all claimed): that rank logged none of the epoch's training metrics.
+        The epoch's end would reduce the synced ones and sync the torchmetrics on the others alone
+        (they would wait for it until the process group's timeout), and it would log no unsynced
+        one. Every rank gathers the epoch metrics every rank logged (one object gather, the same on
+        all; of a metric several ranks logged, the lowest rank's spec) and registers those it lacks
+        (``add_missing_epoch_metrics``: a synced one at its neutral value, an unsynced one at that
+        rank's value, a torchmetric as its own, empty). What the ranks log after this round (the
+        last batch's ``on_train_batch_end``, ``on_train_epoch_end``) is not in the specs: the
+        zero-batch rank runs ``on_train_epoch_end`` too."""
         local = epoch_metric_specs(trainer)
         gathered = self._gathered(lambda: local)
         seen: dict[str, dict[str, Any]] = {}

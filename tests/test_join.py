@@ -25,6 +25,7 @@ import pytest
 import torch
 from fault_jobs import consensus_samples
 from multirank_helpers import LAUNCH_TAG, clean_environment, end_launch, free_port, rank_results, tagged_processes
+from test_epoch_metrics import check_epoch_ends
 
 SCRIPT = Path(__file__).parent / "scripts" / "fault_fit.py"
 SAMPLES, BATCH, EPOCHS = 480, 8, 4
@@ -266,6 +267,7 @@ def test_a_joiner_admitted_in_a_later_epoch_trains_its_first_iterator(tmp_path: 
 
 
 DRY = ("--join-when-dry", "--epochs", "2")
+METRICS = ("--epoch-metrics",)  # an epoch metric of each kind, the schedulers' and logger's steps recorded
 
 
 @pytest.mark.parametrize("mode", ["cpu_async", *(pytest.param(m, marks=pytest.mark.faults)
@@ -274,7 +276,8 @@ def test_a_joiner_whose_first_iterator_is_empty_drains_the_epoch_with_the_member
     # Issue 22: the members claim the whole epoch before the joiner's first claim. Its epoch loop got
     # no batch and left the epoch alone (the members waited for it in the rounds: a SnapshotTimeout);
     # it now joins the rounds out of data until the epoch's last one, and ends the epoch with them.
-    job = run_join_job(tmp_path, mode, joiner_extra=("--request-once-held", *DRY), cohort_extra=DRY)
+    job = run_join_job(tmp_path, mode, joiner_extra=("--request-once-held", *DRY, *METRICS),
+                       cohort_extra=(*DRY, *METRICS))
     dry = json.loads((tmp_path / f"dry-rank{JOINER}.json").read_text())
     assert dry["dry"], dry  # the case itself: nothing of the epoch was left for the joiner's first iterator
     check_grown(job, joins=[[JOINER]], epochs=2)
@@ -287,6 +290,8 @@ def test_a_joiner_whose_first_iterator_is_empty_drains_the_epoch_with_the_member
     assert [len(v) for v in validated.values()] == [1, 1, 1], validated
     assert validated[JOINER][0]["metrics"] == validated[0][0]["metrics"], validated
     assert validated[JOINER][0]["params"] == validated[0][0]["params"]
+    # And its epoch metrics of every kind, its logger step and its schedules (test_epoch_metrics.py).
+    check_epoch_ends(tmp_path, (0, 1, JOINER), 2, SAMPLES, BATCH)
 
 
 LOSS_POINTS = {

@@ -89,13 +89,16 @@ class LightningPatches:
         epoch's work was all claimed): True when work came its way (the loop fetches again),
         False when the epoch ends for it. Lightning would leave the epoch at once, without its
         epoch-end validation; the batch is taken for the epoch's last one instead, so that the
-        epoch ends as on a rank at its last batch (validation, epoch-interval schedulers).
+        epoch ends as on a rank at its last batch (validation, epoch-interval schedulers), but
+        without what a step counts (:func:`_end_without_a_step`).
         """
         epoch_loop = trainer.fit_loop.epoch_loop
         advance, on_advance_end = epoch_loop.advance, epoch_loop.on_advance_end
+        without_a_batch = [False]  # the advance just run ended the epoch without a batch
 
         def advance_watching_for_skip(data_fetcher: Any) -> None:
             current = epoch_loop.batch_progress.current
+            without_a_batch[0] = False
             while True:
                 ready = current.ready
                 unstarted = ready - current.started  # type: ignore[attr-defined]  # a _ProcessedTracker
@@ -111,11 +114,17 @@ class LightningPatches:
                         raise
                 if not on_no_batch():
                     epoch_loop.batch_progress.is_last_batch = True  # on_advance_end: the epoch's end
+                    without_a_batch[0] = True
+                    # What advance does after an epoch's last batch (fit_loop steps only the plateau ones).
+                    epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
                     return
 
         def on_advance_end_after_batch_hooks(data_fetcher: Any) -> None:
             after_batch_hooks()
-            on_advance_end(data_fetcher)
+            if without_a_batch[0]:
+                _end_without_a_step(epoch_loop, lambda: on_advance_end(data_fetcher))
+            else:
+                on_advance_end(data_fetcher)
 
         epoch_loop.advance = advance_watching_for_skip  # type: ignore[method-assign]
         epoch_loop.on_advance_end = on_advance_end_after_batch_hooks  # type: ignore[method-assign]
@@ -241,3 +250,26 @@ class LightningPatches:
 
         module.all_gather = all_gather_checked  # type: ignore[method-assign]
         self._undo.append(lambda: vars(module).pop("all_gather", None))
+
+
+def _end_without_a_step(epoch_loop: Any, on_advance_end: Callable[[], None]) -> None:
+    """The epoch loop's ``on_advance_end`` after an epoch this rank trained no batch of (its validation
+    and logger flush), without what it counts for the batch's optimizer step, which never came:
+
+    * the step-interval schedulers (the plateau ones: the others follow the cohort step at rounds);
+    * ``_batches_that_stepped``, the step Lightning logs at: one ahead of this rank's ``global_step``,
+      its epoch-end metrics would be logged one step later than its last step, as no rank at its last
+      batch does, and every later row of its loggers too.
+    """
+    stepped, update = epoch_loop._batches_that_stepped, epoch_loop.update_lr_schedulers
+
+    def update_unless_per_step(interval: str, update_plateau_schedulers: bool) -> None:
+        if interval != "step":
+            update(interval, update_plateau_schedulers=update_plateau_schedulers)
+
+    epoch_loop.update_lr_schedulers = update_unless_per_step
+    try:
+        on_advance_end()
+    finally:
+        vars(epoch_loop).pop("update_lr_schedulers", None)  # back to the class's method
+        epoch_loop._batches_that_stepped = stepped

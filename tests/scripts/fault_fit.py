@@ -61,6 +61,18 @@ for a joiner to receive (tools/join_timing.py).
 
 ``--monitor DIR`` attaches an ``ElCheMonitor`` writing its record log to ``DIR/records``, its
 dashboard to ``DIR/dashboard.html`` and its timeline to ``DIR/timeline.json``.
+
+``--epoch-metrics`` logs one epoch metric of each kind from ``training_step``: ``epoch_synced``
+(``sync_dist=True``, summed: the epoch's batches over all ranks), ``epoch_unsynced`` (no sync: the
+epoch's index, the same on every rank that trained) and ``epoch_torchmetric`` (a ``SumMetric`` of the
+samples trained, synced by torchmetrics: the epoch's samples); and it steps three schedulers, all
+keeping the learning rate: a step-interval and an epoch-interval ``LambdaLR`` and a step-interval
+``ReduceLROnPlateau`` on ``val_sq_err`` (from the first validation on). Every rank appends each
+``log_metrics`` call its loggers get to ``logged-rank<original rank>.jsonl`` (step and metrics: the
+loggers of a rank other than 0 write nothing) and, after each epoch's end, its step counters, its
+schedulers' counts and how long the epoch's end took (from the callbacks' ``on_train_epoch_end``)
+to ``epoch-ends-rank<original rank>.jsonl`` (and, at its first epoch's start, the counts it starts
+from).
 """
 
 from __future__ import annotations
@@ -80,7 +92,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger, Logger  # noqa: E402
 from multirank_helpers import IndexedSamples, StepDelay  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -118,6 +130,7 @@ class FaultLogModel(pl.LightningModule):
             self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
         self.out_dir, self.samples, self.batch_size = out_dir, samples, batch_size
         self.probes = False
+        self.epoch_metrics = False
         self._log: Optional[Any] = None
 
     def record_step(self, idx: torch.Tensor, batch_idx: int) -> None:
@@ -134,7 +147,16 @@ class FaultLogModel(pl.LightningModule):
         self.record_step(idx, batch_idx)
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        if self.epoch_metrics:
+            self.log_epoch_metrics(len(idx))
         return loss
+
+    def log_epoch_metrics(self, samples: int) -> None:
+        """``--epoch-metrics``: one epoch metric of each kind (synced, unsynced, a torchmetric)."""
+        self.log("epoch_synced", 1.0, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+        self.log("epoch_unsynced", float(self.current_epoch), on_step=False, on_epoch=True)
+        self.samples_metric.update(float(samples))
+        self.log("epoch_torchmetric", self.samples_metric, on_step=False, on_epoch=True)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if LOOP_IN_VALIDATION_STEP[0]:
@@ -155,8 +177,19 @@ class FaultLogModel(pl.LightningModule):
         # Summed over the ranks that reduced it: which ranks the logged value counts.
         self.log("epoch_members", float(2 ** ORIGINAL_RANK), reduce_fx="sum", sync_dist=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        if not self.epoch_metrics:
+            return optimizer
+        # Schedulers that count their steps and keep the learning rate (the fit trains as without them).
+        keep = torch.optim.lr_scheduler.LambdaLR
+        return [optimizer], [
+            {"scheduler": keep(optimizer, lambda step: 1.0), "interval": "step", "name": "per_step"},
+            {"scheduler": keep(optimizer, lambda epoch: 1.0), "interval": "epoch", "name": "per_epoch"},
+            # On a metric a rank that trained no batch has too (its epoch-end validation's).
+            {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=10**9), "interval": "step",
+             "monitor": "val_sq_err", "strict": False, "name": "plateau_per_step"},
+        ]
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(IndexedSamples(self.samples), batch_size=self.batch_size, shuffle=True)
@@ -382,6 +415,64 @@ class EpochEndCollectives(pl.Callback):
     def _append(self, name: str, record: dict[str, Any]) -> None:
         with open(Path(self.out_dir, name), "a") as sink:
             sink.write(json.dumps(record) + "\n")
+
+
+class RecordingLogger(Logger):
+    """Every ``log_metrics`` call this rank's loggers get (Lightning's own loggers write on rank 0
+    only), to ``logged-rank<original rank>.jsonl``."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.path = Path(out_dir, f"logged-rank{ORIGINAL_RANK}.jsonl")
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        with open(self.path, "a") as sink:
+            sink.write(json.dumps({"step": step, "metrics": {k: float(v) for k, v in metrics.items()}}) + "\n")
+
+
+class RecordEpochEnds(pl.Callback):
+    """After each training epoch's end (the next epoch's start, or the end of training): this rank's
+    step counters, its schedulers' counts and the epoch end's duration, to
+    ``epoch-ends-rank<original rank>.jsonl``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.path = Path(out_dir, f"epoch-ends-rank{ORIGINAL_RANK}.jsonl")
+        self.first_epoch: Optional[int] = None  # a joiner starts in the cohort's epoch
+        self.ending = 0.0  # when this rank's last epoch end started (its callbacks' on_train_epoch_end)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.ending = time.time()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.first_epoch is None:
+            self.first_epoch = trainer.current_epoch
+            self._record(trainer, trainer.current_epoch, start=True)
+        elif trainer.current_epoch > self.first_epoch:
+            self._record(trainer, trainer.current_epoch - 1)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record(trainer, trainer.current_epoch - 1)  # Lightning counted the last epoch as done
+
+    def _record(self, trainer: pl.Trainer, epoch: int, start: bool = False) -> None:
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        with open(self.path, "a") as sink:
+            sink.write(json.dumps({
+                "epoch": epoch, "start": start, "global_step": trainer.global_step,
+                "epoch_end_s": None if start else time.time() - self.ending,  # its hooks, metrics, saves
+                "cohort_step": engine.state.cohort_step,
+                "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+                "schedulers": {c.name: c.scheduler.last_epoch for c in trainer.lr_scheduler_configs}}) + "\n")
 
 
 class RecordValidation(pl.Callback):
@@ -644,6 +735,8 @@ def main(args: argparse.Namespace) -> None:
         if int(rank) == ORIGINAL_RANK:
             callbacks.append(InjectFault(args.out_dir, kind, LAST_STEP if step == "last" else int(step),
                                          int(epoch[0]) if epoch else None))
+    if args.epoch_metrics:
+        callbacks.append(RecordEpochEnds(args.out_dir))
     if args.monitor is not None:
         monitor_dir = Path(args.monitor)
         callbacks.append(ElCheMonitor(record_log_dir=str(monitor_dir / "records"),
@@ -666,13 +759,19 @@ def main(args: argparse.Namespace) -> None:
                                liveness_timeout=timedelta(seconds=args.liveness), stall_timeout=stall_timeout,
                                snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120),
                                restart_lost=args.restart_lost),
-        callbacks=callbacks, logger=CSVLogger(args.out_dir, name="csv", version=0), enable_progress_bar=True,
+        callbacks=callbacks, logger=[CSVLogger(args.out_dir, name="csv", version=0),
+                                     *([RecordingLogger(args.out_dir)] if args.epoch_metrics else [])],
+        enable_progress_bar=True,
         enable_model_summary=False, num_sanity_val_steps=args.sanity_steps, default_root_dir=args.out_dir,
         log_every_n_steps=1, **({"limit_val_batches": 0} if args.digits else {}),
     )
     model = (DigitsLogModel(args.out_dir, args.batch_size) if args.digits
              else FaultLogModel(args.out_dir, args.samples, args.batch_size, args.width, int(args.params)))
     model.probes = probes
+    if args.epoch_metrics:
+        import torchmetrics
+
+        model.epoch_metrics, model.samples_metric = True, torchmetrics.SumMetric()
     for delay in args.val_delay:
         rank, seconds = delay.split(":")
         if int(rank) == ORIGINAL_RANK:
@@ -716,4 +815,6 @@ if __name__ == "__main__":
     parser.add_argument("--digits", action="store_true", help="the digits workload (held-out accuracy in the result)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--monitor", default=None, help="attach an ElCheMonitor writing under this directory")
+    parser.add_argument("--epoch-metrics", action="store_true",
+                        help="log an epoch metric of each kind, step schedulers, record what is logged")
     main(parser.parse_args())
