@@ -2,7 +2,8 @@
 # Goodput under churn on the 16-core device machine (issue 22 item 8; docs/benchmarks.md, "Goodput
 # under churn"): the five arms of `python -m lightning_elche.bench --rig cpu4 --churn RATE` one after
 # the other, SECONDS of measured wall time each (default 40; the whole script takes about
-# 5 x (SECONDS + 10) s and is cut at 295 s). Usage: tools/device_churn.sh OUT [SECONDS]
+# ARMS x (SECONDS + 10) s plus the stop of each arm's processes; it is boxed at ARMS x (SECONDS + 40) s,
+# at most 590 s, so that an arm that ended is always written). Usage: tools/device_churn.sh OUT [SECONDS]
 # Environment: RATE (faults per minute per four ranks, default 4: three faults per 40 s arm; the goal
 # rate is 1, one fault per 60 s arm), DELAY (replacement delay, default 5 s), SEED (default 0),
 # COMMIT (stamped into the report: the copied tree has no git), ARMS (--churn-arms, default all five).
@@ -13,7 +14,10 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD
 date -u > "$out/date"
 nproc > "$out/nproc"
-timeout 295 python3 -m lightning_elche.bench --rig cpu4 --budget quick --churn "${RATE:-4}" \
+arms=${ARMS:-elche_fault_free,elche_joins,elche_shrink,ddp_fault_free,ddp_torchrun}
+box=$(( $(tr ',' '\n' <<< "$arms" | grep -c .) * (${seconds%.*} + 40) ))
+(( box > 590 )) && box=590
+timeout "$box" python3 -m lightning_elche.bench --rig cpu4 --budget quick --churn "${RATE:-4}" \
   --churn-seconds "$seconds" --churn-delay "${DELAY:-5}" --churn-seed "${SEED:-0}" --commit "${COMMIT:-unknown}" \
   ${ARMS:+--churn-arms "$ARMS"} --no-plots --out "$out" > "$out/churn.log" 2>&1
 echo "exit $?" >> "$out/churn.log"
