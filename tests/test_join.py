@@ -266,6 +266,28 @@ def test_a_joiner_admitted_in_a_later_epoch_trains_its_first_iterator(tmp_path: 
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("last*.ckpt")) == ["last.ckpt"]
 
 
+@pytest.mark.parametrize("mode", ["cpu_cadence", *(pytest.param(m, marks=pytest.mark.faults)
+                                                   for m in ("cpu_sync", "cpu_async", "nccl_sync", "nccl_cadence"))])
+def test_a_joiner_s_step_schedule_and_step_count_are_the_members_after_its_admission(tmp_path: Path,
+                                                                                      mode: str) -> None:
+    # Rank 0 takes its schedulers' states at the admission round, inside its batch, before Lightning
+    # steps the step-interval ones for that batch: the joiner's schedule, and its learning rate, stayed
+    # one cohort step behind every member's to the fit's end. Its step count did the same.
+    schedule = ("--step-schedule",)
+    job = run_join_job(tmp_path, mode, joiner_extra=schedule, cohort_extra=schedule)
+    check_grown(job, joins=[[JOINER]])
+    first = job.results[0]
+    assert first["schedulers"][0]["last_epoch"] == EPOCHS * SAMPLES // BATCH, first["schedulers"]  # the cohort steps
+    for member, result in job.results.items():
+        assert result["schedulers"] == first["schedulers"], (member, result["schedulers"], first["schedulers"])
+        assert result["lrs"] == first["lrs"], (member, result["lrs"], first["lrs"])
+    # Its global_step counts rank 0's steps to the end of the admission batch (the round is inside
+    # that batch's optimizer step, which Lightning counts after it), then its own steps.
+    admission = next(c for c in first["changes"] if c["joined"])
+    own = (tmp_path / f"steps-rank{JOINER}.jsonl").read_text().splitlines()
+    assert job.results[JOINER]["global_step"] == admission["global_step"] + 1 + len(own), (admission, len(own))
+
+
 DRY = ("--join-when-dry", "--epochs", "2")
 METRICS = ("--epoch-metrics",)  # an epoch metric of each kind, the schedulers' and logger's steps recorded
 
