@@ -61,6 +61,7 @@ from lightning_elche.loop_glue.joining import (
     prepare_joiner,
     preview_train_loader,
     quiet_collectives,
+    step_schedulers_for_admission_batch,
 )
 from lightning_elche.loop_glue.loaders import dispatch_shape
 from lightning_elche.loop_glue.ranks import renumber_lightning_ranks
@@ -388,6 +389,7 @@ class Growth:
             optimizer.load_state_dict(state)
         for config, state in zip(trainer.lr_scheduler_configs, first["schedulers"], strict=True):
             config.scheduler.load_state_dict(state)
+        step_schedulers_for_admission_batch(trainer, first["loop"])  # rank 0's states are from before it
         position_loops(trainer, first["loop"])
         load_callback_states(trainer, first["callbacks"])
         second, self._rest = self._rest, None

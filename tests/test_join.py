@@ -266,6 +266,61 @@ def test_a_joiner_admitted_in_a_later_epoch_trains_its_first_iterator(tmp_path: 
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("last*.ckpt")) == ["last.ckpt"]
 
 
+@pytest.mark.parametrize("mode", ["cpu_cadence", *(pytest.param(m, marks=pytest.mark.faults)
+                                                   for m in ("cpu_sync", "cpu_async", "nccl_sync", "nccl_cadence"))])
+def test_a_joiner_s_step_schedule_and_step_count_are_the_members_after_its_admission(tmp_path: Path,
+                                                                                      mode: str) -> None:
+    # Rank 0 takes its schedulers' states at the admission round, inside its batch, before Lightning
+    # steps the step-interval ones for that batch: the joiner's schedule, and its learning rate, stayed
+    # one cohort step behind every member's to the fit's end. Its step count did the same.
+    schedule = ("--step-schedule",)
+    job = run_join_job(tmp_path, mode, joiner_extra=schedule, cohort_extra=schedule)
+    check_grown(job, joins=[[JOINER]])
+    first = job.results[0]
+    assert first["schedulers"][0]["last_epoch"] == EPOCHS * SAMPLES // BATCH, first["schedulers"]  # the cohort steps
+    for member, result in job.results.items():
+        assert result["schedulers"] == first["schedulers"], (member, result["schedulers"], first["schedulers"])
+        assert result["lrs"] == first["lrs"], (member, result["lrs"], first["lrs"])
+    # Its global_step counts rank 0's steps to the end of the admission batch (the round is inside
+    # that batch's optimizer step, which Lightning counts after it), then its own steps.
+    admission = next(c for c in first["changes"] if c["joined"])
+    own = (tmp_path / f"steps-rank{JOINER}.jsonl").read_text().splitlines()
+    assert job.results[JOINER]["global_step"] == admission["global_step"] + 1 + len(own), (admission, len(own))
+
+
+def test_the_admission_batch_s_pending_counts_follow_lightning_s_rule() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+    from lightning_elche.loop_glue.joining import loop_position, step_schedulers_for_admission_batch
+
+    def position(accumulating: bool, automatic: bool = True) -> tuple[dict[str, Any], Any]:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        configs = [LRSchedulerConfig(torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), interval="step"),
+                   LRSchedulerConfig(torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), interval="epoch"),
+                   LRSchedulerConfig(torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer), interval="step",
+                                     reduce_on_plateau=True, monitor="loss")]
+        optimizer.step()  # as in a fit, before its schedulers step
+        module = SimpleNamespace(automatic_optimization=automatic,
+                                 lr_scheduler_step=lambda scheduler, metric: scheduler.step())
+        epoch_loop = SimpleNamespace(_should_accumulate=lambda: accumulating, _batches_that_stepped=7, batch_idx=4)
+        trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=epoch_loop), current_epoch=1, global_step=7,
+                                  lightning_module=module, lr_scheduler_configs=configs)
+        return loop_position(trainer), trainer  # type: ignore[arg-type]
+
+    # Inside the batch's optimizer step: Lightning counts the step and the batch after it, and steps
+    # the step-interval scheduler (not the epoch one, not the plateau one: those are not pending).
+    stepped, trainer = position(accumulating=False)
+    assert stepped == {"epoch": 1, "global_step": 8, "batches_that_stepped": 8, "step_schedulers": [0]}
+    step_schedulers_for_admission_batch(trainer, stepped)  # type: ignore[arg-type]
+    assert [c.scheduler.last_epoch for c in trainer.lr_scheduler_configs] == [1, 0, 0]
+    assert trainer.lr_scheduler_configs[0].scheduler.optimizer.param_groups[0]["lr"] == 0.5
+    assert position(accumulating=True)[0]["step_schedulers"] == []
+    assert position(accumulating=True)[0]["batches_that_stepped"] == 7
+    assert position(accumulating=False, automatic=False)[0]["step_schedulers"] == []  # the user steps them
+
+
 DRY = ("--join-when-dry", "--epochs", "2")
 METRICS = ("--epoch-metrics",)  # an epoch metric of each kind, the schedulers' and logger's steps recorded
 

@@ -85,11 +85,39 @@ def loader_of(loaders: Any) -> DataLoader:
     raise TypeError("ElCheStrategy supports exactly one training DataLoader (a torch DataLoader).")
 
 
-def loop_position(trainer: Trainer) -> dict[str, int]:
-    """Where a member's loops are at a round (what a joiner starts from)."""
+def loop_position(trainer: Trainer) -> dict[str, Any]:
+    """Where a member's loops are at the end of the batch whose round admits a joiner (what the
+    joiner starts from: it trains from the next batch on). The round runs inside the batch's
+    optimizer step, before Lightning counts that step (``global_step``), the batch
+    (``_batches_that_stepped``) and steps the step-interval schedulers for it; those are counted here
+    as Lightning will count them after the batch, and the schedulers it will step are named, for the
+    joiner to step once (:func:`step_schedulers_for_admission_batch`)."""
     epoch_loop = trainer.fit_loop.epoch_loop
-    return {"epoch": int(trainer.current_epoch), "global_step": int(trainer.global_step),
-            "batches_that_stepped": int(epoch_loop._batches_that_stepped)}
+    stepping = not epoch_loop._should_accumulate()
+    return {"epoch": int(trainer.current_epoch), "global_step": int(trainer.global_step) + 1,
+            "batches_that_stepped": int(epoch_loop._batches_that_stepped) + int(stepping),
+            "step_schedulers": _schedulers_stepped_after_this_batch(trainer) if stepping else []}
+
+
+def _schedulers_stepped_after_this_batch(trainer: Trainer) -> list[int]:
+    """The indices of the schedulers Lightning steps after the current training batch (its rule in
+    ``_TrainingEpochLoop._update_learning_rates`` for ``interval="step"``, plateau ones apart: those
+    step on the monitored metric in ``on_advance_end``, and follow each rank's own steps)."""
+    if not trainer.lightning_module.automatic_optimization:
+        return []  # Lightning steps no scheduler of a manual optimization
+    batch = trainer.fit_loop.epoch_loop.batch_idx + 1
+    return [k for k, config in enumerate(trainer.lr_scheduler_configs)
+            if config.interval == "step" and not config.reduce_on_plateau and batch % config.frequency == 0]
+
+
+def step_schedulers_for_admission_batch(trainer: Trainer, position: dict[str, Any]) -> None:
+    """A joiner, once it loaded rank 0's schedulers: step those Lightning steps after rank 0's
+    admission batch, as Lightning does (the module's ``lr_scheduler_step``). Rank 0 took their states
+    inside that batch, before the step: without it the joiner's step schedules (and learning rates)
+    stayed one cohort step behind every member's for the rest of the fit."""
+    configs = trainer.lr_scheduler_configs
+    for k in position.get("step_schedulers", []):
+        trainer.lightning_module.lr_scheduler_step(configs[k].scheduler, None)
 
 
 def callback_states(trainer: Trainer) -> dict[str, Any]:
@@ -110,9 +138,10 @@ def load_callback_states(trainer: Trainer, states: dict[str, Any]) -> None:
             callback.load_state_dict(state)
 
 
-def position_loops(trainer: Trainer, position: dict[str, int]) -> None:
+def position_loops(trainer: Trainer, position: dict[str, Any]) -> None:
     """Start a joiner's loops inside the cohort's epoch: the epoch counter (its own batches of the
-    epoch start at 0: it trains only its share) and the step counters of the member that sent it."""
+    epoch start at 0: it trains only its share) and the step counters of the member that sent it, as
+    they are after its admission batch (:func:`loop_position`)."""
     epoch = int(position["epoch"])
     progress = trainer.fit_loop.epoch_progress
     for tracker in (progress.current, progress.total):  # _ProcessedTrackers (their declared type is narrower)

@@ -73,6 +73,9 @@ loggers of a rank other than 0 write nothing) and, after each epoch's end, its s
 schedulers' counts and how long the epoch's end took (from the callbacks' ``on_train_epoch_end``)
 to ``epoch-ends-rank<original rank>.jsonl`` (and, at its first epoch's start, the counts it starts
 from).
+
+``--step-schedule`` adds a step-interval ``StepLR`` that decays the learning rate at every step; every
+``result-rank<r>.json`` has the rank's schedulers' final states, learning rates and ``global_step``.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ class FaultLogModel(pl.LightningModule):
         self.out_dir, self.samples, self.batch_size = out_dir, samples, batch_size
         self.probes = False
         self.epoch_metrics = False
+        self.step_schedule = False
         self._log: Optional[Any] = None
 
     def record_step(self, idx: torch.Tensor, batch_idx: int) -> None:
@@ -179,6 +183,9 @@ class FaultLogModel(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        if self.step_schedule:  # a learning rate that moves at every cohort step: one step apart shows
+            decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.995)
+            return [optimizer], [{"scheduler": decay, "interval": "step", "name": "decay_per_step"}]
         if not self.epoch_metrics:
             return optimizer
         # Schedulers that count their steps and keep the learning rate (the fit trains as without them).
@@ -214,6 +221,9 @@ class FaultLogModel(pl.LightningModule):
                 for loss in strategy.lost_ranks
             ],
             "changes": CHANGES,
+            "global_step": self.trainer.global_step,
+            "schedulers": [c.scheduler.state_dict() for c in self.trainer.lr_scheduler_configs],
+            "lrs": [group["lr"] for optimizer in self.trainer.optimizers for group in optimizer.param_groups],
         }
         Path(self.out_dir, f"result-rank{ORIGINAL_RANK}.json").write_text(json.dumps(record))
 
@@ -510,7 +520,8 @@ class RecordChanges(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         trainer.strategy.add_membership_listener(lambda change: CHANGES.append(
             {"generation": change.generation, "joined": list(change.joined_ids), "lost": change.lost_original,
-             "world_size": change.world_size_after, "epoch": trainer.current_epoch}))
+             "world_size": change.world_size_after, "epoch": trainer.current_epoch,
+             "global_step": trainer.global_step}))
 
 
 class HoldForJoiner(pl.Callback):
@@ -772,6 +783,7 @@ def main(args: argparse.Namespace) -> None:
         import torchmetrics
 
         model.epoch_metrics, model.samples_metric = True, torchmetrics.SumMetric()
+    model.step_schedule = args.step_schedule
     for delay in args.val_delay:
         rank, seconds = delay.split(":")
         if int(rank) == ORIGINAL_RANK:
@@ -817,4 +829,6 @@ if __name__ == "__main__":
     parser.add_argument("--monitor", default=None, help="attach an ElCheMonitor writing under this directory")
     parser.add_argument("--epoch-metrics", action="store_true",
                         help="log an epoch metric of each kind, step schedulers, record what is logged")
+    parser.add_argument("--step-schedule", action="store_true",
+                        help="a StepLR decaying the learning rate at every step (interval step)")
     main(parser.parse_args())
