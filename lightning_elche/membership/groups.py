@@ -92,6 +92,12 @@ class ProcessGroups:
         side group when it takes the change."""
         if not change.is_join and _default_group_shrinks() and self._shrink(change.lost):
             return "shrink_group"
+        return self.renew()
+
+    def renew(self) -> str:
+        """A new default group on the store keys of the membership's current generation (an
+        admission that left someone out after its group was up: that group is not the one of
+        any change the holders took, so shrinking it by a change's ranks would be wrong)."""
         self._reinit()
         return "new group"
 
@@ -105,12 +111,17 @@ class ProcessGroups:
         return True
 
     def _reinit(self) -> None:
-        membership = self.membership
-        backend = dist.get_backend()
-        # A collective stuck on a lost rank must not hold the group, nor may its release wait for it.
-        abandon_group(dist.group.WORLD, membership)
-        dist.destroy_process_group()
-        init_generation_group(membership, backend, self.timeout, self.device)
+        replace_generation_group(self.membership, dist.get_backend(), self.timeout, self.device)
+
+
+def replace_generation_group(membership: Membership, backend: str, timeout: Optional[timedelta],
+                             device: Optional[torch.device]) -> None:
+    """Let the default group go and build the one of ``membership``'s current generation (a member
+    regrouping, or a joiner whose admission left someone out once its group was up)."""
+    # A collective stuck on a lost rank must not hold the group, nor may its release wait for it.
+    abandon_group(dist.group.WORLD, membership)
+    dist.destroy_process_group()
+    init_generation_group(membership, backend, timeout, device)
 
 
 def init_generation_group(membership: Membership, backend: str, timeout: Optional[timedelta],
