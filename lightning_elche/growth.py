@@ -86,9 +86,9 @@ from lightning_elche.membership.change import Change, PeerFailure, RanksLost
 from lightning_elche.membership.entry import Entry, settle_entry, settled_key
 from lightning_elche.membership.groups import (
     abandon_group,
-    init_generation_group,
+    init_generation_group_watched,
+    let_default_group_go,
     make_side_group_ahead,
-    replace_generation_group,
 )
 from lightning_elche.membership.survival import Survival, fence, fence_members
 from lightning_elche.planes import keeps_side_group
@@ -129,6 +129,23 @@ def _host_blocking() -> bool:
 def _watching(membership: Membership, peer: int, ends_on: str = "") -> Callable[[Any], None]:
     """A transfer's wait for one message, watching the transfer's other end (``peer``)."""
     return lambda work: membership.wait(work, _host_blocking(), peers=[peer], ends_on=ends_on)
+
+
+def _stayed(change: Change) -> list[int]:
+    """The members of ``change.after`` that were members before it (its joiners are the rest)."""
+    return [m for m in change.after if m not in change.joined_ids]
+
+
+def _followed(membership: Membership, change: Change, settled: Entry) -> Change:
+    """A joiner: ``change`` as a settlement after its group was up left it (someone left out), one
+    generation on; the group it had goes."""
+    followed = Change(generation=change.generation + 1, before=change.before, after=settled.after,
+                      reasons={**change.reasons, **settled.lost}, detected_at=change.detected_at,
+                      regrouped_with="new group")
+    membership.changes.clear()
+    membership.enter(followed)
+    let_default_group_go(membership)
+    return followed
 
 
 def _mark(member: int, event: str, **fields: Any) -> None:
@@ -265,8 +282,9 @@ class Growth:
         _mark(me, "entered")
         if change is None:
             return
-        change = replace(change, regrouped_with=self.survival.groups.rebuild(change))
-        membership.record(change)
+        change = self._regroup(change, engine, session)
+        if change is None:
+            return
         _mark(me, "regrouped")
         if membership.rank == 0:
             first = {"module": trainer.lightning_module.state_dict(), "loop": loop_position(trainer),
@@ -278,17 +296,14 @@ class Growth:
             _mark(me, "state_sent", tensor_bytes=sent)
         # Whether every joiner has its state, the same answer on all: one that died or stalled while
         # it was sent is dropped, and the members build one more group, without it.
-        stayed = [m for m in change.after if m not in change.joined_ids]
-        delivered = settle_entry(membership, change.generation, stayed, change.joined_ids,
+        delivered = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
                                  joiner_timeout_s=membership.join_timeout_s, stage="delivered")
         fence_members(delivered.dropped, membership)
         if delivered.after != change.after:
-            narrowed = self._narrow(change, delivered, engine, session, change.generation + 1)
-            how = self.survival.groups.renew()
-            if narrowed is None:
+            change = self._regroup(self._narrow(change, delivered, engine, session, change.generation + 1),
+                                   engine, session, first=False)
+            if change is None:
                 return
-            change = replace(narrowed, regrouped_with=how)
-            membership.record(change)
         for holder in self.survival.holders():
             holder.apply_change(change)
         _mark(me, "applied")
@@ -300,6 +315,38 @@ class Growth:
         _mark(me, "admit_end")
         if change.is_join:
             _warn_joined(change, membership.world_size)
+
+    def _regroup(self, change: Optional[Change], engine: Any, session: Any, first: bool = True) -> Optional[Change]:
+        """Members: the default group of ``change.after``, recorded in the change (None: the members
+        it had before, on a new group of their own generation).
+
+        With joiners the group is built watched (:func:`init_generation_group_watched`) and every
+        participant then settles it (``grouped``): one lost before it was up (it said it was there,
+        then died) is left out as at the entry, and the group is built again without it, one
+        generation on. ``first``: ``change`` is the entry's (the current group is the members' own,
+        which a loss alone may shrink)."""
+        assert self.survival is not None
+        membership, groups = self.survival.membership, self.survival.groups
+        while change is not None and change.is_join:
+            built = groups.renew_watched()
+            grouped = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
+                                   joiner_timeout_s=membership.join_timeout_s, stage="grouped")
+            fence_members(grouped.dropped, membership)
+            if grouped.after == change.after:
+                if not built:  # everyone else is there and up: this rank cannot take part
+                    raise RanksLost(f"ElChe: this rank (member {membership.original_rank}) could not build the "
+                                    "admission's group while every other participant did; it leaves the fit.")
+                change = replace(change, regrouped_with="new group")
+                membership.record(change)
+                return change
+            change, first = self._narrow(change, grouped, engine, session, change.generation + 1), False
+        if change is None:
+            if not first:
+                groups.renew()
+            return None
+        change = replace(change, regrouped_with=groups.rebuild(change) if first else groups.renew())
+        membership.record(change)
+        return change
 
     @staticmethod
     def _deliver(packed: PackedState, change: Change, membership: Membership) -> int:
@@ -411,24 +458,18 @@ class Growth:
         self.membership = membership
         _mark(member, "entered")
         device = strategy.root_device if strategy.root_device.type == "cuda" else None
-        init_generation_group(membership, self._backend, self._timeout, device)
+        change = self._join_group(membership, change, device)
         _mark(member, "regrouped")
         # Into its own parameters and buffers: memory already touched, and take_module copies nothing.
         self._first = self._take_first(membership, strategy.lightning_module.state_dict())
         _mark(member, "state_received")
-        stayed = [m for m in change.after if m not in change.joined_ids]
         try:
-            delivered = settle_entry(membership, generation, stayed, change.joined_ids,
+            delivered = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
                                      joiner_timeout_s=membership.join_timeout_s, stage="delivered")
         except RanksLost as left_out:
             self._dropped(membership, f"{left_out}")
         if delivered.after != change.after:  # a member or another joiner was left out: one more group
-            change = Change(generation=generation + 1, before=change.before, after=delivered.after,
-                            reasons={**change.reasons, **delivered.lost}, detected_at=change.detected_at,
-                            regrouped_with="new group")
-            membership.changes.clear()
-            membership.enter(change)
-            replace_generation_group(membership, self._backend, self._timeout, device)
+            change = self._join_group(membership, _followed(membership, change, delivered), device)
         # What the members do with the change next (a side group, the rest of the state) is done
         # here at once: they wait for it, and this joiner's setup takes a second or more.
         if keeps_side_group(strategy.elche.run_mode.transport):
@@ -442,6 +483,23 @@ class Growth:
                        f"(member {member}) in {time.perf_counter() - started:.2f} s.")
         _warn_joined(change, membership.world_size)
         return job.fit_prefix
+
+    def _join_group(self, membership: Membership, change: Change, device: Optional[torch.device]) -> Change:
+        """The joiner's side of :meth:`_regroup`: the group of ``change``'s generation, built watched
+        and settled, again one generation on while a participant is left out; the change it
+        ends with."""
+        while True:
+            built = init_generation_group_watched(membership, self._backend, self._timeout, device)
+            try:
+                grouped = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
+                                       joiner_timeout_s=membership.join_timeout_s, stage="grouped")
+            except RanksLost as left_out:
+                self._dropped(membership, f"{left_out}")
+            if grouped.after == change.after:
+                if not built:
+                    self._dropped(membership, "it could not build the admission's group while everyone else did")
+                return change
+            change = _followed(membership, change, grouped)
 
     def _take_first(self, membership: Membership, into: Any) -> Any:
         """The joiner's state from rank 0, watching rank 0 and the settlement of the delivery (the

@@ -346,6 +346,19 @@ def test_a_joiner_lost_before_its_state_arrived_is_dropped(tmp_path: Path, kind:
     check_dropped_in_time(job, "did not take its state", within_s=15.0)
 
 
+@pytest.mark.faults  # a minute each: the watched rendezvous a lost member never completes ends at its 30 s bound
+@pytest.mark.parametrize(("member", "mode"), [(1, "cpu_cadence"), (1, "cpu_async"), (1, "nccl_sync"),
+                                              (0, "cpu_cadence")])
+def test_a_member_lost_between_the_entry_and_the_group_is_an_ordinary_loss(tmp_path: Path, member: int,
+                                                                           mode: str) -> None:
+    # Issue 22: a member said it is there, then died before the new group was up: the others waited
+    # in the group's rendezvous until the process-group timeout. The rendezvous is watched now; the
+    # participants settle who built it and build it again without the lost one; the joiner joins.
+    job = run_join_job(tmp_path, mode, cohort_extra=("--member-dies-in-admission", f"{member}:entered"))
+    assert "did not come up" in job.log or "did not come up" in job.joiner_log, job.log[-3000:]
+    check_grown(job, joins=[[JOINER]], lost=(member,), cohort_rc=-9 if member == 0 else 0)
+
+
 RANK_0_POINTS = {
     # the joiner acknowledged its admission, rank 0 has not named the new generation yet
     "offered": r"the member that offered it \(0\) was lost .* before it named the new generation",

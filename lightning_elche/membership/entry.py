@@ -17,6 +17,11 @@ read that one:
 
 The change the admission opened is then the settled one: a join, a join and a loss, a loss alone,
 or nothing at all.
+
+Two later settlements of the same admission work the same way (``stage``): ``grouped``, once every
+participant built the group (watched: :func:`~.groups.init_generation_group_watched`) or gave up
+on it, and ``delivered``, once rank 0 sent each joiner its state. At those every absent participant
+is waited for until it is there or gone, and someone left out costs one more generation's group.
 """
 
 from __future__ import annotations
@@ -65,9 +70,11 @@ def entry_key(membership: Membership, generation: int, name: str) -> str:
     return f"{membership.fit_prefix}/membership/gen{generation}/entry/{name}"
 
 
-STAGES = {"": "did not reach the new group", "delivered": "did not take its state"}
-"""The settlements of one admission (``stage``: the entry, before the group; ``delivered``, once
-the state was sent), each with what a joiner left out at it did not do."""
+STAGES = {"": "did not reach the new group", "grouped": "did not build the new group",
+          "delivered": "did not take its state"}
+"""The settlements of one admission (``stage``: the entry, before the group; ``grouped``, once the
+group was built, or its build given up on; ``delivered``, once the state was sent), each with what
+a joiner left out at it did not do."""
 
 
 def settle_entry(membership: Membership, generation: int, members: Sequence[int], joiners: Sequence[int],
@@ -75,9 +82,10 @@ def settle_entry(membership: Membership, generation: int, members: Sequence[int]
     """Every participant of ``generation`` (the members that were there before it, then the
     admitted ``joiners``): say this one is here, and return the settled list (the same on all).
 
-    ``stage``: which settlement of the admission (:data:`STAGES`): the entry (``""``), or
-    ``"delivered"``: the joiners say they are here once they have their state (the others wait for
-    a live one as long as it takes: the transfer of a large state takes a while).
+    ``stage``: which settlement of the admission (:data:`STAGES`): the entry (``""``), or a later one
+    (``"grouped"``, ``"delivered"``: the joiners say they are here once they have their state), at
+    which every absent participant is waited for until it is there or gone (a live joiner as long
+    as its state takes to arrive).
 
     Raises:
         RanksLost: this member was left out (the others found it gone or too late)."""

@@ -29,10 +29,11 @@ empty); ``--width`` changes the model (a
 bad join). ``--hold-for-joiner STEP[:COUNT[:WORLD]]`` (repeatable): launch rank 0 waits once, at its first
 batch from step ``STEP`` on with at least ``WORLD`` ranks in the fit, until ``COUNT`` (default 1) joiners
 asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
-launch rank ``RANK`` in its first admission: at ``admitted`` (the admitted list read, before the new group)
-or ``applied`` (the change applied, the joiner's state sent), and launch rank 0 also at ``offered`` (the
-joiner acknowledged, the admitted list not out) or ``sending`` (the new group up, before the joiner's
-state); it writes its ``fault-rank<r>.json`` first.
+launch rank ``RANK`` in its first admission: at ``admitted`` (the admitted list read, before the new
+group), ``entered`` (the entry settled with it there, before the new group) or ``applied`` (the change
+applied, the joiner's state sent), and launch rank 0 also at ``offered`` (the joiner acknowledged, the
+admitted list not out) or ``sending`` (the new group up, before the joiner's state); it writes its
+``fault-rank<r>.json`` first.
 
 ``--val-fault KIND:RANK:BATCH:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` (at the batch's start)
 or ``loop`` (an endless loop inside ``validation_step``) on original rank ``RANK`` at its validation batch
@@ -549,13 +550,13 @@ def fail_in_admission(kind: str, stage: str) -> None:
     if kind not in ("kill", "stop") or stage != "regrouped":
         raise SystemExit(f"--joiner-fails-in-admission {kind}:{stage} is invalid: expected kill or stop, then "
                          "regrouped")
-    init_group = growth.init_generation_group
+    take_first = growth.Growth._take_first
 
-    def init_group_then_fail(*args: Any, **kwargs: Any) -> None:
-        init_group(*args, **kwargs)
+    def fail_then_take_first(*args: Any, **kwargs: Any) -> Any:  # the group is up and settled
         os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        return take_first(*args, **kwargs)
 
-    growth.init_generation_group = init_group_then_fail  # type: ignore[assignment]
+    growth.Growth._take_first = fail_then_take_first  # type: ignore[method-assign]
 
 
 def request_after_the_first_join() -> None:
@@ -579,8 +580,8 @@ def request_after_the_first_join() -> None:
 
 
 def die_in_admission(out_dir: str, point: str) -> None:
-    """SIGKILL this member in its first admission, at ``point`` (``admitted``, ``applied``; rank 0:
-    ``offered``, ``sending``)."""
+    """SIGKILL this member in its first admission, at ``point`` (``admitted``, ``entered``, ``applied``;
+    rank 0: ``offered``, ``sending``)."""
     from lightning_elche import growth
     from lightning_elche.membership import admission
 
@@ -601,6 +602,16 @@ def die_in_admission(out_dir: str, point: str) -> None:
             return joined
 
         admission.Admitter.admit = admit_then_die  # type: ignore[method-assign]
+    elif point == "entered":  # said it is there (the entry settled), before the new group
+        settle_entry = growth.settle_entry
+
+        def settle_then_die(*args: Any, **kwargs: Any) -> Any:
+            entry = settle_entry(*args, **kwargs)
+            if not kwargs.get("stage"):
+                fault_record()
+            return entry
+
+        growth.settle_entry = settle_then_die  # type: ignore[assignment]
     elif point == "offered":  # rank 0: the joiner acknowledged, the admitted list is not out yet
         acknowledged = admission.Admitter._acknowledged
 
@@ -625,8 +636,8 @@ def die_in_admission(out_dir: str, point: str) -> None:
 
         growth.Growth._admit_joiners = admit_joiners_then_die  # type: ignore[method-assign]
     else:
-        raise SystemExit(f"--member-dies-in-admission POINT={point!r} is invalid: expected admitted, applied, "
-                         "offered or sending")
+        raise SystemExit(f"--member-dies-in-admission POINT={point!r} is invalid: expected admitted, entered, "
+                         "applied, offered or sending")
 
 
 def micro_batch(value: Optional[str]) -> Any:
@@ -751,7 +762,7 @@ if __name__ == "__main__":
     parser.add_argument("--join-when-dry", action="store_true", help="the joiner's first iterator finds no work")
     parser.add_argument("--restart-lost", type=int, default=0, help="ElCheStrategy(restart_lost=N)")
     parser.add_argument("--member-dies-in-admission", default=None,
-                        help="RANK:POINT (admitted, applied; rank 0: offered, sending)")
+                        help="RANK:POINT (admitted, entered, applied; rank 0: offered, sending)")
     parser.add_argument("--hold-for-joiner", action="append", default=[],
                         help="STEP[:COUNT[:WORLD]]: launch rank 0 waits there for COUNT join requests")
     parser.add_argument("--params", type=float, default=0, help="an MLP of about this many parameters")
