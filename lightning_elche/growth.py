@@ -15,8 +15,11 @@ joiner says it is there, and one that is gone is left out: :mod:`lightning_elche
 the next generation's group, then rank 0 sends each joiner, over that group, the consensus
 parameters and buffers, its own optimizer and scheduler states (for local SGD a peer's inner
 optimizer state is a state that trained the same consensus, and the one the joiner would otherwise
-rebuild from nothing), the loop position and its callbacks' states (as a resume restores them);
-every holder takes the change (``apply_change``); rank 0 then sends the ElChe state (the engine's
+rebuild from nothing), the loop position and its callbacks' states (as a resume restores them),
+watching each joiner while it sends; every participant then settles the delivery (a joiner says it
+is there once it has that state; one lost meanwhile is dropped, a member lost meanwhile is lost, and
+the members build one more group without them); every holder takes the change (``apply_change``);
+rank 0 then sends the ElChe state (the engine's
 round record: controller, convergence guard, outer optimizer) and the dispatch state
 (``state_for_joiner``), which follow from the change.
 
@@ -24,7 +27,8 @@ round record: controller, convergence guard, outer optimizer) and the dispatch s
 member id, without a process group; Lightning's start-of-fit collectives answer locally until it
 trains. ``setup`` sends the request and waits for admission (its facts: the model's averaging
 signature, the training loader's dataset length, batch size, order and seed, the mode), takes part
-in the entry, builds the new generation's group, takes the parameters before the averaging plane is built, and after
+in the entry, builds the new generation's group, receives its state watching rank 0 (lost: the
+joiner leaves, dropped) and settles the delivery, takes the parameters before the averaging plane is built, and after
 Lightning set up the optimizers takes the rest; ``process_dataloader`` builds its sampler from the
 dispatch state. Its first batch is in the cohort's current epoch, its first round the cohort's next.
 """
@@ -32,6 +36,7 @@ dispatch state. Its first batch is in the cohort's current epoch, its first roun
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import sys
@@ -39,7 +44,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,12 +83,19 @@ from lightning_elche.membership.admission import (
     read_join_secret,
 )
 from lightning_elche.membership.agreement import Membership
-from lightning_elche.membership.change import Change, RanksLost
-from lightning_elche.membership.entry import Entry, settle_entry
-from lightning_elche.membership.groups import init_generation_group, make_side_group_ahead
-from lightning_elche.membership.survival import Survival, fence
+from lightning_elche.membership.change import Change, PeerFailure, RanksLost
+from lightning_elche.membership.entry import Entry, settle_entry, settled_key
+from lightning_elche.membership.groups import (
+    abandon_group,
+    init_generation_group_watched,
+    let_default_group_go,
+    make_side_group_ahead,
+)
+from lightning_elche.membership.survival import Survival, fence, fence_members
 from lightning_elche.planes import keeps_side_group
-from lightning_elche.state_transfer import recv_state, send_state
+from lightning_elche.state_transfer import PackedState, pack_state, recv_state
+
+log = logging.getLogger(__name__)
 
 DISPATCH_STORE_PREFIX = "lightning_elche/dispatch/"
 JOIN_TIMING_ENV = "ELCHE_JOIN_TIMING"
@@ -108,6 +120,33 @@ def dispatch_store(membership: Membership) -> Any:
     """Where every rank's dispatch claims, joiners included: on the job's store, not on one
     generation's group."""
     return dist.PrefixStore(DISPATCH_STORE_PREFIX, membership.store)
+
+
+def _host_blocking() -> bool:
+    """Whether a transfer's work blocks the host in ``wait(timeout)`` (gloo), or is polled (NCCL)."""
+    return "nccl" not in str(dist.get_backend())
+
+
+def _watching(membership: Membership, peer: int, ends_on: str = "") -> Callable[[Any], None]:
+    """A transfer's wait for one message, watching the transfer's other end (``peer``)."""
+    return lambda work: membership.wait(work, _host_blocking(), peers=[peer], ends_on=ends_on)
+
+
+def _stayed(change: Change) -> list[int]:
+    """The members of ``change.after`` that were members before it (its joiners are the rest)."""
+    return [m for m in change.after if m not in change.joined_ids]
+
+
+def _followed(membership: Membership, change: Change, settled: Entry) -> Change:
+    """A joiner: ``change`` as a settlement after its group was up left it (someone left out), one
+    generation on; the group it had goes."""
+    followed = Change(generation=change.generation + 1, before=change.before, after=settled.after,
+                      reasons={**change.reasons, **settled.lost}, detected_at=change.detected_at,
+                      regrouped_with="new group")
+    membership.changes.clear()
+    membership.enter(followed)
+    let_default_group_go(membership)
+    return followed
 
 
 def _mark(member: int, event: str, **fields: Any) -> None:
@@ -229,69 +268,132 @@ class Growth:
         assert self.admitter is not None and self.survival is not None
         membership = self.admitter.membership
         me, started = membership.original_rank, time.time()
-        joined = self.admitter.admit(count)
+        try:
+            joined = self.admitter.admit(count)
+        except PeerFailure as failure:  # rank 0 lost before it published the admitted list
+            self.survival.after_failed_round(failure)  # an ordinary loss; the joiners see it and leave
+            return
         if not joined:
             return
         _mark(me, "admit_start", time=started, epoch=int(trainer.current_epoch))
         opened = membership.admit(joined)
-        change = self._settle(opened, settle_entry(membership, opened.generation, opened.before, joined), engine,
-                              session)
+        entry = settle_entry(membership, opened.generation, opened.before, joined)
+        fence_members(entry.dropped, membership)
+        change = self._narrow(opened, entry, engine, session, opened.generation)
         _mark(me, "entered")
         if change is None:
             return
-        change = replace(change, regrouped_with=self.survival.groups.rebuild(change))
-        membership.record(change)
+        change = self._regroup(change, engine, session)
+        if change is None:
+            return
         _mark(me, "regrouped")
-        leader = membership.rank == 0
-        if leader:
+        if membership.rank == 0:
             first = {"module": trainer.lightning_module.state_dict(), "loop": loop_position(trainer),
                      "callbacks": callback_states(trainer),
                      "optimizers": [o.state_dict() for o in trainer.optimizers],
                      "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
                      "job": self._job}
-            sent = send_state(first, change.joined)  # tensors in one buffer: the bulk of an admission's time
+            sent = self._deliver(pack_state(first), change, membership)  # the bulk of an admission's time
             _mark(me, "state_sent", tensor_bytes=sent)
+        # Whether every joiner has its state, the same answer on all: one that died or stalled while
+        # it was sent is dropped, and the members build one more group, without it.
+        delivered = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
+                                 joiner_timeout_s=membership.join_timeout_s, stage="delivered")
+        fence_members(delivered.dropped, membership)
+        if delivered.after != change.after:
+            change = self._regroup(self._narrow(change, delivered, engine, session, change.generation + 1),
+                                   engine, session, first=False)
+            if change is None:
+                return
         for holder in self.survival.holders():
             holder.apply_change(change)
         _mark(me, "applied")
-        if leader:
+        if membership.rank == 0 and change.is_join:
             self._send({"engine": engine.round_record(), "callback_role": session.callback_role.state_dict(),
-                        "dispatch": sampler.state_for_joiner()}, change)
+                        "dispatch": sampler.state_for_joiner()}, change, membership)
             _mark(me, "rest_sent")
         self.survival.follow_up(change)
         _mark(me, "admit_end")
         if change.is_join:
             _warn_joined(change, membership.world_size)
 
-    def _settle(self, opened: Change, entry: Entry, engine: Any, session: Any) -> Optional[Change]:
-        """The admission's change as its generation was entered (:mod:`~lightning_elche.membership.entry`):
-        a joiner that did not reach it is out (never a member), a member that did not is lost (its
-        batches of the epoch at the admission round are in the consensus, the rest goes back);
-        None when nothing changed after all."""
+    def _regroup(self, change: Optional[Change], engine: Any, session: Any, first: bool = True) -> Optional[Change]:
+        """Members: the default group of ``change.after``, recorded in the change (None: the members
+        it had before, on a new group of their own generation).
+
+        With joiners the group is built watched (:func:`init_generation_group_watched`) and every
+        participant then settles it (``grouped``): one lost before it was up (it said it was there,
+        then died) is left out as at the entry, and the group is built again without it, one
+        generation on. ``first``: ``change`` is the entry's (the current group is the members' own,
+        which a loss alone may shrink)."""
         assert self.survival is not None
-        membership = self.survival.membership
-        if entry.after == opened.after:
-            return opened
-        if entry.after == opened.before:  # every joiner dropped, nobody lost: the fit goes on as it was
-            membership.members = list(opened.before)
-            membership.changes.remove(opened)
+        membership, groups = self.survival.membership, self.survival.groups
+        while change is not None and change.is_join:
+            built = groups.renew_watched()
+            grouped = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
+                                   joiner_timeout_s=membership.join_timeout_s, stage="grouped")
+            fence_members(grouped.dropped, membership)
+            if grouped.after == change.after:
+                if not built:  # everyone else is there and up: this rank cannot take part
+                    raise RanksLost(f"ElChe: this rank (member {membership.original_rank}) could not build the "
+                                    "admission's group while every other participant did; it leaves the fit.")
+                change = replace(change, regrouped_with="new group")
+                membership.record(change)
+                return change
+            change, first = self._narrow(change, grouped, engine, session, change.generation + 1), False
+        if change is None:
+            if not first:
+                groups.renew()
             return None
-        batches = engine.progress_at_failure(session.epoch).epoch_batches
-        trained = {m: int(batches[k]) if k < len(batches) else 0 for k, m in enumerate(opened.before)
-                   if m in entry.lost}
-        limit = membership.limit  # the opened change lost nobody: this entry's losses come on top
-        ends_fit = bool(entry.lost) and limit is not None and membership.lost_count + len(entry.lost) >= limit
-        change = replace(opened, after=entry.after, reasons=dict(entry.lost), trained_batches=trained,
-                         ends_fit=ends_fit)
-        membership.members = list(change.after)
+        change = replace(change, regrouped_with=groups.rebuild(change) if first else groups.renew())
         membership.record(change)
-        fence(change, membership)
         return change
 
     @staticmethod
-    def _send(payload: dict[str, Any], change: Change) -> None:
+    def _deliver(packed: PackedState, change: Change, membership: Membership) -> int:
+        """Rank 0: the state to each joiner, watching that joiner (one that is lost gets no more: the
+        settlement after the delivery leaves it out)."""
         for rank in change.joined:
-            dist.send_object_list([payload], dst=rank)
+            joiner = change.after[rank]
+            try:
+                packed.send(rank, _watching(membership, joiner))
+            except PeerFailure as failure:
+                log.warning(f"ElCheStrategy: joiner {joiner} did not take its state ({failure}).")
+        return packed.tensor_bytes
+
+    def _narrow(self, change: Change, entry: Entry, engine: Any, session: Any, generation: int) -> Optional[Change]:
+        """``change`` as one of its settlements (:mod:`~lightning_elche.membership.entry`) left it, as
+        ``generation`` (the entry's own, before the group; the next one after the delivery): a joiner
+        that did not reach it is out (never a member), a member that did not is lost (its batches of
+        the epoch at the admission round are in the consensus, the rest goes back); None when nothing
+        changed after all (the fit goes on with the members it had)."""
+        assert self.survival is not None
+        membership = self.survival.membership
+        if entry.after == change.after:
+            return change
+        membership.changes.remove(change)
+        membership.members, membership.generation = list(entry.after), generation
+        if entry.after == change.before:
+            return None
+        batches = engine.progress_at_failure(session.epoch).epoch_batches
+        trained = {m: int(batches[k]) if k < len(batches) else 0 for k, m in enumerate(change.before)
+                   if m in entry.lost}
+        reasons = {**change.reasons, **entry.lost}
+        limit = membership.limit  # the losses before this admission, and this admission's
+        ends_fit = bool(reasons) and limit is not None and membership.lost_count + len(reasons) >= limit
+        narrowed = replace(change, generation=generation, after=entry.after, reasons=reasons,
+                           trained_batches={**change.trained_batches, **trained}, ends_fit=ends_fit)
+        membership.changes.append(narrowed)
+        fence(narrowed, membership)
+        return narrowed
+
+    @staticmethod
+    def _send(payload: dict[str, Any], change: Change, membership: Membership) -> None:
+        """Rank 0: the rest of the state, once every holder took the change (a joiner lost now is an
+        ordinary loss: it was a member from its delivery on)."""
+        packed = pack_state(payload)
+        for rank in change.joined:
+            packed.send(rank, _watching(membership, change.after[rank]))
 
     def fit_over(self, strategy: Any) -> None:
         self._over = True
@@ -337,7 +439,8 @@ class Growth:
             raise JoinRefused(f"ElCheStrategy(ELCHE_JOIN=1): this process cannot join the running fit: its "
                               f"{difference}.")
         try:
-            generation, members, before = self._link.wait_admission(job.fit_prefix)
+            generation, members, before = self._link.wait_admission(job.fit_prefix,
+                                                                    strategy.liveness_timeout.total_seconds())
         except FitOver:
             self._leave(strategy, "the fit ended before it could admit this joiner")
         started = time.perf_counter()
@@ -356,18 +459,24 @@ class Growth:
         self.membership = membership
         _mark(member, "entered")
         device = strategy.root_device if strategy.root_device.type == "cuda" else None
-        init_generation_group(membership, self._backend, self._timeout, device)
+        change = self._join_group(membership, change, device)
         _mark(member, "regrouped")
         # Into its own parameters and buffers: memory already touched, and take_module copies nothing.
-        self._first = recv_state(0, into={"module": strategy.lightning_module.state_dict()})
+        self._first = self._take_first(membership, strategy.lightning_module.state_dict())
         _mark(member, "state_received")
+        try:
+            delivered = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
+                                     joiner_timeout_s=membership.join_timeout_s, stage="delivered")
+        except RanksLost as left_out:
+            self._dropped(membership, f"{left_out}")
+        if delivered.after != change.after:  # a member or another joiner was left out: one more group
+            change = self._join_group(membership, _followed(membership, change, delivered), device)
         # What the members do with the change next (a side group, the rest of the state) is done
         # here at once: they wait for it, and this joiner's setup takes a second or more.
         if keeps_side_group(strategy.elche.run_mode.transport):
             make_side_group_ahead(strategy.snapshot_timeout)
-        received: list[Any] = [None]
-        dist.recv_object_list(received, src=0)
-        self._rest = received[0]
+        leader = membership.members[0]
+        self._rest = recv_state(0, wait=_watching(membership, leader))
         _mark(member, "rest_received")
         self._job = (str(self._first["job"][0]), str(self._first["job"][1]))
         strategy.set_world_ranks()  # Lightning's rank view follows the admitted rank
@@ -375,6 +484,43 @@ class Growth:
                        f"(member {member}) in {time.perf_counter() - started:.2f} s.")
         _warn_joined(change, membership.world_size)
         return job.fit_prefix
+
+    def _join_group(self, membership: Membership, change: Change, device: Optional[torch.device]) -> Change:
+        """The joiner's side of :meth:`_regroup`: the group of ``change``'s generation, built watched
+        and settled, again one generation on while a participant is left out; the change it
+        ends with."""
+        while True:
+            built = init_generation_group_watched(membership, self._backend, self._timeout, device)
+            try:
+                grouped = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
+                                       joiner_timeout_s=membership.join_timeout_s, stage="grouped")
+            except RanksLost as left_out:
+                self._dropped(membership, f"{left_out}")
+            if grouped.after == change.after:
+                if not built:
+                    self._dropped(membership, "it could not build the admission's group while everyone else did")
+                return change
+            change = _followed(membership, change, grouped)
+
+    def _take_first(self, membership: Membership, into: Any) -> Any:
+        """The joiner's state from rank 0, watching rank 0 and the settlement of the delivery (the
+        others decided without this joiner): either ends the admission here, as a dropped joiner."""
+        leader = membership.members[0]
+        ends_on = settled_key(membership, membership.generation, "delivered")
+        try:
+            return recv_state(0, into={"module": into}, wait=_watching(membership, leader, ends_on))
+        except PeerFailure as failure:
+            self._dropped(membership, f"its state did not arrive: {failure}")
+
+    def _dropped(self, membership: Membership, why: str) -> NoReturn:
+        """A joiner left out of its admission after its group was up: it says so (the members stop
+        waiting for it at once), lets the group go and leaves."""
+        if self._link is not None:
+            self._link.mark_dropped()
+        membership.leave(f"joiner {membership.original_rank} was dropped from its admission: {why}")
+        abandon_group(dist.group.WORLD, membership)
+        membership.close()
+        raise JoinRefused(f"ElCheStrategy: joiner {membership.original_rank} was dropped from its admission: {why}")
 
     def take_module(self, module: torch.nn.Module) -> None:
         """A joiner's ``configure_ddp``: the consensus parameters and buffers, before the plane is built."""

@@ -9,12 +9,17 @@ it into a tensor of its own: no copy on either side beyond the transport's. The 
 copied into one ``uint8`` buffer, sent at once, and copied out of it on arrival, so that a state of
 many small tensors pays one message instead of one per tensor. A tensor that is not a plain dense
 one (sparse, quantized, a subclass) keeps the pickled way inside the skeleton.
+
+Every message is an ``isend``/``irecv`` handed to a ``wait`` (by default ``Work.wait()``): an admission
+passes its watched wait, so that a joiner that dies or stalls while its state is sent, or a sender
+lost meanwhile, is noticed at the liveness timeout instead of the transport's.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -126,9 +131,35 @@ def _transport_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def send_state(payload: Any, ranks: tuple[int, ...] | list[int]) -> int:
-    """Send ``payload`` (dicts, lists and tuples of tensors and picklable values) to each of
-    ``ranks``; returns the tensor bytes sent to each."""
+Wait = Callable[[Any], None]
+"""How a transfer waits for one of its messages (an ``isend``'s or ``irecv``'s work)."""
+
+
+def _plain_wait(work: Any) -> None:
+    work.wait()
+
+
+@dataclass(frozen=True)
+class PackedState:
+    """A payload made ready to send (:func:`pack_state`), to any number of ranks one after the other."""
+
+    header: torch.Tensor
+    """Two int64: the pickled skeleton's length and the flat buffer's."""
+    skeleton: torch.Tensor
+    buffer: torch.Tensor
+    direct: tuple[torch.Tensor, ...]
+    tensor_bytes: int
+    """The payload's tensor bytes (what one rank receives, beyond the skeleton)."""
+
+    def send(self, rank: int, wait: Wait = _plain_wait) -> None:
+        """To ``rank``; raises what ``wait`` raises (the rank may then have part of it)."""
+        for raw in (self.header, self.skeleton, *([self.buffer] if self.buffer.numel() else []), *self.direct):
+            wait(dist.isend(raw, dst=rank))
+
+
+def pack_state(payload: Any) -> PackedState:
+    """``payload`` (dicts, lists and tuples of tensors and picklable values) as the messages of
+    :meth:`PackedState.send`: the small tensors copied into one buffer, the large ones as they lie."""
     tensors: list[tuple[_Slot, torch.Tensor]] = []
     offset = [0]
     skeleton = _strip(payload, tensors, offset)
@@ -140,35 +171,46 @@ def send_state(payload: Any, ranks: tuple[int, ...] | list[int]) -> int:
             direct.append(_as_bytes(tensor.detach().to(device).contiguous()))
         elif slot.nbytes:
             _typed(buffer[slot.offset : slot.offset + slot.nbytes], slot).copy_(tensor.detach())
+    pickled = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8).to(device)
+    header = torch.tensor([pickled.numel(), offset[0]], dtype=torch.int64, device=device)
+    return PackedState(header, pickled, buffer, tuple(direct), sum(slot.nbytes for slot, _ in tensors))
+
+
+def send_state(payload: Any, ranks: tuple[int, ...] | list[int], wait: Wait = _plain_wait) -> int:
+    """Send ``payload`` to each of ``ranks``; returns the tensor bytes sent to each."""
+    packed = pack_state(payload)
     for rank in ranks:
-        dist.send_object_list([(skeleton, offset[0])], dst=rank)
-        for raw in ([buffer] if offset[0] else []) + direct:
-            dist.send(raw, dst=rank)
-    return sum(slot.nbytes for slot, _ in tensors)
+        packed.send(rank, wait)
+    return packed.tensor_bytes
 
 
-def recv_state(src: int = 0, into: Any = None) -> Any:
+def recv_state(src: int = 0, into: Any = None, wait: Wait = _plain_wait) -> Any:
     """The payload :func:`send_state` sent from ``src``, its tensors on the CPU.
 
     ``into`` (optional) mirrors part of the payload with tensors that may take the values in place
     (a joiner's own ``module.state_dict()``: its memory is already there, and loading it later
     copies nothing): where one matches (:func:`_slots`) the payload holds that tensor, filled.
     """
-    received: list[Any] = [None]
-    dist.recv_object_list(received, src=src)
-    skeleton, size = received[0]
     device = _transport_device()
+
+    def receive(raw: torch.Tensor) -> torch.Tensor:
+        wait(dist.irecv(raw, src=src))
+        return raw
+
+    length, size = (int(n) for n in receive(torch.empty(2, dtype=torch.int64, device=device)).tolist())
+    pickled = receive(torch.empty(length, dtype=torch.uint8, device=device))
+    skeleton = pickle.loads(pickled.cpu().numpy().tobytes())
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
     if size:
-        dist.recv(buffer, src=src)
+        receive(buffer)
     arrived: list[Optional[torch.Tensor]] = []
     for slot, target in _slots(skeleton, into, device):
         if slot.direct:
             raw = torch.empty(slot.nbytes, dtype=torch.uint8, device=device) if target is None else _as_bytes(target)
-            dist.recv(raw, src=src)
+            receive(raw)
             target = _typed(raw.cpu(), slot) if target is None else target
         arrived.append(target)
     return _rebuild(skeleton, buffer.cpu(), iter(arrived))
 
 
-__all__ = ["recv_state", "send_state"]
+__all__ = ["PackedState", "Wait", "pack_state", "recv_state", "send_state"]

@@ -29,7 +29,7 @@ from lightning_elche.membership.admission import (
     token_path,
 )
 from lightning_elche.membership.agreement import Membership
-from lightning_elche.membership.change import RanksLost
+from lightning_elche.membership.change import PeerFailure, RanksLost
 from lightning_elche.membership.entry import entry_key, settle_entry
 
 FACTS = FitFacts(mode="cpu_cadence", signature=123.0, dataset_len=480, batch_size=8, seed=0, shuffle=True,
@@ -95,7 +95,7 @@ def test_rank_0_counts_accepted_joiners_and_refuses_the_others() -> None:
     bad.request(view, None, FACTS)
     assert admitter.waiting() == 1
     with pytest.raises(JoinRefused, match="wrong join token"):
-        bad.wait_admission("fit")
+        bad.wait_admission("fit", 5.0)
 
 
 def test_a_join_opens_a_generation_with_the_joiners_last_and_loses_nobody() -> None:
@@ -154,3 +154,28 @@ def test_a_live_joiner_that_does_not_come_is_dropped_after_the_entry_timeout() -
     late = Membership(store, "fit", 1, [0], timedelta(seconds=5), timedelta(seconds=5))
     with pytest.raises(RanksLost, match="not there within"):
         settle_entry(late, 1, [0], [1])
+
+
+def test_rank_0_lost_while_it_offers_an_admission_ends_it_for_members_and_joiners() -> None:
+    # Rank 0 (member 0) offered joiner 2 its admission and was lost before it named the new
+    # generation: the other members skip the admission (a PeerFailure: an ordinary loss), and the
+    # joiner leaves, marked dropped so that the next rank 0 does not offer it again.
+    store = dist.HashStore()
+    publish_job(store, "job", 2)
+    leader = _membership(store, 0, [0, 1])
+    admitter = Admitter(leader, "job", "s3cret")
+    admitter.publish(FACTS)
+    joiner = JoinerLink(store, 5.0)
+    view = joiner.job()
+    joiner.take_member_id(2)
+    joiner.request(view, "s3cret", FACTS)
+    assert admitter.waiting() == 1
+    store.set("lightning_elche/join/admitter/2", "0")
+    store.set("lightning_elche/join/admit/2", "1")
+    _dead_process(store, 0)
+    started = time.monotonic()
+    with pytest.raises(JoinRefused, match=r"the member that offered it \(0\) was lost"):
+        joiner.wait_admission("fit", 5.0)
+    assert store.check(["lightning_elche/join/dropped/2"]) and time.monotonic() - started < 2.0
+    with pytest.raises(PeerFailure, match="lost while it offered an admission"):
+        Admitter(_membership(store, 1, [0, 1]), "job", "s3cret").admit(1)

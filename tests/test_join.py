@@ -196,14 +196,16 @@ def test_a_joiner_that_dies_before_its_admission_is_dropped(tmp_path: Path) -> N
 
 
 def check_grown(job: JoinJob, joins: list[list[int]], lost: tuple[int, ...] = (), epochs: int = EPOCHS,
-                samples: int = SAMPLES, launch: int = 2) -> None:
+                samples: int = SAMPLES, launch: int = 2, cohort_rc: int = 0, joiner_rc: int = 0) -> None:
     """The fit ended on the launch ranks that were not lost and every joiner, identical, with the
     given admissions (member ids per change) seen by every surviving launch rank, ``lost`` counted as
     losses, and every sample of every epoch trained exactly once in the consensus (``epochs`` and
-    ``samples``: the job's, when its extra arguments changed them; ``launch``: its launch ranks)."""
+    ``samples``: the job's, when its extra arguments changed them; ``launch``: its launch ranks;
+    ``cohort_rc``: rank 0's exit code, -9 when it was killed; ``joiner_rc``: every joiner's)."""
     logs = f"{job.log[-5000:]}\n--- joiners ---\n" + "\n---\n".join(log[-3000:] for log in job.joiner_logs)
     assert not job.leftover, f"processes left behind: {job.leftover}\n{logs}"
-    assert job.cohort_rc == 0 and all(rc == 0 for rc in job.joiner_rcs), (job.cohort_rc, job.joiner_rcs, logs)
+    assert job.cohort_rc == cohort_rc and all(rc == joiner_rc for rc in job.joiner_rcs), (job.cohort_rc,
+                                                                                           job.joiner_rcs, logs)
     joiners = sorted({m for admitted in joins for m in admitted})  # the joiners' files are named by member id
     survivors = [m for m in range(launch) if m not in lost]
     assert sorted(job.results) == survivors + joiners, f"finished: {sorted(job.results)}\n{logs}"
@@ -380,6 +382,62 @@ def test_a_joiner_that_dies_after_acknowledging_is_dropped_within_seconds(tmp_pa
     # Not held for the process-group timeout (120 s in the script): the members went on at once.
     assert float(found.group(2)) < 10.0, found.group(0)
     check_cohort_alone(job)
+
+
+def check_dropped_in_time(job: JoinJob, did: str, within_s: float) -> None:
+    """The cohort dropped joiner 2 (it never was a member) within ``within_s`` of waiting for it, not
+    at the process-group timeout (120 s in the script), and finished alone."""
+    found = re.search(rf"dropped joiner 2: it acknowledged its admission but {did} \((.*?)\); the members went on "
+                      r"without it after ([0-9.]+) s", job.log)
+    assert found is not None, job.log[-3000:]
+    assert float(found.group(2)) < within_s, found.group(0)
+    check_cohort_alone(job)
+
+
+@pytest.mark.parametrize(("kind", "mode"), [("kill", "cpu_cadence"),
+                                            *(pytest.param(k, m, marks=pytest.mark.faults)
+                                              for k, m in (("kill", "cpu_async"), ("kill", "nccl_sync"),
+                                                           ("stop", "cpu_cadence")))])
+def test_a_joiner_lost_before_its_state_arrived_is_dropped(tmp_path: Path, kind: str, mode: str) -> None:
+    # Issue 22: the new group is up, rank 0 sends the joiner its state, and the joiner dies (or
+    # stops). The members watched the transfer: they drop it (not a loss) and build one more group.
+    job = run_join_job(tmp_path, mode, joiner_extra=("--joiner-fails-in-admission", f"{kind}:regrouped"))
+    assert job.joiner_rc == -9  # a stopped joiner was fenced: it must not wake into the fit
+    check_dropped_in_time(job, "did not take its state", within_s=15.0)
+
+
+@pytest.mark.faults  # a minute each: the watched rendezvous a lost member never completes ends at its 30 s bound
+@pytest.mark.parametrize(("member", "mode"), [(1, "cpu_cadence"), (1, "cpu_async"), (1, "nccl_sync"),
+                                              (0, "cpu_cadence")])
+def test_a_member_lost_between_the_entry_and_the_group_is_an_ordinary_loss(tmp_path: Path, member: int,
+                                                                           mode: str) -> None:
+    # Issue 22: a member said it is there, then died before the new group was up: the others waited
+    # in the group's rendezvous until the process-group timeout. The rendezvous is watched now; the
+    # participants settle who built it and build it again without the lost one; the joiner joins.
+    job = run_join_job(tmp_path, mode, cohort_extra=("--member-dies-in-admission", f"{member}:entered"))
+    assert "did not come up" in job.log or "did not come up" in job.joiner_log, job.log[-3000:]
+    check_grown(job, joins=[[JOINER]], lost=(member,), cohort_rc=-9 if member == 0 else 0)
+
+
+RANK_0_POINTS = {
+    # the joiner acknowledged its admission, rank 0 has not named the new generation yet
+    "offered": r"the member that offered it \(0\) was lost .* before it named the new generation",
+    # the new group is up, the joiner waits for its state
+    "sending": "its state did not arrive",
+}
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("point", RANK_0_POINTS)
+@pytest.mark.parametrize("mode", ("cpu_cadence", "cpu_async", "nccl_sync"))
+def test_rank_0_lost_in_an_admission_is_a_loss_and_drops_its_joiner(tmp_path: Path, mode: str, point: str) -> None:
+    # Issue 23: rank 0 offers the admission and sends the state. Lost before it named the new
+    # generation, the members left with RanksLost; lost while it sent, the joiner waited until the
+    # process-group timeout. Now the members agree on its loss (as on any) and the joiner leaves.
+    job = run_join_job(tmp_path, mode, cohort_extra=("--member-dies-in-admission", f"0:{point}"))
+    assert re.search(rf"joiner 2 was dropped from its admission: .*{RANK_0_POINTS[point]}", job.joiner_log), (
+        job.joiner_log[-3000:])
+    check_grown(job, joins=[], lost=(0,), cohort_rc=-9, joiner_rc=1)
 
 
 @pytest.mark.parametrize("mode", ["cpu_cadence", *(pytest.param(m, marks=pytest.mark.faults)

@@ -15,11 +15,13 @@ Everything goes through the job's store, on keys under :data:`JOIN_PREFIX`:
    differ from the fit's are refused, with the field named, in ``verdict/<member>``. The count of
    accepted joiners travels in rank 0's round metadata, so that every member decides the same
    admission at the same round.
-4. At that round rank 0 offers admission (``admit/<member>``) and waits briefly for each joiner's
-   acknowledgement; a joiner that died or stalled meanwhile is dropped (it never was a member, so
-   nothing counts against ``max_failure``). The admitted list lands in the generation's key
-   (:meth:`Admitter.admit`), which every member and joiner reads: the new generation's members are
-   the old ones in their order, then the joiners.
+4. At that round rank 0 offers admission (``admitter/<member>``: its own member id, then
+   ``admit/<member>``) and waits briefly for each joiner's acknowledgement; a joiner that died or
+   stalled meanwhile is dropped (it never was a member, so nothing counts against
+   ``max_failure``). The admitted list lands in the generation's key (:meth:`Admitter.admit`),
+   which every member and joiner reads: the new generation's members are the old ones in their
+   order, then the joiners. Rank 0 lost before it left the list: the members agree on its loss
+   and skip the admission; its joiners, watching ``admitter/<member>``, leave (dropped).
 
 The store is torch's unauthenticated TCP store: anyone who reaches it can read every key, so the
 secret never travels through it; a joiner proves it holds it with an HMAC over the job id and its
@@ -43,6 +45,8 @@ from typing import Any, Optional
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lightning_elche.membership.agreement import Membership
+from lightning_elche.membership.change import PeerFailure, RanksLost
+from lightning_elche.membership.liveness import PeerSignals
 
 log = logging.getLogger(__name__)
 
@@ -261,12 +265,25 @@ class Admitter:
             self.store.set(record, json.dumps({"after": [*membership.members, *admitted],
                                                "before": len(membership.members)}))
         else:
-            leader = membership.members[0]
-            membership.wait_for_key(record, leader)
+            self._wait_for_list(record, membership.members[0])
         after = json.loads(self.store.get(record))["after"]
         return [int(m) for m in after[len(membership.members):]]
 
+    def _wait_for_list(self, record: str, leader: int) -> None:
+        """A member other than rank 0: wait for the admitted list while rank 0 lives.
+
+        Raises:
+            PeerFailure: rank 0 was lost before it left the list (the members agree on its loss
+                as on any other, and skip this admission; its joiners see it and leave)."""
+        try:
+            self.membership.wait_for_key(record, leader)
+        except RanksLost as lost:
+            if not self.store.check([record]):  # it may have left the list just before it was lost
+                raise PeerFailure(f"rank 0 (member {leader}) was lost while it offered an admission") from lost
+
     def _acknowledged(self, member: int, generation: int) -> bool:
+        # Who offers: the joiner watches it until the list is out, and leaves if it is lost first.
+        self.store.set(key(f"admitter/{member}"), str(self.membership.original_rank))
         self.store.set(key(f"admit/{member}"), str(generation))
         deadline = time.monotonic() + ACK_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -330,13 +347,15 @@ class JoinerLink:
         index = int(self.store.add(key("requests"), 1)) - 1
         self.store.set(key(f"request/{index}"), JoinRequest(self.member, job.job, signed, facts).to_json())
 
-    def wait_admission(self, fit_prefix: str) -> tuple[int, list[int], int]:
+    def wait_admission(self, fit_prefix: str, liveness_timeout_s: float) -> tuple[int, list[int], int]:
         """The generation this joiner was admitted in, its members in rank order, and how many of
-        them were members before.
+        them were members before. Once it acknowledged, it waits for the admitted list while the
+        member that offered the admission lives (``liveness_timeout_s``: how long a silent one
+        is waited for).
 
         Raises:
             JoinRefused: refused (a wrong token, another job, a different model or data), dropped,
-                or not admitted within the timeout.
+                the member that admitted it was lost, or not admitted within the timeout.
             FitOver: the fit ended before it could admit this joiner."""
         verdict_key, admit_key = key(f"verdict/{self.member}"), key(f"admit/{self.member}")
         while True:
@@ -353,13 +372,28 @@ class JoinerLink:
         generation = int(self.store.get(admit_key))
         self.store.set(key(f"ack/{self.member}"), "1")
         record = admitted_key(fit_prefix, generation)
-        self._wait_for([record], "the admitted list")
+        admitter = int(self.store.get(key(f"admitter/{self.member}")))
+        signals = PeerSignals(self.store, f"{fit_prefix}/membership/left", liveness_timeout_s)
+        while not self.store.check([record]):
+            lost = signals.lost([admitter])
+            if lost and not self.store.check([record]):
+                self.mark_dropped()
+                raise JoinRefused(f"ElCheStrategy: joiner {self.member} was dropped from its admission: the member "
+                                  f"that offered it ({admitter}) was lost ({lost[admitter]}) before it named the "
+                                  "new generation.")
+            self._check_deadline("the admitted list")
+            time.sleep(0.05)
         admitted = json.loads(self.store.get(record))
         members = [int(m) for m in admitted["after"]]
         if self.member not in members:
             raise JoinRefused(f"ElCheStrategy: joiner {self.member} was dropped from its admission (it acknowledged "
                               f"too late, after {ACK_TIMEOUT_S:.0f} s).")
         return generation, members, int(admitted["before"])
+
+    def mark_dropped(self) -> None:
+        """This joiner leaves its admission: a later rank 0 (the one that offered it was lost) does
+        not offer it again."""
+        self.store.set(key(f"dropped/{self.member}"), "1")
 
     def _wait_for(self, keys: Sequence[str], what: str) -> None:
         while not self.store.check(list(keys)):

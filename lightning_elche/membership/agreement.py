@@ -163,11 +163,15 @@ class Membership:
 
     # -- waiting on a collective --------------------------------------------------------------------
 
-    def wait(self, work: Any, host_blocking: bool = True) -> None:
+    def wait(self, work: Any, host_blocking: bool = True, peers: Optional[Sequence[int]] = None,
+             ends_on: str = "") -> None:
         """Wait for an async collective, checking the peers every half second.
 
         ``host_blocking``: the work's ``wait(timeout)`` blocks the host (gloo); False polls
-        ``is_completed()`` instead (NCCL, whose ``wait`` only orders streams).
+        ``is_completed()`` instead (NCCL, whose ``wait`` only orders streams). ``peers``: the
+        members the work waits on (default: every member; a point-to-point transfer names its
+        other end, so that a member lost elsewhere does not end it). ``ends_on``: a store key whose
+        appearance ends the wait too (the others decided without this rank).
 
         Raises:
             PeerFailure: the collective failed, a peer is lost, or members already started a regroup.
@@ -189,7 +193,7 @@ class Membership:
                 if _TIMED_OUT not in str(error).lower():
                     raise PeerFailure(f"a collective of the round failed: {str(error).splitlines()[0]}") from error
             try:
-                self.check()
+                self.check(peers, ends_on)
             except PeerFailure:
                 self.abandon(work)
                 raise
@@ -199,8 +203,9 @@ class Membership:
         the fit: releasing one joins its transport threads, which would block until its timeout."""
         self.abandoned.extend(handles)
 
-    def check(self) -> None:
-        """Raise :class:`PeerFailure` when a peer is lost or a regroup was proposed (rate-limited)."""
+    def check(self, peers: Optional[Sequence[int]] = None, ends_on: str = "") -> None:
+        """Raise :class:`PeerFailure` when a peer (of ``peers``, default every member) is lost, a
+        regroup was proposed, or the key ``ends_on`` appeared (rate-limited)."""
         self.progress.advance()
         now = time.monotonic()
         if now < self._next_check:
@@ -208,7 +213,9 @@ class Membership:
         self._next_check = now + CHECK_INTERVAL_S
         if self.store.check([self._proposal_key(self.generation + 1)]):
             raise PeerFailure("survivors are regrouping after a lost rank")
-        lost = self.detect_lost()
+        if ends_on and self.store.check([ends_on]):
+            raise PeerFailure("the others went on without this rank")
+        lost = self.detect_lost() if peers is None else self.signals.lost(m for m in peers if m != self.original_rank)
         if lost:
             raise PeerFailure(f"rank(s) {sorted(lost)} (original numbering) stopped answering")
 

@@ -17,6 +17,11 @@ read that one:
 
 The change the admission opened is then the settled one: a join, a join and a loss, a loss alone,
 or nothing at all.
+
+Two later settlements of the same admission work the same way (``stage``): ``grouped``, once every
+participant built the group (watched: :func:`~.groups.init_generation_group_watched`) or gave up
+on it, and ``delivered``, once rank 0 sent each joiner its state. At those every absent participant
+is waited for until it is there or gone, and someone left out costs one more generation's group.
 """
 
 from __future__ import annotations
@@ -65,29 +70,46 @@ def entry_key(membership: Membership, generation: int, name: str) -> str:
     return f"{membership.fit_prefix}/membership/gen{generation}/entry/{name}"
 
 
+STAGES = {"": "did not reach the new group", "grouped": "did not build the new group",
+          "delivered": "did not take its state"}
+"""The settlements of one admission (``stage``: the entry, before the group; ``grouped``, once the
+group was built, or its build given up on; ``delivered``, once the state was sent), each with what
+a joiner left out at it did not do."""
+
+
 def settle_entry(membership: Membership, generation: int, members: Sequence[int], joiners: Sequence[int],
-                 joiner_timeout_s: float = JOINER_ENTRY_TIMEOUT_S) -> Entry:
+                 joiner_timeout_s: float = JOINER_ENTRY_TIMEOUT_S, stage: str = "") -> Entry:
     """Every participant of ``generation`` (the members that were there before it, then the
     admitted ``joiners``): say this one is here, and return the settled list (the same on all).
+
+    ``stage``: which settlement of the admission (:data:`STAGES`): the entry (``""``), or a later one
+    (``"grouped"``, ``"delivered"``: the joiners say they are here once they have their state), at
+    which every absent participant is waited for until it is there or gone (a live joiner as long
+    as its state takes to arrive).
 
     Raises:
         RanksLost: this member was left out (the others found it gone or too late)."""
     me = membership.original_rank
     store = membership.store
-    settled = entry_key(membership, generation, "settled")
-    store.set(entry_key(membership, generation, f"present/{me}"), "1")
+    settled = settled_key(membership, generation, stage)
+    store.set(entry_key(membership, generation, f"{stage}/present/{me}" if stage else f"present/{me}"), "1")
     everyone = [*members, *joiners]
     started = time.monotonic()
     while not store.check([settled]):
         membership.progress.advance()  # waiting on the peers: not stuck
-        absent = [m for m in everyone if not store.check([entry_key(membership, generation, f"present/{m}")])]
+        absent = [m for m in everyone
+                  if not store.check([entry_key(membership, generation, f"{stage}/present/{m}" if stage
+                                                else f"present/{m}")])]
         waited = time.monotonic() - started
         gone = membership.signals.lost(absent) if absent else {}
         for m in absent:
             limit = joiner_timeout_s if m in joiners else membership.join_timeout_s
             if m not in gone and waited > limit:
                 gone[m] = f"not there within {limit:.0f} s"
-        if not absent or gone:
+        # At the entry someone gone settles it at once (the others absent are on their way); at the
+        # delivery every absent joiner is waited for until it is gone or there (it may still be
+        # receiving, or about to leave because its sender was lost).
+        if not absent or (gone and (not stage or set(absent) <= set(gone))):
             entry = Entry(tuple(m for m in everyone if m not in gone),
                           {m: why for m, why in gone.items() if m not in joiners},
                           {m: why for m, why in gone.items() if m in joiners})
@@ -100,7 +122,12 @@ def settle_entry(membership: Membership, generation: int, members: Sequence[int]
         raise RanksLost(f"ElChe: the others went on without this rank (member {me}) when they admitted a joiner "
                         f"({why}); it leaves the fit.")
     for joiner, why in entry.dropped.items():
-        log.warning(f"ElCheStrategy dropped joiner {joiner}: it acknowledged its admission but did not reach the "
-                    f"new group ({why}); the members went on without it after {entry.waited_s:.1f} s (it never "
+        log.warning(f"ElCheStrategy dropped joiner {joiner}: it acknowledged its admission but {STAGES[stage]} "
+                    f"({why}); the members went on without it after {entry.waited_s:.1f} s (it never "
                     "was a member; nothing counts against max_failure).")
     return entry
+
+
+def settled_key(membership: Membership, generation: int, stage: str = "") -> str:
+    """Where ``generation``'s settlement of ``stage`` lands (its appearance: the list is final)."""
+    return entry_key(membership, generation, f"{stage}/settled" if stage else "settled")

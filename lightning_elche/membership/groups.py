@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -84,6 +86,7 @@ class ProcessGroups:
         self.membership = membership
         self.timeout = timeout
         self.device = device
+        self._backend = "gloo"
 
     def rebuild(self, change: Change) -> str:
         """Move the default group to ``change.after``; returns how (``"shrink_group"`` or ``"new group"``).
@@ -92,6 +95,12 @@ class ProcessGroups:
         side group when it takes the change."""
         if not change.is_join and _default_group_shrinks() and self._shrink(change.lost):
             return "shrink_group"
+        return self.renew()
+
+    def renew(self) -> str:
+        """A new default group on the store keys of the membership's current generation (an
+        admission that left someone out after its group was up: that group is not the one of
+        any change the holders took, so shrinking it by a change's ranks would be wrong)."""
         self._reinit()
         return "new group"
 
@@ -105,18 +114,95 @@ class ProcessGroups:
         return True
 
     def _reinit(self) -> None:
-        membership = self.membership
-        backend = dist.get_backend()
+        replace_generation_group(self.membership, self._backend_now(), self.timeout, self.device)
+
+
+    def renew_watched(self) -> bool:
+        """:meth:`renew`, watched (:func:`init_generation_group_watched`): False when a member of the
+        generation was lost before the group was up."""
+        backend = self._backend_now()
+        let_default_group_go(self.membership)
+        return init_generation_group_watched(self.membership, backend, self.timeout, self.device)
+
+    def _backend_now(self) -> str:
+        # Remembered: a watched group that never came up leaves no default group to ask.
+        if dist.is_initialized():
+            self._backend = str(dist.get_backend())
+        return self._backend
+
+
+def let_default_group_go(membership: Membership) -> None:
+    """Abandon and destroy the default group, if there is one (a watched one may never have come up)."""
+    if dist.is_initialized():
         # A collective stuck on a lost rank must not hold the group, nor may its release wait for it.
         abandon_group(dist.group.WORLD, membership)
         dist.destroy_process_group()
-        init_generation_group(membership, backend, self.timeout, self.device)
+
+
+def replace_generation_group(membership: Membership, backend: str, timeout: Optional[timedelta],
+                             device: Optional[torch.device]) -> None:
+    """Let the default group go and build the one of ``membership``'s current generation (a member
+    regrouping, or a joiner whose admission left someone out once its group was up)."""
+    let_default_group_go(membership)
+    init_generation_group(membership, backend, timeout, device)
 
 
 def init_generation_group(membership: Membership, backend: str, timeout: Optional[timedelta],
-                          device: Optional[torch.device]) -> None:
+                          device: Optional[torch.device], store: Any = None) -> None:
     """The default group of ``membership``'s current generation, on its store keys (every member, and
-    a joiner entering the fit with that generation)."""
-    store = dist.PrefixStore(f"{membership.fit_prefix}/{generation_prefix(membership.generation)}/", membership.store)
-    dist.init_process_group(backend, store=store, rank=membership.rank, world_size=membership.world_size,
+    a joiner entering the fit with that generation); ``store``: the job's store to build it on
+    (default ``membership.store``)."""
+    base = membership.store if store is None else store
+    prefixed = dist.PrefixStore(f"{membership.fit_prefix}/{generation_prefix(membership.generation)}/", base)
+    dist.init_process_group(backend, store=prefixed, rank=membership.rank, world_size=membership.world_size,
                             timeout=timeout, device_id=device)
+
+
+GROUP_WAIT_FLOOR_S = 30.0
+"""The least a watched group build waits for its rendezvous (:func:`init_generation_group_watched`)."""
+
+
+def init_generation_group_watched(membership: Membership, backend: str, timeout: Optional[timedelta],
+                                  device: Optional[torch.device]) -> bool:
+    """:func:`init_generation_group` in an admission, where a participant may die after it said it
+    was there: the rendezvous waits for every rank until the transport's timeout, so it runs on a
+    thread (on a store connection of its own: a client's blocking wait holds its connection), while
+    this thread watches the generation's other members. Returns whether the group is up; False when
+    one of them was lost first, or after max(30 s, 3 x liveness timeout).
+
+    The rendezvous itself is given that bound as its timeout (the group takes ``timeout`` once it is
+    up): a thread left in a rendezvous that a lost rank never completes ends by then, and the
+    process waits for it at exit (a thread still inside torch's store wait when the interpreter
+    finalizes aborts the process)."""
+    store = membership.store.clone() if hasattr(membership.store, "clone") else membership.store
+    limit = max(GROUP_WAIT_FLOOR_S, 3 * membership.liveness_timeout_s)
+    rendezvous = timedelta(seconds=limit) if timeout is None else min(timeout, timedelta(seconds=limit))
+    failed: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
+            init_generation_group(membership, backend, rendezvous, device, store=store)
+            if timeout is not None and timeout != rendezvous:
+                dist.distributed_c10d._set_pg_timeout(timeout)
+        except BaseException as error:  # reported below, on the watching thread
+            failed.append(error)
+
+    thread = threading.Thread(target=build, name=f"elche-group-gen{membership.generation}")
+    thread.start()
+    deadline = time.monotonic() + limit
+    others = [m for m in membership.members if m != membership.original_rank]
+    while thread.is_alive():
+        membership.progress.advance()  # waiting on the peers: not stuck
+        lost = membership.signals.lost(others)
+        if lost or time.monotonic() > deadline:
+            why = "; ".join(f"member {m}: {reason}" for m, reason in lost.items()) or f"not up within {limit:.0f} s"
+            log.warning(f"ElCheStrategy: the group of generation {membership.generation} did not come up ({why}).")
+            membership.abandon(thread, store)
+            return False
+        thread.join(timeout=0.05)
+    if failed:
+        log.warning(f"ElCheStrategy: the group of generation {membership.generation} failed: {failed[0]}.")
+        return False
+    return True

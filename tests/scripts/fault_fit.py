@@ -19,7 +19,9 @@ so a killed rank's record survives it); every rank that finishes writes ``result
 A process started with ``ELCHE_JOIN=1`` (and ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of the job)
 joins the running job; ``ELCHE_TEST_MEMBER`` names its files. ``--joiner-dies`` makes it die right after
 its request (before it acknowledges admission), ``--joiner-dies-after-ack`` (SIGKILL) once it acknowledged
-its admission and read the admitted list, before the new process group; ``--request-after-first-join``
+its admission and read the admitted list, before the new process group; ``--joiner-fails-in-admission
+KIND:STAGE`` kills (``kill``) or stops (``stop``) it at ``STAGE`` of its admission (``regrouped``: the new
+group is up, its state not yet arrived); ``--request-after-first-join``
 makes it ask only once the first joiner acknowledged its admission, ``--request-once-held`` only once
 launch rank 0 holds for it; ``--join-when-dry`` (cohort and joiner, pooled modes) makes the members train
 to the epoch's end after an admission and the joiner's first claim wait for that (its first iterator is
@@ -27,8 +29,11 @@ empty); ``--width`` changes the model (a
 bad join). ``--hold-for-joiner STEP[:COUNT[:WORLD]]`` (repeatable): launch rank 0 waits once, at its first
 batch from step ``STEP`` on with at least ``WORLD`` ranks in the fit, until ``COUNT`` (default 1) joiners
 asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
-launch rank ``RANK`` in its first admission: at ``admitted`` (the admitted list read, before the new group)
-or ``applied`` (the change applied, the joiner's state sent); it writes its ``fault-rank<r>.json`` first.
+launch rank ``RANK`` in its first admission: at ``admitted`` (the admitted list read, before the new
+group), ``entered`` (the entry settled with it there, before the new group) or ``applied`` (the change
+applied, the joiner's state sent), and launch rank 0 also at ``offered`` (the joiner acknowledged, the
+admitted list not out) or ``sending`` (the new group up, before the joiner's state); it writes its
+``fault-rank<r>.json`` first.
 
 ``--val-fault KIND:RANK:BATCH:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` (at the batch's start)
 or ``loop`` (an endless loop inside ``validation_step``) on original rank ``RANK`` at its validation batch
@@ -639,6 +644,23 @@ def die_after_the_ack() -> None:
     admission.JoinerLink.wait_admission = acknowledge_then_die  # type: ignore[method-assign]
 
 
+def fail_in_admission(kind: str, stage: str) -> None:
+    """``--joiner-fails-in-admission KIND:STAGE``: the joiner ``kill``s (SIGKILL) or ``stop``s (SIGSTOP)
+    itself at ``STAGE``: ``regrouped`` (the new group is up, before its state arrived)."""
+    from lightning_elche import growth
+
+    if kind not in ("kill", "stop") or stage != "regrouped":
+        raise SystemExit(f"--joiner-fails-in-admission {kind}:{stage} is invalid: expected kill or stop, then "
+                         "regrouped")
+    take_first = growth.Growth._take_first
+
+    def fail_then_take_first(*args: Any, **kwargs: Any) -> Any:  # the group is up and settled
+        os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        return take_first(*args, **kwargs)
+
+    growth.Growth._take_first = fail_then_take_first  # type: ignore[method-assign]
+
+
 def request_after_the_first_join() -> None:
     """A joiner asks to join only once the first joiner acknowledged its admission (so that it is
     admitted in a change of its own, with the first one already a member)."""
@@ -660,7 +682,8 @@ def request_after_the_first_join() -> None:
 
 
 def die_in_admission(out_dir: str, point: str) -> None:
-    """SIGKILL this member in its first admission, at ``point`` (``admitted`` or ``applied``)."""
+    """SIGKILL this member in its first admission, at ``point`` (``admitted``, ``entered``, ``applied``;
+    rank 0: ``offered``, ``sending``)."""
     from lightning_elche import growth
     from lightning_elche.membership import admission
 
@@ -681,6 +704,31 @@ def die_in_admission(out_dir: str, point: str) -> None:
             return joined
 
         admission.Admitter.admit = admit_then_die  # type: ignore[method-assign]
+    elif point == "entered":  # said it is there (the entry settled), before the new group
+        settle_entry = growth.settle_entry
+
+        def settle_then_die(*args: Any, **kwargs: Any) -> Any:
+            entry = settle_entry(*args, **kwargs)
+            if not kwargs.get("stage"):
+                fault_record()
+            return entry
+
+        growth.settle_entry = settle_then_die  # type: ignore[assignment]
+    elif point == "offered":  # rank 0: the joiner acknowledged, the admitted list is not out yet
+        acknowledged = admission.Admitter._acknowledged
+
+        def acknowledged_then_die(self: Any, *args: Any, **kwargs: Any) -> bool:
+            acknowledged(self, *args, **kwargs)
+            fault_record()
+            return False
+
+        admission.Admitter._acknowledged = acknowledged_then_die  # type: ignore[method-assign]
+    elif point == "sending":  # rank 0: the new group is up, the joiner waits for its state
+        def die_instead(*args: Any, **kwargs: Any) -> int:
+            fault_record()
+            return 0
+
+        growth.Growth._deliver = staticmethod(die_instead)  # type: ignore[assignment]
     elif point == "applied":
         admit_joiners = growth.Growth._admit_joiners
 
@@ -690,7 +738,8 @@ def die_in_admission(out_dir: str, point: str) -> None:
 
         growth.Growth._admit_joiners = admit_joiners_then_die  # type: ignore[method-assign]
     else:
-        raise SystemExit(f"--member-dies-in-admission POINT={point!r} is invalid: expected admitted or applied")
+        raise SystemExit(f"--member-dies-in-admission POINT={point!r} is invalid: expected admitted, entered, "
+                         "applied, offered or sending")
 
 
 def micro_batch(value: Optional[str]) -> Any:
@@ -706,6 +755,8 @@ def main(args: argparse.Namespace) -> None:
         die_after_the_request()
     if args.joiner_dies_after_ack:
         die_after_the_ack()
+    if args.joiner_fails_in_admission is not None:
+        fail_in_admission(*args.joiner_fails_in_admission.split(":"))
     if args.request_after_first_join:
         request_after_the_first_join()
     if args.request_once_held:
@@ -816,11 +867,13 @@ if __name__ == "__main__":
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--joiner-dies", action="store_true")
     parser.add_argument("--joiner-dies-after-ack", action="store_true")
+    parser.add_argument("--joiner-fails-in-admission", default=None, help="KIND:STAGE (kill or stop; regrouped)")
     parser.add_argument("--request-after-first-join", action="store_true", help="a joiner asks once the first acked")
     parser.add_argument("--request-once-held", action="store_true", help="a joiner asks once rank 0 holds for it")
     parser.add_argument("--join-when-dry", action="store_true", help="the joiner's first iterator finds no work")
     parser.add_argument("--restart-lost", type=int, default=0, help="ElCheStrategy(restart_lost=N)")
-    parser.add_argument("--member-dies-in-admission", default=None, help="RANK:POINT (admitted or applied)")
+    parser.add_argument("--member-dies-in-admission", default=None,
+                        help="RANK:POINT (admitted, entered, applied; rank 0: offered, sending)")
     parser.add_argument("--hold-for-joiner", action="append", default=[],
                         help="STEP[:COUNT[:WORLD]]: launch rank 0 waits there for COUNT join requests")
     parser.add_argument("--params", type=float, default=0, help="an MLP of about this many parameters")
