@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lightning_elche.membership.agreement import Membership
+from lightning_elche.membership.agreement import Membership, exit_notice_prefix
 from lightning_elche.membership.change import PeerFailure, RanksLost
 from lightning_elche.membership.liveness import PeerSignals
 
@@ -373,7 +373,7 @@ class JoinerLink:
         self.store.set(key(f"ack/{self.member}"), "1")
         record = admitted_key(fit_prefix, generation)
         admitter = int(self.store.get(key(f"admitter/{self.member}")))
-        signals = PeerSignals(self.store, f"{fit_prefix}/membership/left", liveness_timeout_s)
+        signals = PeerSignals(self.store, exit_notice_prefix(fit_prefix), liveness_timeout_s)
         while not self.store.check([record]):
             lost = signals.lost([admitter])
             if lost and not self.store.check([record]):

@@ -40,6 +40,11 @@ _SPIN_S = 0.005  # how long a wait on a device collective polls without sleeping
 _TIMED_OUT = "timed out"
 
 
+def exit_notice_prefix(fit_prefix: str) -> str:
+    """Where the members of the fit ``fit_prefix`` leave their exit notices (:class:`PeerSignals`)."""
+    return f"{fit_prefix}/membership/left"
+
+
 class Membership:
     """The members of one fit as seen from one rank: who they are, who is lost, and the agreement.
 
@@ -81,7 +86,7 @@ class Membership:
         self.changes: list[Change] = []
         self.liveness_timeout_s = liveness_timeout.total_seconds()
         self.join_timeout_s = join_timeout.total_seconds()
-        self.signals = PeerSignals(store, f"{fit_prefix}/membership/left", self.liveness_timeout_s,
+        self.signals = PeerSignals(store, exit_notice_prefix(fit_prefix), self.liveness_timeout_s,
                                    progress_prefix=f"{fit_prefix}/membership/progress")
         self._next_check = 0.0
         self.progress = ProgressStamp(stall_timeout)

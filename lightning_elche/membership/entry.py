@@ -92,14 +92,12 @@ def settle_entry(membership: Membership, generation: int, members: Sequence[int]
     me = membership.original_rank
     store = membership.store
     settled = settled_key(membership, generation, stage)
-    store.set(entry_key(membership, generation, f"{stage}/present/{me}" if stage else f"present/{me}"), "1")
+    store.set(_stage_key(membership, generation, stage, f"present/{me}"), "1")
     everyone = [*members, *joiners]
     started = time.monotonic()
     while not store.check([settled]):
         membership.progress.advance()  # waiting on the peers: not stuck
-        absent = [m for m in everyone
-                  if not store.check([entry_key(membership, generation, f"{stage}/present/{m}" if stage
-                                                else f"present/{m}")])]
+        absent = [m for m in everyone if not store.check([_stage_key(membership, generation, stage, f"present/{m}")])]
         waited = time.monotonic() - started
         gone = membership.signals.lost(absent) if absent else {}
         for m in absent:
@@ -130,4 +128,9 @@ def settle_entry(membership: Membership, generation: int, members: Sequence[int]
 
 def settled_key(membership: Membership, generation: int, stage: str = "") -> str:
     """Where ``generation``'s settlement of ``stage`` lands (its appearance: the list is final)."""
-    return entry_key(membership, generation, f"{stage}/settled" if stage else "settled")
+    return _stage_key(membership, generation, stage, "settled")
+
+
+def _stage_key(membership: Membership, generation: int, stage: str, name: str) -> str:
+    # The entry's keys lie at the entry's root (as before the later settlements), a stage's under its name.
+    return entry_key(membership, generation, f"{stage}/{name}" if stage else name)

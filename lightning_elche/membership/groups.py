@@ -101,7 +101,9 @@ class ProcessGroups:
         """A new default group on the store keys of the membership's current generation (an
         admission that left someone out after its group was up: that group is not the one of
         any change the holders took, so shrinking it by a change's ranks would be wrong)."""
-        self._reinit()
+        backend = self._backend_now()
+        let_default_group_go(self.membership)
+        init_generation_group(self.membership, backend, self.timeout, self.device)
         return "new group"
 
     def _shrink(self, lost: list[int]) -> bool:
@@ -112,10 +114,6 @@ class ProcessGroups:
             log.warning(f"ElCheStrategy: shrink_group failed ({error}); building a new group over the store.")
             return False
         return True
-
-    def _reinit(self) -> None:
-        replace_generation_group(self.membership, self._backend_now(), self.timeout, self.device)
-
 
     def renew_watched(self) -> bool:
         """:meth:`renew`, watched (:func:`init_generation_group_watched`): False when a member of the
@@ -137,14 +135,6 @@ def let_default_group_go(membership: Membership) -> None:
         # A collective stuck on a lost rank must not hold the group, nor may its release wait for it.
         abandon_group(dist.group.WORLD, membership)
         dist.destroy_process_group()
-
-
-def replace_generation_group(membership: Membership, backend: str, timeout: Optional[timedelta],
-                             device: Optional[torch.device]) -> None:
-    """Let the default group go and build the one of ``membership``'s current generation (a member
-    regrouping, or a joiner whose admission left someone out once its group was up)."""
-    let_default_group_go(membership)
-    init_generation_group(membership, backend, timeout, device)
 
 
 def init_generation_group(membership: Membership, backend: str, timeout: Optional[timedelta],
