@@ -42,14 +42,18 @@ TAG = "ELCHE_RANK_LOSS_TIMING"
 
 
 def run_once(out: Path, mode: str, fault: str, step: int, liveness_s: float, timeout_s: float,
-             devices: int = 3, accelerator: str = "cpu") -> dict[str, Any]:
+             devices: int = 3, accelerator: str = "cpu", epochs: int = 2, samples: int = 480,
+             delays_ms: tuple[float, ...] = ()) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     tag = secrets.token_hex(6)
     env = {**os.environ, TAG: tag, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     command = [sys.executable, str(SCRIPT), str(out), "--mode", mode, "--fault", FAULTS[fault].format(step=step),
-               "--liveness", str(liveness_s), "--epochs", "2", "--devices", str(devices), "--accelerator", accelerator]
+               "--liveness", str(liveness_s), "--epochs", str(epochs), "--samples", str(samples),
+               "--devices", str(devices), "--accelerator", accelerator]
+    if delays_ms:
+        command += ["--delays-ms", *map(str, delays_ms)]
     with open(out / "job.log", "w") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         proc.wait(timeout=timeout_s)
@@ -122,7 +126,9 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"host {socket.gethostname()} ({os.cpu_count()} cores), {time.strftime('%Y-%m-%d')}, commit {_commit()}.",
         f"Command: `python tools/rank_loss_timing.py --out {args.out} --modes {' '.join(args.modes)} "
         f"--faults {' '.join(args.faults)} --liveness {args.liveness} "
-        f"--repeat {args.repeat} --devices {args.devices} --accelerator {args.accelerator}`",
+        f"--repeat {args.repeat} --devices {args.devices} --accelerator {args.accelerator} --step {args.step} "
+        f"--epochs {args.epochs} --samples {args.samples}"
+        + (f" --delays-ms {' '.join(map(str, args.delays_ms))}" if args.delays_ms else "") + "`",
         "",
         "| mode | fault | runs ok | detect s (median, max) | resume s (median, max) | redone samples (median) |",
         "|---|---|---|---|---|---|",
@@ -176,6 +182,10 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=1, help="jobs at once")
     parser.add_argument("--devices", type=int, default=3, help="ranks per job")
     parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or gpu (NCCL)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=480, help="the training set's size")
+    parser.add_argument("--delays-ms", type=float, nargs="+", default=(),
+                        help="each rank's step time in ms (default: the fit script's 2, 5, 3)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cells = [(m, f, k) for m in args.modes for f in args.faults for k in range(args.repeat)]
@@ -184,7 +194,8 @@ def main() -> None:
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         futures = [pool.submit(run_once, args.out / "runs" / f"{m}-{f}-{k}", m, f, args.step, args.liveness,
-                               120.0 + 2 * args.liveness, args.devices, args.accelerator) for m, f, k in cells]
+                               120.0 + 2 * args.liveness, args.devices, args.accelerator, args.epochs,
+                               args.samples, tuple(args.delays_ms)) for m, f, k in cells]
         for future in futures:
             rows.append(future.result())
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "error"}), flush=True)
