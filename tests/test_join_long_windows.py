@@ -9,7 +9,7 @@ every rank still has data (what an admission needs) only comes while joiners wai
 request. Without the kept round every round ended an epoch and the joiner waited out the fit (it left
 with exit 0: "the fit ended before it could admit this joiner"), and check_grown fails.
 
-Three processes and a replacement for 6 epochs: ``faults`` (about a minute on 2 idle cores).
+Three processes and a replacement for 6 epochs: ``faults`` (about 40 s a mode on the shared 2-core machine).
 """
 
 from __future__ import annotations
