@@ -218,7 +218,7 @@ def run_trial(tmp_path: Path, trial: JoinTrial) -> None:
             joiner_extras=tuple(trial.joiner_args(k) for k in range(len(trial.joiners))),
             holds=trial.holds,
             first_joiner=trial.ranks,
-            timeout_s=150.0,
+            timeout_s=240.0,  # a loaded machine: the store may wait long for a slow start; a hang still fails
         )
         joiners_seen = check_trial(job, trial)
         outcome = "passed"
@@ -352,14 +352,14 @@ def test_ci_draws_are_cadence() -> None:
     assert [t.mode for t in CI] == ["cpu_cadence", "nccl_cadence"] and all(t.kinds == ["kill"] for t in CI)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("trial", CI, ids=lambda trial: trial.name)
 def test_a_few_random_joins_and_losses(tmp_path: Path, trial: JoinTrial) -> None:
     run_trial(tmp_path, trial)
 
 
 @pytest.mark.faults
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("trial", SOAK, ids=lambda trial: trial.name)
 def test_join_soak(tmp_path: Path, trial: JoinTrial) -> None:
     run_trial(tmp_path, trial)
