@@ -218,7 +218,7 @@ def run_trial(tmp_path: Path, trial: JoinTrial) -> None:
             joiner_extras=tuple(trial.joiner_args(k) for k in range(len(trial.joiners))),
             holds=trial.holds,
             first_joiner=trial.ranks,
-            timeout_s=240.0,  # a loaded machine: the store may wait long for a slow start; a hang still fails
+            timeout_s=240.0,  # a loaded machine starts 7 processes slowly; a hang still fails
         )
         joiners_seen = check_trial(job, trial)
         outcome = "passed"
