@@ -63,6 +63,9 @@ RESTART_SHARE = 0.3
 RESTART_KINDS = ("kill", "raise", "exit", "oom")
 """A restarted child's exits: its own (a stopped child is fenced only once the members agree, and
 rank 0 agrees only after its hold, which waits for the restarted child: the hold would time out)."""
+LINGER_S = 90.0
+"""How long after the last rank's fit every process of the job must have ended (a restarted child
+that came late starts, connects and leaves in that time: on a loaded 2-core machine, over a minute)."""
 MEMBER_ID_SAID = "fault_fit.py: this joiner is member "  # tests/scripts/fault_fit.py's line
 LATE_SAID = "ElCheStrategy(ELCHE_JOIN=1): nothing to join"
 DROPPED_SAID = re.compile(r"joiner (\d+) was dropped from its admission")
@@ -220,7 +223,14 @@ def run_trial(tmp_path: Path, trial: JoinTrial) -> None:
             first_joiner=trial.ranks,
             timeout_s=240.0,  # a loaded machine starts 7 processes slowly; a hang still fails
         )
+        ended = time.time()  # run_join_job returns once every process of the job has ended
         joiners_seen = check_trial(job, trial)
+        last_result = max(path.stat().st_mtime for path in tmp_path.glob("result-rank*.json"))
+        # A rank that finished its fit must also leave: a process that lingers at its exit (a process
+        # group's pending collective joined in its destructor) keeps the job from ending.
+        assert ended - last_result < LINGER_S, (
+            f"the job's processes ended {ended - last_result:.0f} s after the last rank finished its fit"
+        )
         outcome = "passed"
     except BaseException as error:  # pytest.fail and a timeout too: the report counts every failure
         outcome = f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
