@@ -555,7 +555,9 @@ class Growth:
                 _mark(self.membership.original_rank, "training_starts")
 
     def _leave(self, strategy: Any, why: str) -> Any:
-        rank_zero_info(f"ElCheStrategy(ELCHE_JOIN=1): nothing to join: {why}; exiting.")
+        # This process's own notice, whatever its rank: a child rank 0 restarted keeps its LOCAL_RANK,
+        # so rank_zero_info stayed silent there.
+        logging.getLogger("lightning.pytorch").info(f"ElCheStrategy(ELCHE_JOIN=1): nothing to join: {why}; exiting.")
         sys.stdout.flush()
         if strategy.job_store_link is not None:
             strategy.job_store_link.mark_exited("joiner: the fit was over")

@@ -372,6 +372,54 @@ def test_observer_restarts_a_lost_child_as_a_joiner_within_its_budget(sleepers, 
     assert idle.restarter is not None and idle.restarter.restarted == 0
 
 
+def test_rank_0_waits_after_its_fit_for_the_children_it_restarted(tmp_path, monkeypatch):
+    # A child restarted late in a fit was still starting when rank 0's fit ended: rank 0 exited, the
+    # job's store left with the last registered rank, and the child hung in its connect for the store
+    # timeout and failed (test_join_soak.py, trial 0.008). Rank 0 now waits for it after its fit.
+    script = tmp_path / "child.py"
+    script.write_text("import os, sys, time\nif os.environ.get('ELCHE_JOIN'):\n    time.sleep(3)\n    sys.exit(0)\n"
+                      "sys.exit(3)\n")
+    monkeypatch.delenv("ELCHE_JOIN", raising=False)
+    environment = SimpleNamespace(creates_processes_externally=False, node_rank=lambda: 0,
+                                  validate_settings=lambda **kwargs: None)
+    tolerant = launcher.TolerantSubprocessLauncher(environment, 2, 1, lambda member: True, restart_lost=1,
+                                                   restartable=lambda: True)
+    monkeypatch.setattr(tolerant, "_call_children_scripts", lambda: tolerant.procs.append(
+        subprocess.Popen([sys.executable, str(script)], env={**os.environ, "LOCAL_RANK": "1"})))
+    first: list[subprocess.Popen] = []
+
+    def fit() -> str:  # rank 0's fit ends once the observer restarted its child
+        first.append(tolerant.procs[0])
+        assert wait_until(lambda: tolerant.procs[0] is not first[0], 15)
+        return "done"
+
+    with pytest.warns(UserWarning, match="tolerates the loss and restarted it"):
+        assert tolerant.launch(fit) == "done"
+    assert tolerant.procs[0].poll() == 0, "rank 0 returned while the child it restarted still ran"
+
+
+def test_a_joiner_with_nothing_to_join_says_so_whatever_its_local_rank(monkeypatch):
+    # A restarted child keeps its LOCAL_RANK: its notice went through rank_zero_info and was silent.
+    import logging
+
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from lightning_elche.growth import Growth
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    monkeypatch.setattr(rank_zero_only, "rank", 3)
+    try:
+        with pytest.raises(SystemExit) as left:
+            Growth()._leave(SimpleNamespace(job_store_link=None), "it found the fit already ended")
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(handler)
+    assert left.value.code == 0
+    assert said == ["ElCheStrategy(ELCHE_JOIN=1): nothing to join: it found the fit already ended; exiting."], said
+
+
 def test_the_launcher_starts_a_restarted_child_with_the_join_variable():
     assert launcher.JOIN_ENV == admission.JOIN_ENV
 

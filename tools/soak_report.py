@@ -1,9 +1,11 @@
-"""Totals of a fault-injection soak's report (``tests/test_soak.py``, one JSON line per trial).
+"""Totals of a fault-injection soak's report (``tests/test_soak.py`` or ``tests/test_join_soak.py``,
+one JSON line per trial).
 
     python tools/soak_report.py soak.jsonl
 
 Prints the trials, the faults injected (those that fired: a faulty rank writes its record just
-before acting) and the failures, in all, by mode and by fault kind; exits 1 when a trial failed.
+before acting) and the failures, in all, by mode and by fault kind, and for a join soak by what
+became of the joiners; exits 1 when a trial failed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ def table(title: str, trials: list[dict[str, Any]], keys_of: Any) -> list[str]:
     return lines
 
 
+def joiner_table(trials: list[dict[str, Any]]) -> list[str]:
+    """What became of the joiners (admitted, restarted, lost, late, dropped): trials, joiners, failures."""
+    runs, joiners, failures = Counter[str](), Counter[str](), Counter[str]()
+    for trial in trials:
+        outcomes = Counter(trial.get("joiner_outcomes", []))
+        for outcome, count in outcomes.items():
+            runs[outcome] += 1
+            joiners[outcome] += count
+            failures[outcome] += failed(trial)
+    lines = [f"{'joiner outcome':<22} {'trials':>7} {'joiners':>7} {'failed':>7}"]
+    return lines + [f"{key:<22} {runs[key]:>7} {joiners[key]:>7} {failures[key]:>7}" for key in sorted(runs)]
+
+
 def report(trials: list[dict[str, Any]]) -> str:
     fired = sum(t["fired"] for t in trials)
     lines = [f"{len(trials)} trials, {fired} faults fired (of {sum(len(t['faults']) for t in trials)} drawn), "
@@ -47,6 +62,8 @@ def report(trials: list[dict[str, Any]]) -> str:
     lines += table("mode", trials, lambda t: {t["mode"]: t["fired"]}) + [""]
     lines += table("fired kind", trials, lambda t: dict(Counter(t["fired_kinds"]))) + [""]
     lines += table("faults fired", trials, lambda t: {str(t["fired"]): t["fired"]})
+    if any("joiner_outcomes" in t for t in trials):  # a join soak
+        lines += [""] + joiner_table(trials)
     failures = [t for t in trials if failed(t)]
     if failures:
         lines += ["", "failed:"] + [f"  {t['seed']}.{t['index']:03d} {t['mode']} {t['ranks']} ranks {t['faults']} "

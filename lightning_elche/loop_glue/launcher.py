@@ -70,13 +70,22 @@ class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
         if not (self.joining and self.cluster_environment.creates_processes_externally):
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        restarter = None
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
             first_member = self.cluster_environment.node_rank() * self.num_processes
             restarter = ChildRestarter(self.procs, self.restart_lost, self.restartable) if self.restart_lost else None
             ChildObserver(self.procs, os.getpid(), self.tolerates_loss, first_member, restarter=restarter).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
+        result = function(*args, **kwargs)
+        if restarter is not None:
+            restarter.wait_restarted(RESTARTED_WAIT_S)
+        return result
+
+
+RESTARTED_WAIT_S = 120.0
+"""How long rank 0, its fit done, waits for a child it restarted (one still starting needs to import,
+connect and find the fit over)."""
 
 
 class ChildRestarter:
@@ -94,6 +103,7 @@ class ChildRestarter:
         self.budget = budget
         self.restartable = restartable
         self.restarted = 0
+        self.started: list[subprocess.Popen] = []
 
     def restart(self, index: int) -> Optional[subprocess.Popen]:
         """Start child ``index`` (local rank ``index + 1``) again; None when the budget is spent or
@@ -106,7 +116,20 @@ class ChildRestarter:
         env[JOIN_ENV] = "1"
         if os.environ.get("PL_GLOBAL_SEED") is None:  # as Lightning starts its children
             env.pop("PL_GLOBAL_SEED", None)
-        return subprocess.Popen(self.commands[index], env=env)
+        self.started.append(subprocess.Popen(self.commands[index], env=env))
+        return self.started[-1]
+
+    def wait_restarted(self, timeout_s: float) -> None:
+        """Rank 0, its fit done: wait (up to ``timeout_s``) for the children it restarted. One still
+        starting when the fit ended finds it over and leaves at once, but only while the job's store
+        serves it: the store leaves once every registered rank has ended, and rank 0 is registered
+        until it exits (without this wait, such a child hung in its connect for the store timeout)."""
+        deadline = time.monotonic() + timeout_s
+        for child in self.started:
+            try:
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return  # past the bound rank 0 leaves: the child ends by its own timeouts
 
     def _restartable(self) -> bool:
         try:

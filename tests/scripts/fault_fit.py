@@ -17,7 +17,8 @@ so a killed rank's record survives it); every rank that finishes writes ``result
 ``--stall S`` passes ``stall_timeout=timedelta(seconds=S)`` (default: derived);
 ``--stall-floor S`` lowers the derived bound's floor for short test jobs.
 A process started with ``ELCHE_JOIN=1`` (and ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of the job)
-joins the running job; ``ELCHE_TEST_MEMBER`` names its files. ``--joiner-dies`` makes it die right after
+joins the running job; ``ELCHE_TEST_MEMBER`` names it until the job gives it a member id, which then
+names its files (the faults given to it match the first name). ``--joiner-dies`` makes it die right after
 its request (before it acknowledges admission), ``--joiner-dies-after-ack`` (SIGKILL) once it acknowledged
 its admission and read the admitted list, before the new process group; ``--joiner-fails-in-admission
 KIND:STAGE`` kills (``kill``) or stops (``stop``) it at ``STAGE`` of its admission (``regrouped``: the new
@@ -28,7 +29,7 @@ to the epoch's end after an admission and the joiner's first claim wait for that
 empty); ``--width`` changes the model (a
 bad join). ``--hold-for-joiner STEP[:COUNT[:WORLD]]`` (repeatable): launch rank 0 waits once, at its first
 batch from step ``STEP`` on with at least ``WORLD`` ranks in the fit, until ``COUNT`` (default 1) joiners
-asked to join. ``--member-dies-in-admission RANK:POINT`` SIGKILLs
+asked to join (each hold appends a line to ``holds-rank0.jsonl``). ``--member-dies-in-admission RANK:POINT`` SIGKILLs
 launch rank ``RANK`` in its first admission: at ``admitted`` (the admitted list read, before the new
 group), ``entered`` (the entry settled with it there, before the new group) or ``applied`` (the change
 applied, the joiner's state sent), and launch rank 0 also at ``offered`` (the joiner acknowledged, the
@@ -547,10 +548,15 @@ class HoldForJoiner(pl.Callback):
         store.set(HOLDING_KEY, str(trainer.current_epoch))
         # Waiting here is not a stall: the peers judge this rank by its progress after its first round.
         progress = getattr(getattr(trainer.strategy, "_membership", None), "progress", None)
+        started = time.monotonic()
         while int(store.add("lightning_elche/join/requests", 0)) < self.count and time.monotonic() < deadline:
             if progress is not None:
                 progress.advance()
             time.sleep(0.1)
+        with open(Path(trainer.default_root_dir, "holds-rank0.jsonl"), "a") as sink:  # which holds came, and how
+            sink.write(json.dumps({"step": self.step, "count": self.count, "at_step": trainer.global_step,
+                                   "epoch": trainer.current_epoch, "waited_s": round(time.monotonic() - started, 2),
+                                   "requests": int(store.add("lightning_elche/join/requests", 0))}) + "\n")
 
 
 HOLDING_KEY = "lightning_elche/test/rank0-holds"
@@ -566,6 +572,8 @@ def request_once_held() -> None:
     def request_later(self: Any, *args: Any, **kwargs: Any) -> None:
         deadline = time.monotonic() + 180.0
         while not self.store.check([HOLDING_KEY]) and time.monotonic() < deadline:
+            if self.store.check([admission.key("fit_over")]):
+                break  # rank 0 was lost before its hold and the fit ended: the request finds it over
             time.sleep(0.1)
         request(self, *args, **kwargs)
 
@@ -669,8 +677,9 @@ def request_after_the_first_join() -> None:
     request = admission.JoinerLink.request
 
     def request_later(self: Any, *args: Any, **kwargs: Any) -> None:
+        # Not past the fit's end (the first joiner may never be admitted): the request then finds it over.
         deadline, first = time.monotonic() + 180.0, admission.key("request/0")
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.store.check([admission.key("fit_over")]):
             if self.store.check([first]):
                 member = json.loads(self.store.get(first))["member"]
                 if self.store.check([admission.key(f"ack/{member}")]):
@@ -749,8 +758,30 @@ def micro_batch(value: Optional[str]) -> Any:
     return {int(rank): int(size) for rank, size in (pair.split("=") for pair in value.split(","))}
 
 
+MEMBER_ID_SAID = "fault_fit.py: this joiner is member "
+
+
+def name_files_by_member_id() -> None:
+    """A joiner's files follow the member id the job gives it (the order the joiners connected in,
+    a restarted child's included), which is what the members' losses and changes name; the faults
+    it was given were matched to it by the name it started with."""
+    from lightning_elche.membership import admission
+
+    take_member_id = admission.JoinerLink.take_member_id
+
+    def take_and_name(self: Any, launch_world_size: int) -> int:
+        global ORIGINAL_RANK
+        ORIGINAL_RANK = take_member_id(self, launch_world_size)
+        print(f"{MEMBER_ID_SAID}{ORIGINAL_RANK}", flush=True)  # which process the member id is (its log)
+        return ORIGINAL_RANK
+
+    admission.JoinerLink.take_member_id = take_and_name  # type: ignore[method-assign]
+
+
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
+    if os.environ.get("ELCHE_JOIN"):
+        name_files_by_member_id()
     if args.joiner_dies:
         die_after_the_request()
     if args.joiner_dies_after_ack:
