@@ -16,7 +16,9 @@ counted here, and so is ``max_failure``: the change that reaches the limit says 
 
 from __future__ import annotations
 
+import ctypes
 import json
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -38,6 +40,16 @@ CHECK_INTERVAL_S = 0.5
 """How often a wait on a collective looks at the peers."""
 _SPIN_S = 0.005  # how long a wait on a device collective polls without sleeping
 _TIMED_OUT = "timed out"
+
+
+def keep_past_exit(*handles: Any) -> None:
+    """Give each handle a reference nobody releases, so the interpreter's finalization never
+    destroys it: a gloo group (or a collective's work, which holds its group) with a receive still
+    waiting on a lost peer joins that transport thread in its destructor, which ends only at the
+    group's timeout. The process exits without destroying it; what it holds (its buffers) is the
+    price, paid only for the collectives a loss left behind."""
+    for handle in handles:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(handle))
 
 
 def exit_notice_prefix(fit_prefix: str) -> str:
@@ -205,8 +217,13 @@ class Membership:
 
     def abandon(self, *handles: Any) -> None:
         """Keep collectives (and groups) that still wait on a lost rank referenced for the rest of
-        the fit: releasing one joins its transport threads, which would block until its timeout."""
+        the fit: releasing one joins its transport threads, which would block until its timeout.
+
+        They are kept past the process's exit too (:func:`keep_past_exit`): the interpreter's
+        finalization would release them, and gloo's ``abort`` does not end a pending receive, so
+        the process would linger until the group's timeout (2 minutes and more) after its fit."""
         self.abandoned.extend(handles)
+        keep_past_exit(*(handle for handle in handles if not isinstance(handle, threading.Thread)))
 
     def check(self, peers: Optional[Sequence[int]] = None, ends_on: str = "") -> None:
         """Raise :class:`PeerFailure` when a peer (of ``peers``, default every member) is lost, a
