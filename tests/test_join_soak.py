@@ -23,7 +23,7 @@ Each trial checks (:func:`check_trial`): no process left; the fit finishes on th
 admitted joiners that were not lost (``test_join.check_grown``: identical parameters, every launch
 survivor saw the same joins and losses, the losses are the fired faults, every sample of every epoch
 exactly once in the consensus, a lost rank's batches counted as far as the members kept them), ranks
-dense in member-id order, validation over the whole (padded) set on the final ranks, rank 0's exit code
+dense in the order the changes give, validation over the whole (padded) set on the final ranks, rank 0's exit code
 0 unless it was lost. Every joiner process ends in one documented outcome, asserted: admitted (exit 0
 with a result, or lost by its fault with a non-zero code), too late (exit 0 with "nothing to join":
 only for an ``after_first`` joiner or when rank 0 was lost, the holds could not wait for it), or
@@ -282,9 +282,11 @@ def check_trial(job: JoinJob, trial: JoinTrial) -> list[str]:
     )
     assert (job.cohort_rc == 0) == (0 not in fired), f"rank 0's exit code {job.cohort_rc}, lost: {0 in fired}"
     finishers = sorted(job.results)
+    order = rank_order(trial.ranks, first["changes"])
+    assert sorted(order) == finishers, f"the members the changes leave, {order}, are not those that finished"
     for member, result in job.results.items():
-        assert result["global_rank"] == finishers.index(member), (
-            f"member {member} is rank {result['global_rank']} of {finishers}: not dense in member-id order"
+        assert result["global_rank"] == order.index(member), (
+            f"member {member} is rank {result['global_rank']} of {order}: not the rank its changes give it"
         )
         assert result["val_count"] == padded_validation(len(finishers)), (member, result["val_count"])
     holds = job.out / "holds-rank0.jsonl"
@@ -298,6 +300,17 @@ def check_trial(job: JoinJob, trial: JoinTrial) -> list[str]:
         external = {member for _, member in outcomes if member is not None}
         outcomes.append(restarted_outcome(job, admitted - external, fired, held_late))
     return [outcome for outcome, _ in outcomes]
+
+
+def rank_order(launch: int, changes: list[dict[str, object]]) -> list[int]:
+    """The members in rank order after ``changes`` (``membership.change``: the members that stay keep
+    their order, the joiners come last in the order they were admitted, which need not be the order of
+    their ids: a joiner takes its id when it connects and asks once its model is built)."""
+    order = list(range(launch))
+    for change in changes:
+        lost = set(change["lost"])  # type: ignore[call-overload]
+        order = [m for m in order if m not in lost] + [int(m) for m in change["joined"]]  # type: ignore[attr-defined]
+    return order
 
 
 def may_come_late(trial: JoinTrial, k: Optional[int], fired: dict[int, dict[str, object]], held_late: bool) -> bool:
