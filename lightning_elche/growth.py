@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader
 from lightning_elche import job_store
 from lightning_elche.averaging import averaged_buffers, layout_signature, trainable_parameters
 from lightning_elche.checks import require_int
+from lightning_elche.config import Dispatch
 from lightning_elche.loop_glue import configure_launcher
 from lightning_elche.loop_glue.joining import (
     callback_states,
@@ -147,6 +148,20 @@ def _followed(membership: Membership, change: Change, settled: Entry) -> Change:
     membership.enter(followed)
     let_default_group_go(membership)
     return followed
+
+
+def all_can_admit(outcome: Any, dispatch: Dispatch) -> bool:
+    """Whether every member can take part in an admission at this round (the reports: the same answer
+    on all). With the equal split a rank out of data ends its share of the epoch, which the admission
+    would cut again. With the pool a rank out of data only waits, joining the rounds, for the epoch's
+    end: the joiner claims what is left (or, the pool dry, joins those rounds too), so a slow rank
+    that leaves the pool's tail early in an epoch (a short epoch, a rank many times slower than the
+    others) no longer keeps every joiner out until the fit ends. Rank 0 must have trained a batch
+    of the epoch: its loop's position after the round's batch is what the joiner starts from."""
+    draining = [r.out_of_data for r in outcome.reports]
+    if not any(draining):
+        return True
+    return dispatch is Dispatch.POOL and not all(draining) and outcome.reports[0].epoch_batches > 0
 
 
 def _mark(member: int, event: str, **fields: Any) -> None:
@@ -252,7 +267,7 @@ class Growth:
             self.admit_at = None
             return
         admissible = (outcome.consensus and not outcome.ends_window_sequence and sampler is not None
-                      and not any(r.out_of_data for r in outcome.reports) and not session.leaving
+                      and all_can_admit(outcome, engine.run_mode.dispatch) and not session.leaving
                       and not session.pending_save)
         if admissible:
             self.admit_at = None

@@ -181,8 +181,8 @@ joiner killed in epoch 1 after it joined; ``nccl_cadence``, launch rank 2 killed
 rank 0 holds for the joiner at its step 3 (the loss and the join in one window)."""
 
 
-def run_trial(tmp_path: Path, trial: JoinTrial) -> None:
-    """Run ``trial``, check its outcome and add its line to the report."""
+def run_trial(tmp_path: Path, trial: JoinTrial) -> list[str]:
+    """Run ``trial``, check it, add its line to the report; returns the joiners' outcomes."""
     started, outcome, joiners_seen = time.monotonic(), "failed", []
     try:
         cohort = (
@@ -254,6 +254,7 @@ def run_trial(tmp_path: Path, trial: JoinTrial) -> None:
             }
             with open(report, "a") as sink:
                 sink.write(json.dumps(line) + "\n")
+    return joiners_seen
 
 
 def check_trial(job: JoinJob, trial: JoinTrial) -> list[str]:
@@ -379,6 +380,19 @@ def test_ci_draws_are_cadence() -> None:
 @pytest.mark.parametrize("trial", CI, ids=lambda trial: trial.name)
 def test_a_few_random_joins_and_losses(tmp_path: Path, trial: JoinTrial) -> None:
     run_trial(tmp_path, trial)
+
+
+SLOW_RANK_0_RESTART = JoinTrial("fixed", 0, "nccl_cadence", 3, 2, ("prompt",), ("11:2",), ("exit:2:1:0",), (), True)
+"""Join soak trial 0.038 of the first soak on the device's cores: launch rank 2 exits at its step 1 and
+is restarted; rank 0 holds at its step 11 for the restarted child and the joiner (seconds, while the
+child starts), so the controller takes rank 0 for many times slower than the others. In the next
+epoch rank 0 leaves the pool's tail after its first chunk and waits, out of data, at every round:
+no round had every rank holding data, and the restarted child found the fit over."""
+
+
+@pytest.mark.timeout(420)
+def test_a_restarted_child_is_admitted_while_rank_0_waits_for_the_epoch_end(tmp_path: Path) -> None:
+    assert sorted(run_trial(tmp_path, SLOW_RANK_0_RESTART)) == ["admitted", "restarted"]
 
 
 @pytest.mark.faults
