@@ -10,10 +10,13 @@ import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
+from lightning_elche.config import Dispatch
+from lightning_elche.growth import all_can_admit
 from lightning_elche.job_store import proc_key
 from lightning_elche.membership.admission import (
     Admitter,
@@ -179,3 +182,27 @@ def test_rank_0_lost_while_it_offers_an_admission_ends_it_for_members_and_joiner
     assert store.check(["lightning_elche/join/dropped/2"]) and time.monotonic() - started < 2.0
     with pytest.raises(PeerFailure, match="lost while it offered an admission"):
         Admitter(_membership(store, 1, [0, 1]), "job", "s3cret").admit(1)
+
+
+def _reports(*ranks: tuple[bool, int]) -> SimpleNamespace:
+    """A round's outcome as ``all_can_admit`` reads it: each rank's (out of data, epoch batches)."""
+    return SimpleNamespace(reports=[SimpleNamespace(out_of_data=dry, epoch_batches=batches) for dry, batches in ranks])
+
+
+@pytest.mark.parametrize(
+    ("ranks", "dispatch", "admits"),
+    [
+        (((False, 3), (False, 9)), Dispatch.EQUAL, True),  # every rank has data: any dispatch
+        (((False, 3), (False, 9)), Dispatch.POOL, True),
+        (((True, 2), (False, 9)), Dispatch.POOL, True),  # the pool: a slow rank 0 waits for the epoch's end
+        (((False, 2), (True, 9), (False, 4)), Dispatch.POOL, True),
+        (((True, 2), (False, 9)), Dispatch.EQUAL, False),  # the equal split would cut the rest again
+        (((True, 2), (False, 9)), Dispatch.FIXED, False),
+        (((True, 2), (True, 9)), Dispatch.POOL, False),  # everyone drains: the epoch's last round
+        (((True, 0), (False, 9)), Dispatch.POOL, False),  # rank 0 trained no batch: no loop position to send
+    ],
+)
+def test_an_admission_waits_for_a_draining_rank_only_where_it_must(
+    ranks: tuple[tuple[bool, int], ...], dispatch: Dispatch, admits: bool
+) -> None:
+    assert all_can_admit(_reports(*ranks), dispatch) is admits
