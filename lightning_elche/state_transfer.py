@@ -12,7 +12,8 @@ one (sparse, quantized, a subclass) keeps the pickled way inside the skeleton.
 
 Every message is an ``isend``/``irecv`` handed to a ``wait`` (by default ``Work.wait()``): an admission
 passes its watched wait, so that a joiner that dies or stalls while its state is sent, or a sender
-lost meanwhile, is noticed at the liveness timeout instead of the transport's.
+lost meanwhile, is noticed at the liveness timeout instead of the transport's. A message refused
+when it is posted (its peer already closed its end) reaches the wait too, as one that failed.
 """
 
 from __future__ import annotations
@@ -139,6 +140,29 @@ def _plain_wait(work: Any) -> None:
     work.wait()
 
 
+class _RefusedMessage:
+    """The work of a message whose ``isend``/``irecv`` raised when it was posted (gloo refuses one
+    at once when the other end has closed its connection): waiting for it raises that error, so the
+    transfer's ``wait`` judges it as it judges a message that failed later (a watched wait: the peer
+    is lost), rather than the error escaping the wait."""
+
+    def __init__(self, error: RuntimeError) -> None:
+        self.error = error
+
+    def wait(self, timeout: Any = None) -> bool:
+        raise self.error
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _post(operation: Callable[..., Any], tensor: torch.Tensor, peer: int) -> Any:
+    try:
+        return operation(tensor, peer)
+    except RuntimeError as error:
+        return _RefusedMessage(error)
+
+
 @dataclass(frozen=True)
 class PackedState:
     """A payload made ready to send (:func:`pack_state`), to any number of ranks one after the other."""
@@ -154,7 +178,7 @@ class PackedState:
     def send(self, rank: int, wait: Wait = _plain_wait) -> None:
         """To ``rank``; raises what ``wait`` raises (the rank may then have part of it)."""
         for raw in (self.header, self.skeleton, *([self.buffer] if self.buffer.numel() else []), *self.direct):
-            wait(dist.isend(raw, dst=rank))
+            wait(_post(dist.isend, raw, rank))
 
 
 def pack_state(payload: Any) -> PackedState:
@@ -194,7 +218,7 @@ def recv_state(src: int = 0, into: Any = None, wait: Wait = _plain_wait) -> Any:
     device = _transport_device()
 
     def receive(raw: torch.Tensor) -> torch.Tensor:
-        wait(dist.irecv(raw, src=src))
+        wait(_post(dist.irecv, raw, src))
         return raw
 
     length, size = (int(n) for n in receive(torch.empty(2, dtype=torch.int64, device=device)).tolist())

@@ -82,3 +82,32 @@ def test_a_state_arrives_equal_with_its_containers_metadata_and_a_sparse_tensor(
                         "own_storage": True}
     # The plain tensors' bytes (the sparse one is pickled): 15*4 + 7*2 + 8 + 3 + 0 + 6*4 + 2*4, and the large two.
     assert json.loads((tmp_path / "sent.json").read_text()) == 60 + 14 + 8 + 3 + 24 + 8 + 600 * 500 * 4 + 1024 * 520 * 2
+
+
+@pytest.mark.parametrize("side", ["send", "receive"])
+def test_a_message_refused_when_posted_reaches_the_transfer_s_wait(monkeypatch: pytest.MonkeyPatch, side: str) -> None:
+    # gloo raises in isend/irecv itself once the other end closed its connection (a joiner killed
+    # while rank 0 sends it its state): the error escaped the admission's watched wait and ended the
+    # member's fit. It now reaches the wait, which judges it as a failed message (the peer is lost).
+    from lightning_elche import state_transfer
+
+    refused = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:34196")
+
+    def post(tensor: torch.Tensor, peer: int) -> Any:
+        raise refused
+
+    monkeypatch.setattr(state_transfer, "_transport_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(state_transfer.dist, "isend" if side == "send" else "irecv", post)
+    waited: list[Any] = []
+
+    def wait(work: Any) -> None:
+        waited.append(work)
+        work.wait()
+
+    with pytest.raises(RuntimeError) as raised:
+        if side == "send":
+            state_transfer.pack_state({"x": torch.ones(3)}).send(1, wait)
+        else:
+            state_transfer.recv_state(0, wait=wait)
+    assert raised.value is refused
+    assert len(waited) == 1 and waited[0].is_completed()
