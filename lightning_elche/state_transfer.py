@@ -22,7 +22,7 @@ import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -149,7 +149,7 @@ class _RefusedMessage:
     def __init__(self, error: RuntimeError) -> None:
         self.error = error
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: Any = None) -> NoReturn:
         raise self.error
 
     def is_completed(self) -> bool:

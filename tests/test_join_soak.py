@@ -47,7 +47,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 from fault_jobs import BATCH, MODES, fired_faults, padded_validation
@@ -303,14 +303,14 @@ def check_trial(job: JoinJob, trial: JoinTrial) -> list[str]:
     return [outcome for outcome, _ in outcomes]
 
 
-def rank_order(launch: int, changes: list[dict[str, object]]) -> list[int]:
+def rank_order(launch: int, changes: list[dict[str, Any]]) -> list[int]:
     """The members in rank order after ``changes`` (``membership.change``: the members that stay keep
     their order, the joiners come last in the order they were admitted, which need not be the order of
     their ids: a joiner takes its id when it connects and asks once its model is built)."""
     order = list(range(launch))
     for change in changes:
-        lost = set(change["lost"])  # type: ignore[call-overload]
-        order = [m for m in order if m not in lost] + [int(m) for m in change["joined"]]  # type: ignore[attr-defined]
+        lost = set(change["lost"])
+        order = [m for m in order if m not in lost] + [int(m) for m in change["joined"]]
     return order
 
 
