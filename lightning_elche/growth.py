@@ -76,6 +76,7 @@ from lightning_elche.membership.admission import (
     FitFacts,
     FitOver,
     JoinerLink,
+    JoinKnock,
     JoinRefused,
     create_join_secret,
     job_address,
@@ -245,6 +246,9 @@ class Growth:
             self.admitter.facts = self._facts
         self.survival = engine.failures
         engine.joiners_waiting = self.admitter.waiting
+        knock = JoinKnock(membership.store)
+        membership.heartbeat.add_watcher(knock.observe)
+        engine.joiner_knocked = knock.take
         rounds.after_each_round = lambda trainer, outcome: self.after_round(trainer, outcome, engine, rounds.session,
                                                                             sampler())
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from lightning_elche.config import Dispatch
 from lightning_elche.growth import all_can_admit
-from lightning_elche.job_store import proc_key
+from lightning_elche.job_store import heartbeat_key, proc_key
 from lightning_elche.membership.admission import (
     Admitter,
     FitFacts,
@@ -206,3 +206,35 @@ def test_an_admission_waits_for_a_draining_rank_only_where_it_must(
     ranks: tuple[tuple[bool, int], ...], dispatch: Dispatch, admits: bool
 ) -> None:
     assert all_can_admit(_reports(*ranks), dispatch) is admits
+
+
+def test_a_joiners_request_ends_each_members_window_once_and_a_launch_request_never() -> None:
+    from lightning_elche.membership.admission import JoinKnock
+    from lightning_elche.membership.liveness import Heartbeat
+
+    store = dist.HashStore()
+    publish_job(store, "job", 2)
+    Admitter(_membership(store, 0, [0, 1]), "job", "s3cret").publish(FACTS)
+    early = JoinerLink(store, 5.0)
+    view = early.job()
+    early.take_member_id(2)
+    early.request(view, "s3cret", FACTS)  # before the member started: the next round sees it anyway
+    knock = JoinKnock(store)
+    beat = Heartbeat(store, 0, 0.02)
+    beat.add_watcher(lambda store: (_ for _ in ()).throw(RuntimeError("a watcher that fails")))
+    beat.add_watcher(knock.observe)
+    try:
+        time.sleep(0.1)
+        assert not knock.take()
+        late = JoinerLink(store, 5.0)
+        late.take_member_id(3)
+        late.request(view, "s3cret", FACTS)
+        deadline = time.monotonic() + 5.0
+        while not knock.take():  # seen by the heartbeat thread within a beat, despite the failing watcher
+            assert time.monotonic() < deadline, "the heartbeat never read the new request"
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert not knock.take()  # one window per request
+        assert int(store.add(heartbeat_key(0), 0)) > 3  # the failing watcher did not end the heartbeat
+    finally:
+        beat.close()

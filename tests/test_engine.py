@@ -413,3 +413,16 @@ def test_a_consensus_for_the_next_round_is_still_available():
     plane.peer_rows.append({"STEPS": 10})
     (outcome,) = engine.run_round(0, out_of_data=False, blocking=False)  # made blocking by the request
     assert outcome.consensus and outcome.index == 1
+
+
+def test_a_joiners_knock_ends_the_window_after_its_current_step():
+    engine, plane, _ = make_engine()
+    knocks = [False, True]
+    engine.joiner_knocked = lambda: knocks.pop(0) if knocks else False
+    assert not engine.window_due()  # no step yet in this window: the knock waits for one
+    assert knocks == [False, True]
+    run_window(engine, 1)
+    assert engine.planned_steps > 1
+    assert not engine.window_due()
+    assert engine.window_due()  # knocked: the round comes now
+    assert not engine.window_due()

@@ -303,3 +303,67 @@ def test_torch_compiled_model_trains_on_the_flat_buffer(tmp_path):
     records = load_probe_records(tmp_path)
     assert all(share == 1.0 for record in records for share in record["linked"])
     assert_identical_replicas(records)
+
+
+def _round_metadata(plane: CollectivePlane, steps: int) -> torch.Tensor:
+    from lightning_elche.rounds import META_SIZE, Meta
+
+    local = torch.zeros(META_SIZE, dtype=torch.float64)
+    local[Meta.STEPS] = float(steps)
+    local[Meta.FINITE] = 1.0
+    plane.start(local)  # writes the layout's signature
+    return local
+
+
+@pytest.mark.parametrize("steps", [1, 0])
+def test_the_pre_round_values_are_kept_while_the_metadata_travels(steps):
+    """The copy into the stale gradients runs beside the metadata exchange (whose wait it hides
+    in), not after it; a round in which nobody moved averages nothing and lets the gradients go."""
+    model, _ = stepped_two_layer()
+    plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=2, device=torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    local = _round_metadata(plane, steps)
+    seen: dict[str, Any] = {}
+
+    def finish_exchange(work: Any) -> torch.Tensor:
+        assert plane._pre is not None
+        seen["saved_before_the_table"] = plane._pre.saved
+        seen["in_grads"] = all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+        return torch.stack([local, local])  # the peer reports the same
+
+    def all_reduce(tensor: torch.Tensor, **kwargs: Any) -> Done:
+        tensor.mul_(2.0)
+        return Done()
+
+    with mock.patch.object(plane, "_begin_exchange", lambda local: Done()), \
+            mock.patch.object(plane, "_finish_exchange", finish_exchange), \
+            mock.patch.object(collective_plane.dist, "all_reduce", all_reduce):
+        result = plane.collect()
+    assert seen == {"saved_before_the_table": True, "in_grads": True}
+    assert all(p.grad is None for p in model.parameters())
+    assert plane._pre is not None and not plane._pre.saved
+    assert all(torch.allclose(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    if steps:
+        assert result.divergence is not None and result.divergence[0].item() == pytest.approx(0.0, abs=1e-6)
+    else:
+        assert result.divergence is None and not result.weights.realized
+
+
+def test_a_save_ahead_of_the_round_allocates_nothing_and_leaves_it_to_the_round():
+    model, _ = stepped_two_layer()
+    model[2].weight.grad = None  # a branch the last step did not use
+    plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=2, device=torch.device("cpu"))
+    local = _round_metadata(plane, 1)
+    seen: list[bool] = []
+
+    def finish_exchange(work: Any) -> torch.Tensor:
+        assert plane._pre is not None
+        seen.append(plane._pre.saved)
+        return torch.stack([local, local])
+
+    with mock.patch.object(plane, "_begin_exchange", lambda local: Done()), \
+            mock.patch.object(plane, "_finish_exchange", finish_exchange), \
+            mock.patch.object(collective_plane.dist, "all_reduce", lambda tensor, **kwargs: Done()):
+        result = plane.collect()
+    assert seen == [False]  # not ahead: the round itself kept them, with a copy of that one tensor
+    assert result.divergence is not None

@@ -10,7 +10,12 @@ divergence norms and the launches, at the benchmark's two model sizes:
 * ``average_ms``: the whole ``average()``, device time; ``own_ms`` = the difference, the round's
   own work beyond the all-reduce;
 * ``wall_average_ms`` / ``wall_bare_ms``: the same two on the host's clock, synchronized;
-* ``kernels_per_round``: device kernels one ``average()`` runs (torch.profiler), with their names.
+* ``kernels_per_round``: device kernels one ``average()`` runs (torch.profiler), with their names;
+* ``round_ms`` / ``bare_round_ms``: a whole round as the engine runs it (``start`` and ``collect``:
+  the layout check, the metadata exchange with the pre-round copy beside it, ``average()``)
+  against the two collectives alone (the metadata all-gather and the reduce); ``round_own_ms`` the
+  difference. On one rank nobody is waited for in the exchange, so the copy beside it shows here in
+  full; with peers it runs while this rank waits for the slowest one.
 
 Each size is measured with the fused drift measurement (CUDA, Triton) and, ``-multi-tensor``,
 with PyTorch's multi-tensor kernels.
@@ -34,6 +39,7 @@ import torch.distributed as dist
 
 from lightning_elche.averaging import AveragedLayout, FlatTensors, round_weights
 from lightning_elche.planes.collective import CollectivePlane
+from lightning_elche.rounds import META_SIZE, Meta
 
 SIZES_MB = {"resnet20x4": 17.31, "char-medium": 77.24}  # the benchmark's flat parameter bytes
 
@@ -103,13 +109,29 @@ def measure(megabytes: float, iters: int, tensors: int, fused: bool) -> dict[str
     def bare() -> None:
         plane.sum_scaled(layout.joint, 1.0)
 
+    local = torch.zeros(META_SIZE, dtype=torch.float64, device="cuda")
+    local[Meta.STEPS], local[Meta.FINITE] = 1.0, 1.0
+
+    def whole_round() -> None:
+        plane.start(local)
+        plane.collect()
+
+    def bare_round() -> None:
+        plane.exchange(local)
+        plane.sum_scaled(layout.joint, 1.0)
+
     for _ in range(5):
         after_a_step()
         average()
         bare()
+        after_a_step()
+        whole_round()
+        bare_round()
     torch.cuda.synchronize()
     average_ms, wall_average_ms = timed(average, after_a_step, iters)
     bare_ms, wall_bare_ms = timed(bare, lambda: None, iters)
+    round_ms, wall_round_ms = timed(whole_round, after_a_step, iters)
+    bare_round_ms, wall_bare_round_ms = timed(bare_round, lambda: None, iters)
     per_round, names = kernels(average, after_a_step, 20)
     bare_kernels, _ = kernels(bare, lambda: None, 20)
     return {
@@ -121,6 +143,10 @@ def measure(megabytes: float, iters: int, tensors: int, fused: bool) -> dict[str
         "wall_bare_ms": wall_bare_ms,
         "wall_average_ms": wall_average_ms,
         "wall_own_ms": wall_average_ms - wall_bare_ms,
+        "round_ms": round_ms,
+        "bare_round_ms": bare_round_ms,
+        "round_own_ms": round_ms - bare_round_ms,
+        "wall_round_own_ms": wall_round_ms - wall_bare_round_ms,
         "kernels_per_round": per_round,
         "kernels_of_the_bare_collective": bare_kernels,
         "kernel_names": names,

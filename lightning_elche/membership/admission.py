@@ -85,6 +85,29 @@ def key(name: str) -> str:
     return f"{JOIN_PREFIX}/{name}"
 
 
+class JoinKnock:
+    """Whether a joiner asked to join since this rank last ended a window early for one.
+
+    The heartbeat thread reads the job's request count once per beat (:meth:`observe`); the
+    training loop asks once per step (:meth:`take`), which is a comparison of two integers. Requests
+    made before this rank started are not a knock: the next round sees them anyway. Each request
+    ends at most one window early, whether or not it is accepted.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self._answered = self._seen = int(store.add(key("requests"), 0))
+
+    def observe(self, store: Any) -> None:
+        self._seen = int(store.add(key("requests"), 0))
+
+    def take(self) -> bool:
+        seen = self._seen
+        if seen <= self._answered:
+            return False
+        self._answered = seen
+        return True
+
+
 # -- the job's secret -------------------------------------------------------------------------------
 
 

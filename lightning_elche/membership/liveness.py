@@ -17,14 +17,17 @@ found (fenced, a stalled one would read as gone after).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, Optional
 
 from lightning_elche.job_store import heartbeat_key, parse_process, proc_key, process_alive
 from lightning_elche.membership.stall import WITNESS_GAP_S, ProgressStamp, Stamp, stall_verdict
+
+log = logging.getLogger(__name__)
 
 DEFAULT_LIVENESS_TIMEOUT = timedelta(seconds=30)
 
@@ -63,6 +66,7 @@ class Heartbeat:
     def __init__(self, store: Any, rank: int, interval_s: float, progress: Optional[ProgressStamp] = None,
                  progress_key: str = "") -> None:
         self._store = store.clone() if hasattr(store, "clone") else store
+        self._watchers: tuple[Callable[[Any], None], ...] = ()
         self._key = heartbeat_key(rank)
         self._interval_s = interval_s
         self._progress, self._progress_key = progress, progress_key
@@ -79,6 +83,16 @@ class Heartbeat:
                 self._publish()
             except Exception:  # the store is gone: the job is ending; peers see this rank silent
                 return
+            for watch in self._watchers:
+                try:
+                    watch(self._store)
+                except Exception as error:  # a reading for the training loop; never the heartbeat's end
+                    log.debug(f"ElChe heartbeat watcher failed: {error}")
+
+    def add_watcher(self, watch: Callable[[Any], None]) -> None:
+        """Call ``watch(store)`` after every beat, on this thread's own store connection (a key the
+        training loop wants read without a store round trip in its steps)."""
+        self._watchers = (*self._watchers, watch)
 
     def _publish(self) -> None:
         if self._progress is None:

@@ -27,7 +27,7 @@ from lightning_elche.planes.base import (
     check_layout,
     stamp_layout,
 )
-from lightning_elche.planes.fused import FusedDrift, drift_or_none
+from lightning_elche.planes.fused import FusedDrift, QueuedDrift, drift_or_none, queue_drift
 from lightning_elche.planes.scratch import PreRoundValues
 from lightning_elche.rounds import Meta, validate_table
 
@@ -84,6 +84,7 @@ class CollectivePlane(AveragingPlane):
         self._failed = False  # the last round's collectives did not finish: its values need restoring
         self._premul_backend: Optional[bool] = None
         self._local: Optional[Tensor] = None
+        self._drift_stream: Optional[Any] = None  # where the drift waits for the reduce (CUDA)
 
     @property
     def params(self) -> FlatTensors:
@@ -108,7 +109,9 @@ class CollectivePlane(AveragingPlane):
 
     def collect(self) -> RoundResult:
         assert self._local is not None, "collect() without start()"
-        table = self.exchange(self._local).tolist()
+        gathering = self._begin_exchange(self._local)
+        self._save_beside_the_exchange()
+        table = self._finish_exchange(gathering).tolist()
         check_layout(table, self.layout, self.rank)
         validate_table(table)
         weights = round_weights([int(row[Meta.STEPS]) for row in table], self.gamma)
@@ -126,11 +129,34 @@ class CollectivePlane(AveragingPlane):
 
     def exchange(self, local: Tensor) -> Tensor:
         """All-gather one float64 vector per rank; a ``[world_size, len(local)]`` CPU tensor."""
+        return self._finish_exchange(self._begin_exchange(local))
+
+    def _begin_exchange(self, local: Tensor) -> Any:
         local = local.to(self.device, dtype=torch.float64)
         if self._meta_out is None or self._meta_out.numel() != self.world_size * local.numel():
             self._meta_out = torch.empty(self.world_size * local.numel(), dtype=torch.float64, device=self.device)
-        self._await(all_gather_flat(self._meta_out, local, group=self.group, async_op=True), self._host_blocking)
+        return all_gather_flat(self._meta_out, local, group=self.group, async_op=True)
+
+    def _finish_exchange(self, work: Any) -> Tensor:
+        assert self._meta_out is not None
+        self._await(work, self._host_blocking)
         return self._meta_out.view(self.world_size, -1).cpu()
+
+    def _pre_round(self) -> PreRoundValues:
+        if self._pre is None:
+            self._pre = PreRoundValues(self.layout)
+            self._drift = drift_or_none(self.layout.joint, self._pre.current)
+        return self._pre
+
+    def _save_beside_the_exchange(self) -> None:
+        """Keep this replica's pre-round values while the metadata travels (the host waits for the
+        slowest rank there anyway), where that costs no allocation; a round run again after a
+        failure restores them instead."""
+        if self._failed or not self.layout.joint:
+            return
+        pre = self._pre_round()
+        if not pre.saved:
+            pre.save(borrow_only=True)
 
     @property
     def _host_blocking(self) -> bool:
@@ -144,16 +170,15 @@ class CollectivePlane(AveragingPlane):
         the model's size) for the drift measurement, and a round that failed on a lost peer puts
         them back when it runs again, so it runs from the same contribution."""
         if not weights.realized:
+            if self._pre is not None and self._pre.saved and not self._failed:
+                self._pre.release()  # saved beside the exchange for a round that averages nothing
             return None
         params, buffers, joint = self.params, self.buffers, self.layout.joint
-        if self._pre is None:
-            self._pre = PreRoundValues(self.layout)
-            self._drift = drift_or_none(self.layout.joint, self._pre.current)
-        pre = self._pre
+        pre = self._pre_round()
         drift = self._drift if self.fused else None
         if self._failed:
             pre.restore()  # the failed round's partial sums are in the live tensors
-        else:
+        elif not pre.saved:
             pre.save()
         self._failed = True  # until every collective is done (a PeerFailure leaves it set)
         param_factor, buffer_factor = weights.param_factors[self.rank], weights.buffer_factors[self.rank]
@@ -163,13 +188,24 @@ class CollectivePlane(AveragingPlane):
             torch._foreach_mul_(buffers.flats, buffer_factor / param_factor)
         works = self.sum_scaled(joint, param_factor, wait=False)
         # The multi-tensor path takes the pre-round norms beside the reduce; the fused one reads
-        # every value once after it.
+        # every value once after it, launched while the reduce runs where it can be.
         pre_norms = torch._foreach_norm(pre.params) if pre.params and drift is None else None
-        for work in works:
-            self._await(work, self._host_blocking)
+        queued = None
+        if pre.params and drift is not None:
+            queued = self._drift_behind(works, drift, pre.addresses)
+            drift = self._drift  # a new one where the queuing failed and abandoned the old one
+        try:
+            for work in works:
+                self._await(work, self._host_blocking)
+        except BaseException:
+            if queued is not None:
+                self._abandon(queued)
+            raise
         self._failed = False
         if not pre.params:
             divergence = None
+        elif queued is not None:
+            divergence = queued.result()
         elif drift is not None:
             divergence = drift(pre.addresses)
         else:
@@ -178,6 +214,29 @@ class CollectivePlane(AveragingPlane):
         if outer is not None:
             outer.step(params.flats)
         return divergence
+
+    def _drift_behind(self, works: list[Any], drift: FusedDrift, addresses: list[int]) -> Optional[QueuedDrift]:
+        """The fused drift queued behind the reduce on a side stream (NCCL, whose works order
+        streams without the host waiting); None on a host-blocking transport."""
+        if self._host_blocking:
+            return None
+        if self._drift_stream is None:
+            self._drift_stream = torch.cuda.Stream(device=self.layout.joint[0].device)
+        queued = queue_drift(drift, self._drift_stream, works, addresses)
+        if queued is None:
+            self._abandon_side_stream()
+        return queued
+
+    def _abandon(self, queued: QueuedDrift) -> None:
+        queued.abandon()
+        self._abandon_side_stream()
+
+    def _abandon_side_stream(self) -> None:
+        # Its kernels may still run after a failed reduce: the next round measures on a new stream
+        # into new partial sums.
+        self._drift_stream = None
+        if self._pre is not None:
+            self._drift = drift_or_none(self.layout.joint, self._pre.current)
 
     def sum_scaled(self, flats: list[Tensor], factor: float, wait: bool = True) -> list[Any]:
         """The wire part of a round: SUM all-reduce each flat buffer in place, every rank's values
@@ -211,7 +270,7 @@ class CollectivePlane(AveragingPlane):
         # The engine outlives fit (its totals are the run's record): free the model-sized buffers.
         if self._pre is not None:
             self._pre.release()
-        self._pre, self._drift = None, None
+        self._pre, self._drift, self._drift_stream = None, None, None
         self._meta_out = None
         self.params.release()
         self.buffers.release()

@@ -65,26 +65,41 @@ class PreRoundValues:
         self._borrowed: list[Tensor] = []
         self.own_bytes = 0
         """Bytes of the tensors allocated for parameters without a usable gradient (this round)."""
+        self._saved = False
 
     @property
     def saved(self) -> bool:
-        return bool(self.params) or not self._slots
+        """Whether this round's values are kept (from :meth:`save` until :meth:`release`)."""
+        return self._saved
 
     @torch.no_grad()
-    def save(self) -> None:
-        """Copy the live values aside (into the parameters' gradients where they can hold them)."""
+    def save(self, borrow_only: bool = False) -> bool:
+        """Copy the live values aside (into the parameters' gradients where they can hold them);
+        whether they were saved.
+
+        ``borrow_only``: save only if every parameter has a usable gradient, and else leave it for a
+        later :meth:`save` (a save ahead of the round must not allocate tensors of its own for a
+        round that may average nothing)."""
         grads = [param.grad for param in self._params]
         if not self._all_usable(grads):
+            if borrow_only:
+                return False
             self._save_one_by_one()
         else:
-            self.params, self._borrowed, self.own_bytes = grads, self._params, 0  # type: ignore[assignment]
-            self.addresses = [grad.data_ptr() for grad in grads]  # type: ignore[union-attr]
-            if any(a == b for a, b in zip(self.addresses, self._slot_addresses, strict=True)):
-                self._save_one_by_one()  # a gradient that is the parameter's own storage
+            addresses = [grad.data_ptr() for grad in grads]  # type: ignore[union-attr]
+            if any(a == b for a, b in zip(addresses, self._slot_addresses, strict=True)):
+                if borrow_only:  # a gradient that is the parameter's own storage
+                    return False
+                self._save_one_by_one()
+            else:
+                self.params, self._borrowed, self.own_bytes = grads, self._params, 0  # type: ignore[assignment]
+                self.addresses = addresses
         if self.params:
             torch._foreach_copy_(self.params, self.current)
         if self._buffer_twins:
             torch._foreach_copy_(self._buffer_twins, self.layout.buffers.flats)
+        self._saved = True
+        return True
 
     def _all_usable(self, grads: list[Optional[Tensor]]) -> bool:
         # Not ``None in grads``: that compares every tensor with None through ``Tensor.__eq__``, about
@@ -123,3 +138,4 @@ class PreRoundValues:
         for param in self._borrowed:
             param.grad = None
         self.params, self._borrowed, self.own_bytes, self.addresses = [], [], 0, []
+        self._saved = False
