@@ -15,7 +15,7 @@ from lightning_elche.averaging import AveragedLayout, round_weights
 from lightning_elche.membership.change import PeerFailure
 from lightning_elche.planes import collective as collective_plane
 from lightning_elche.planes.collective import CollectivePlane
-from lightning_elche.planes.fused import QueuedDrift, fused_drift_available
+from lightning_elche.planes.fused import fused_drift_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -77,7 +77,6 @@ def test_the_fused_drift_matches_the_multi_tensor_path_and_a_failed_round_restor
             tolerance = 1e-5 if dtype == torch.float32 else 1e-2
             assert measured[fused] == pytest.approx([norm / 2, norm, norm / 2], rel=tolerance)
         assert plane._drift is not None
-        assert plane._drift_stream is not None, "the fused drift should be queued behind the reduce"
         # Both accumulate in f32; the multi-tensor norms of bf16 tensors come back rounded to bf16.
         assert measured[True] == pytest.approx(measured[False], rel=1e-6 if dtype == torch.float32 else 1e-2)
         assert measured[True] == pytest.approx([norm / 2, norm, norm / 2], rel=1e-5)  # the fused one is not rounded
@@ -91,16 +90,12 @@ def test_the_fused_drift_matches_the_multi_tensor_path_and_a_failed_round_restor
             return Failed()
 
         plane.fused = True
-        abandoned, stream = len(QueuedDrift._abandoned), plane._drift_stream
         with mock.patch.object(collective_plane.dist, "all_reduce", scribble), pytest.raises(PeerFailure):
             plane.average(round_weights([1, 1], 1.0))
-        # The side stream that waited on the failed reduce is never joined, nor used again.
-        assert len(QueuedDrift._abandoned) == abandoned + 1 and plane._drift_stream is None
         with mock.patch.object(plane, "sum_scaled", alone):  # the survivor alone: its own values
             divergence = plane.average(round_weights([1], 1.0))
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         assert divergence is not None and divergence[0].item() == 0.0
-        assert plane._drift_stream is not None and plane._drift_stream is not stream
         plane.close()
     finally:
         dist.destroy_process_group()

@@ -494,3 +494,22 @@ def test_a_fit_seeded_other_than_0_admits_a_joiner(tmp_path: Path) -> None:
     job = run_join_job(tmp_path, "cpu_cadence", joiner_extra=("--seed", "3"), cohort_extra=("--seed", "3"))
     assert "its seed" not in job.joiner_log, job.joiner_log[-3000:]
     check_joined(job)
+
+
+LONG_WINDOWS = ("--batch-size", "2", "--delays-ms", "60", "80", "--anchor", "40")
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", *(pytest.param(m, marks=pytest.mark.faults)
+                                                   for m in ("cpu_sync", "nccl_sync", "nccl_cadence"))])
+def test_a_joiner_ready_in_a_long_window_is_admitted_within_steps_not_at_its_end(tmp_path: Path, mode: str) -> None:
+    # Windows of 40-53 steps (anchor 40, rank 0 the faster); rank 0 holds at its step 12, early in its
+    # first long window (steps 5 to about 57), until the joiner asks. Without ending the window for
+    # the request, the round that admits it comes about 45 of rank 0's steps after the hold.
+    job = run_join_job(tmp_path, mode, joiner_extra=("--request-once-held", *LONG_WINDOWS), hold_at_step=12,
+                       cohort_extra=LONG_WINDOWS, timeout_s=300)
+    check_joined(job)
+    hold = json.loads((tmp_path / "holds-rank0.jsonl").read_text().splitlines()[0])
+    join = job.results[0]["changes"][0]
+    assert join["epoch"] == hold["epoch"] == 0, (hold, join)
+    print(f"{mode}: admitted {join['global_step'] - hold['at_step']} steps after the hold")
+    assert join["global_step"] - hold["at_step"] <= 20, (hold, join)

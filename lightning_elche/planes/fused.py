@@ -15,7 +15,7 @@ multi-tensor path (:func:`~lightning_elche.averaging.divergence_norms`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -145,57 +145,3 @@ def drift_or_none(joint: Sequence[Tensor], current: Sequence[Tensor]) -> Optiona
     if not current or not fused_drift_available(joint):
         return None
     return FusedDrift(joint, current)
-
-
-class QueuedDrift:
-    """A round's drift measurement launched on a side stream that waits for the round's reduce.
-
-    The host launches the kernels while the reduce runs, so their launch cost hides behind it, and
-    the training stream depends on the reduce only through :meth:`result`, once the round's
-    collectives are known to have finished. The side stream of a round that failed is never
-    joined: :meth:`abandon` keeps it, and the buffers its kernels write, referenced for the rest
-    of the process (the kernels of an aborted reduce may still run late).
-
-    Args:
-        drift: the layout's measurement (its partial sums are written by these kernels).
-        stream: the side stream.
-    """
-
-    _abandoned: ClassVar[list[tuple[Any, ...]]] = []
-
-    def __init__(self, drift: FusedDrift, stream: Any) -> None:
-        self.drift, self.stream = drift, stream
-        self._out: Optional[Tensor] = None
-
-    def launch(self, works: Sequence[Any], addresses: Sequence[int]) -> None:
-        """Queue the measurement behind ``works`` (NCCL's ``wait()`` orders the current stream
-        after a collective, without the host waiting); ``addresses`` as :class:`FusedDrift` takes them."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the pre-round copy and scaling
-        with torch.cuda.stream(self.stream):
-            for work in works:
-                work.wait()
-            self._out = self.drift(addresses)
-
-    def result(self) -> Tensor:
-        """The measurement; the current stream waits for it (and so for the reduce)."""
-        assert self._out is not None, "result() without launch()"
-        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        return self._out
-
-    def abandon(self) -> None:
-        """The round failed: never join the side stream, and keep what its kernels may still write."""
-        QueuedDrift._abandoned.append((self.stream, self.drift, self._out))
-
-
-def queue_drift(drift: FusedDrift, stream: Any, works: Sequence[Any],
-                addresses: Sequence[int]) -> Optional[QueuedDrift]:
-    """The measurement launched behind ``works``, or None where a collective had already failed
-    when asked to order the stream (the caller's watched wait then reports it); what was queued
-    is abandoned."""
-    queued = QueuedDrift(drift, stream)
-    try:
-        queued.launch(works, addresses)
-    except Exception:
-        queued.abandon()
-        return None
-    return queued

@@ -106,7 +106,7 @@ from multirank_helpers import IndexedSamples, StepDelay  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_elche import ElCheMonitor, ElCheStrategy  # noqa: E402
+from lightning_elche import ElCheConfig, ElCheMonitor, ElCheStrategy  # noqa: E402
 
 # One node: the rank given at launch (a joiner: the name the test gives it; a child that Lightning's
 # launcher restarted, with ``--restart-lost``: the launch world size, the member id of the first joiner).
@@ -847,7 +847,10 @@ def main(args: argparse.Namespace) -> None:
     stall_timeout = None if args.stall is None else timedelta(seconds=args.stall)
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, max_epochs=args.epochs,
-        strategy=ElCheStrategy(mode=args.mode, max_failure=max_failure, summary=True,
+        strategy=ElCheStrategy(mode=None if args.anchor else args.mode,
+                               elche=ElCheConfig(mode=args.mode, anchor=args.anchor, min_anchor=args.anchor)
+                               if args.anchor else None,
+                               max_failure=max_failure, summary=True,
                                micro_batch=micro_batch(args.micro_batch),
                                liveness_timeout=timedelta(seconds=args.liveness), stall_timeout=stall_timeout,
                                snapshot_timeout=timedelta(seconds=60), timeout=timedelta(seconds=120),
@@ -910,6 +913,7 @@ if __name__ == "__main__":
     parser.add_argument("--params", type=float, default=0, help="an MLP of about this many parameters")
     parser.add_argument("--digits", action="store_true", help="the digits workload (held-out accuracy in the result)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--anchor", type=int, default=None, help="ElCheConfig(anchor=min_anchor=N): long windows")
     parser.add_argument("--monitor", default=None, help="attach an ElCheMonitor writing under this directory")
     parser.add_argument("--epoch-metrics", action="store_true",
                         help="log an epoch metric of each kind, step schedulers, record what is logged")
