@@ -7,7 +7,9 @@ The protocol (who may join, when, and the store keys) is
 **Members.** At launch rank 0 creates the job's join secret and every rank learns it (with the
 fit's key prefix, one broadcast). Rank 0 publishes the fit's facts once its training loader is
 known and reads the count of accepted joiners into its round metadata once per round
-(:attr:`ElCheEngine.joiners_waiting <lightning_elche.engine.ElCheEngine.joiners_waiting>`). After
+(:attr:`ElCheEngine.joiners_waiting <lightning_elche.engine.ElCheEngine.joiners_waiting>`). A new
+request ends every member's current window within a heartbeat (:class:`JoinKnock`, read by the
+heartbeat thread), so that round comes when the joiner is ready, not at the window's end. After
 a round that saw joiners waiting, every member asks for a consensus round two rounds on; at the
 first consensus round at which every rank still has data in the epoch and nobody stops, every
 member admits them (:meth:`Growth.after_round`): the admitted list, the entry (every member and
