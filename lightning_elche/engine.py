@@ -116,8 +116,7 @@ class ElCheEngine:
         self.joiners_waiting: Optional[Callable[[], int]] = None
         """Rank 0's count of accepted joiners, read once per round into its metadata (admission)."""
         self.joiner_knocked: Optional[Callable[[], bool]] = None
-        """Whether a joiner asked to join since this rank last ended a window for one (a flag the
-        heartbeat thread sets: no I/O per step)."""
+        """Whether a joiner asked since this rank last ended a window for one (no I/O: a flag)."""
         self.micro_batch_size: Optional[Callable[[], Optional[int]]] = None
         """This rank's micro-batch in samples (None until known), read once per round into its metadata
         when the fit sets ``micro_batch``: every rank's choice reaches every rank without a collective."""
@@ -138,11 +137,9 @@ class ElCheEngine:
             self._loss_sum.add_(loss.detach().to(torch.float64))
 
     def window_due(self) -> bool:
-        if self._steps >= self.planned_steps:
-            return True
-        # A ready joiner is admitted at a round: end this window now rather than at its planned
-        # end, a window's length of the cohort training without it. Once per request.
-        return self._steps > 0 and self.joiner_knocked is not None and self.joiner_knocked()
+        # A ready joiner is admitted at a round: a knock ends the window now, not at its planned end.
+        knocked = self._steps > 0 and self.joiner_knocked is not None and self.joiner_knocked()
+        return self._steps >= self.planned_steps or knocked
 
     @property
     def steps_in_window(self) -> int:
