@@ -154,9 +154,9 @@ class ElCheEngine:
             # smaller, which only keeps the first window at its planned counts).
             self.controller.set_epoch_batches_left(self.controller.max_total_batches)
 
-    def start_epoch(self) -> None:
-        """Exclude the time between epochs (validation, checkpoints) from the next window."""
+    def start_epoch(self) -> None:  # the time between epochs (validation, saves) is not in the window
         self.clock.restart_window(after_sync=False)
+        self.plane.start_epoch()
 
     def exclude_from_window(self, seconds: float) -> None:
         """Time this rank spent outside training inside the current window (a checkpoint at a sync

@@ -225,3 +225,22 @@ def test_frozen_parameters_stay_bit_identical_through_checkpoint_and_resume(tmp_
         if name.startswith("backbone.") and values.is_floating_point() and "running" not in name:
             assert values.flatten().tolist() == resumed[0]["final"][name] == first[0]["initial"][name], name
     assert resumed[0]["final"]["head.weight"] != first[0]["final"]["head.weight"]  # the resumed fit trained
+
+
+def test_a_round_checks_the_known_parameters_and_walks_the_module_at_an_epoch_start():
+    from lightning_elche import averaging
+
+    model = backbone_model()
+    layout = AveragedLayout(model)
+    with mock.patch.object(averaging, "trainable_parameters", wraps=averaging.trainable_parameters) as walk:
+        assert not layout.refresh() and walk.call_count == 0  # nothing changed: no walk
+        model[2].weight = nn.Parameter(torch.ones_like(model[2].weight))  # replaced where it is held
+        assert layout.refresh() and walk.call_count == 1 and model[2].weight in layout.params.tensors
+        model[0].requires_grad_(True)  # a flag of a known parameter
+        assert layout.refresh() and walk.call_count == 2 and layout.params.numel == 12 + 4 + 5
+        model.append(nn.Linear(1, 2))  # a module added: seen at the next epoch's walk
+        assert not layout.refresh() and walk.call_count == 2
+        layout.walk_at_next_refresh()
+        assert layout.refresh() and walk.call_count == 3
+        assert layout.names == ("0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias")
+        assert not layout.refresh() and walk.call_count == 3

@@ -126,6 +126,9 @@ class AveragingPlane(ABC):
     def close(self) -> None:  # noqa: B027 (optional hook, default: nothing to release)
         """Release threads, groups and buffers (idempotent)."""
 
+    def start_epoch(self) -> None:  # noqa: B027 (optional hook: a plane without a module's layout)
+        """An epoch starts (every rank): its first round looks for modules added or replaced."""
+
     # -- after a membership change ---------------------------------------------------------------
 
     watch: Optional[Membership] = None

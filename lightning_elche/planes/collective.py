@@ -231,6 +231,9 @@ class CollectivePlane(AveragingPlane):
             )
         return self._premul_backend
 
+    def start_epoch(self) -> None:
+        self.layout.walk_at_next_refresh()
+
     def close(self) -> None:
         # The engine outlives fit (its totals are the run's record): free the model-sized buffers.
         if self._pre is not None:

@@ -318,6 +318,9 @@ class CpuPlane(AveragingPlane):
         if self.buffers is not None:
             self.buffers.restore(self.buffers.buffers, 1.0)  # running statistics are overwritten
 
+    def start_epoch(self) -> None:
+        self.layout.walk_at_next_refresh()
+
     def close(self) -> None:
         if self._thread.is_alive():
             self._jobs.put(_STOP)
