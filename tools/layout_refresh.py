@@ -63,6 +63,7 @@ def baseline_module(revision: str, folder: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location("baseline_averaging", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
