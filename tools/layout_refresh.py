@@ -2,7 +2,7 @@
 (``planes.base.stamp_layout``): on the host, with the device idle in the blocking modes, so it is
 part of the round's exposed time on every rank.
 
-A model of ``--blocks`` conv-BatchNorm-ReLU blocks (``3 x blocks`` modules, ``2 x blocks``
+A model of ``--blocks`` conv-BatchNorm-ReLU blocks (``3 x blocks`` modules, ``4 x blocks``
 parameters and ``2 x blocks`` float buffers) is timed at an ordinary round and at an epoch's first
 round (the whole module walked: ``walk_at_next_refresh``), and, with ``--baseline REV``, the same
 against that commit's ``lightning_elche/averaging.py`` in the same process (ratios from one run).
@@ -89,8 +89,8 @@ def main() -> None:
                 layout.walk_at_next_refresh()
                 layout.refresh()
 
-            row: dict[str, Any] = {"blocks": blocks, "modules": 3 * blocks, "parameters": 2 * blocks,
-                                   "buffers": 2 * blocks,
+            row: dict[str, Any] = {"blocks": blocks, "modules": 3 * blocks,
+                                   "parameters": len(layout.params.tensors), "buffers": len(layout.buffers.tensors),
                                    "round_us": microseconds(layout.refresh, args.calls, args.repeats),
                                    "epoch_start_us": microseconds(at_an_epoch_start, args.calls, args.repeats)}
             if old is not None:
