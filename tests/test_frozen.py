@@ -16,7 +16,7 @@ from helpers import free_port
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 from test_wire import Done, Peer, run_round
 from torch import nn
-from wire_helpers import BackboneRegression, CountWireBytes, fit_with_rank_local_unfreeze, load
+from wire_helpers import BackboneRegression, CountWireBytes, GrowingHead, fit_with_rank_local_unfreeze, load
 
 from lightning_elche import ElCheConfig, ElCheStrategy, SlowMo
 from lightning_elche.averaging import AveragedLayout, averaged_state, round_weights
@@ -225,6 +225,21 @@ def test_frozen_parameters_stay_bit_identical_through_checkpoint_and_resume(tmp_
         if name.startswith("backbone.") and values.is_floating_point() and "running" not in name:
             assert values.flatten().tolist() == resumed[0]["final"][name] == first[0]["initial"][name], name
     assert resumed[0]["final"]["head.weight"] != first[0]["final"]["head.weight"]  # the resumed fit trained
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_module_added_at_an_epoch_start_is_averaged_from_that_epoch(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    strategy = ElCheStrategy(mode="cpu_cadence", start_method="spawn", timeout=timedelta(seconds=30),
+                             snapshot_timeout=timedelta(seconds=20), summary=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path), callbacks=[Throttle(1, 2.0)])
+    trainer.fit(GrowingHead(str(tmp_path)))
+    records = load(tmp_path, "frozen")
+    assert "extra.weight" in records[0]["final"] and "extra.weight" not in records[0]["initial"]
+    assert records[0]["final"] == records[1]["final"], "the added module is not averaged"
 
 
 def test_a_round_checks_the_known_parameters_and_walks_the_module_at_an_epoch_start():

@@ -118,6 +118,29 @@ class BackboneRegression(LightningModule):
         Path(self.out_dir, f"frozen{self.global_rank}.json").write_text(json.dumps(record))
 
 
+class GrowingHead(BackboneRegression):
+    """:class:`BackboneRegression`, trainable, that adds a module at the start of epoch
+    ``grow_at_epoch`` on every rank (a second head, put in the optimizer, as
+    ``BackboneFinetuning`` adds a group): ElChe must average it from that epoch on."""
+
+    def __init__(self, out_dir: str, grow_at_epoch: int = 1) -> None:
+        super().__init__(out_dir, frozen=False)
+        self.grow_at_epoch = grow_at_epoch
+        self.extra: Optional[nn.Module] = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        features = self.backbone(x)
+        out = self.head(features) if self.extra is None else self.head(features) + self.extra(features)
+        return nn.functional.mse_loss(out, y)
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == self.grow_at_epoch:
+            torch.manual_seed(1)  # the same new module on every rank
+            self.extra = nn.Linear(self.head.in_features, 1)
+            self.trainer.optimizers[0].add_param_group({"params": list(self.extra.parameters())})
+
+
 class CountWireBytes(Callback):
     """Sums the bytes every torch.distributed collective of training puts on the wire from this rank
     (the CPU plane's thread included), and writes them with the round count at train end."""
