@@ -314,7 +314,7 @@ def test_triton_kernel_sources_annotate_nothing_but_constexpr():
     # ``tl.constexpr`` fails to compile on the GPU, which CI does not have.
     tree = ast.parse((PACKAGE / "planes" / "fused.py").read_text(encoding="utf-8"))
     sources = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.endswith("_source")]
-    assert len(sources) >= 2
+    assert sources, "no kernel source found in planes/fused.py"
     for source in sources:
         annotations = [ast.unparse(arg.annotation) for arg in source.args.args if arg.annotation is not None]
         assert set(annotations) <= {"tl.constexpr"}, (source.name, annotations)

@@ -1,8 +1,9 @@
 """Peak accelerator memory of the ``nccl_*`` modes against Lightning DDP, on ONE GPU (`pytest -m gpu`).
 
 Runs the benchmark harness itself (its memory columns are what the docs quote): both ranks on
-``cuda:0`` over gloo (``--share-gpu``), the 67 M-parameter MLP, SGD with momentum, outer
-optimizer off, rank-loss tolerance on (the defaults). DDP holds its gradient buckets, a parameter
+``cuda:0`` over gloo (``--share-gpu``), the 67 M-parameter MLP with SGD and momentum and the
+medium byte-level transformer (19 M parameters) with AdamW, outer optimizer off, rank-loss
+tolerance on (the defaults). DDP holds its gradient buckets, a parameter
 copy local SGD does not need; the rounds keep their pre-round values in the stale gradients, so
 the ``nccl_*`` modes must peak at least 0.8 f32 parameter copies below DDP on every rank.
 """
@@ -24,11 +25,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(420)]
 BOUND_COPIES = -0.8
 
 
-def test_nccl_modes_peak_at_least_0_8_parameter_copies_below_ddp_on_one_gpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model, batch", [("mlp-wide", 256), ("char-medium", 64)])
+def test_nccl_modes_peak_at_least_0_8_parameter_copies_below_ddp_on_one_gpu(tmp_path: Path, model: str,
+                                                                            batch: int) -> None:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     command = [
         sys.executable, "-m", "lightning_elche.bench", "--rig", "gpu2-homo", "--share-gpu", "--budget", "tiny",
-        "--model", "mlp-wide", "--tp-batch", "256", "--seeds", "0", "--only-headline", "--tp-seconds", "1",
+        "--model", model, "--tp-batch", str(batch), "--seeds", "0", "--only-headline", "--tp-seconds", "1",
         "--tp-arms", "ddp,ddp_post_local_sgd,nccl_sync,nccl_cadence", "--no-plots", "--out", str(tmp_path),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=dict(os.environ))
@@ -36,7 +39,7 @@ def test_nccl_modes_peak_at_least_0_8_parameter_copies_below_ddp_on_one_gpu(tmp_
     keep = os.environ.get("ELCHE_KEEP_BENCH")  # a folder to copy the run's tables to (device runs)
     if keep:
         for name in ("gpu2-homo.json", "gpu2-homo.md"):
-            shutil.copy(tmp_path / name, Path(keep) / f"memory-{name}")
+            shutil.copy(tmp_path / name, Path(keep) / f"memory-{model}-{name}")
     result = json.loads((tmp_path / "gpu2-homo.json").read_text())
     arms = result["arms"]
     ddp = arms["ddp"]["memory"]

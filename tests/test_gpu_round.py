@@ -15,7 +15,7 @@ from lightning_elche.averaging import AveragedLayout, round_weights
 from lightning_elche.membership.change import PeerFailure
 from lightning_elche.planes import collective as collective_plane
 from lightning_elche.planes.collective import CollectivePlane
-from lightning_elche.planes.fused import fused_drift_available
+from lightning_elche.planes.fused import QueuedDrift, fused_drift_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -77,6 +77,7 @@ def test_the_fused_drift_matches_the_multi_tensor_path_and_a_failed_round_restor
             tolerance = 1e-5 if dtype == torch.float32 else 1e-2
             assert measured[fused] == pytest.approx([norm / 2, norm, norm / 2], rel=tolerance)
         assert plane._drift is not None
+        assert plane._drift_stream is not None, "the fused drift should be queued behind the reduce"
         # Both accumulate in f32; the multi-tensor norms of bf16 tensors come back rounded to bf16.
         assert measured[True] == pytest.approx(measured[False], rel=1e-6 if dtype == torch.float32 else 1e-2)
         assert measured[True] == pytest.approx([norm / 2, norm, norm / 2], rel=1e-5)  # the fused one is not rounded
@@ -90,12 +91,55 @@ def test_the_fused_drift_matches_the_multi_tensor_path_and_a_failed_round_restor
             return Failed()
 
         plane.fused = True
+        abandoned, stream = len(QueuedDrift._abandoned), plane._drift_stream
         with mock.patch.object(collective_plane.dist, "all_reduce", scribble), pytest.raises(PeerFailure):
             plane.average(round_weights([1, 1], 1.0))
+        # The side stream that waited on the failed reduce is never joined, nor used again.
+        assert len(QueuedDrift._abandoned) == abandoned + 1 and plane._drift_stream is None
         with mock.patch.object(plane, "sum_scaled", alone):  # the survivor alone: its own values
             divergence = plane.average(round_weights([1], 1.0))
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         assert divergence is not None and divergence[0].item() == 0.0
+        assert plane._drift_stream is not None and plane._drift_stream is not stream
+        plane.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_one_launch_drift_sums_every_block_of_every_dtype_round_after_round(tmp_path):
+    """Blocks of two dtypes (two launches sharing one ticket counter), more blocks than the last
+    program sums in one pass, and rounds back to back: the counter must be back at 0 after every
+    round and the measurement must equal float64 norms of the same values."""
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        torch.manual_seed(1)
+        model = nn.ModuleDict({"wide": nn.Linear(3000, 2000), "half": nn.Linear(1000, 997).to(torch.bfloat16)}).cuda()
+        plane = CollectivePlane(AveragedLayout(model), 0, 1, torch.device("cuda", 0))
+        assert len(plane.layout.joint) == 2
+        for round_index in range(4):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            before = [p.detach().double().clone() for p in model.parameters()]
+            factor = 0.5 + 0.1 * round_index
+
+            def scale(flats: list[torch.Tensor], f: float, wait: bool = True, factor: float = factor) -> list[Any]:
+                torch._foreach_mul_(flats, factor)
+                return []
+
+            with mock.patch.object(plane, "sum_scaled", scale):
+                divergence = plane.average(round_weights([1], 1.0))
+            assert divergence is not None
+            after = [p.detach().double() for p in model.parameters()]
+            expected = [
+                sum(((b - a) ** 2).sum().item() for a, b in zip(after, before, strict=True)) ** 0.5,
+                sum((b**2).sum().item() for b in before) ** 0.5,
+                sum((a**2).sum().item() for a in after) ** 0.5,
+            ]
+            assert divergence.tolist() == pytest.approx(expected, rel=1e-5)
+            assert plane._drift is not None and plane._drift._blocks > 1024
+            assert plane._drift._tickets.item() == 0
         plane.close()
     finally:
         dist.destroy_process_group()

@@ -11,14 +11,20 @@ divergence norms and the launches, at the benchmark's two model sizes:
   own work beyond the all-reduce;
 * ``wall_average_ms`` / ``wall_bare_ms``: the same two on the host's clock, synchronized;
 * ``kernels_per_round``: device kernels one ``average()`` runs (torch.profiler), with their names;
+  ``own_kernel_us``: the summed device time of those kernels but the collective's (the round's own
+  device work without the host's gaps), ``kernel_us`` per kernel name;
+* ``watched_average_ms`` / ``watched_own_ms``: ``average()`` as a fit runs it, its host polling the
+  reduce for a lost peer (``Membership.wait`` on NCCL: ``is_completed()``, then ``wait()``): the
+  host launches nothing between the reduce and its end unless the launch was queued before;
 * ``round_ms`` / ``bare_round_ms``: a whole round as the engine runs it (``start`` and ``collect``:
   the layout check, the metadata exchange with the pre-round copy beside it, ``average()``)
   against the two collectives alone (the metadata all-gather and the reduce); ``round_own_ms`` the
   difference. On one rank nobody is waited for in the exchange, so the copy beside it shows here in
   full; with peers it runs while this rank waits for the slowest one.
 
-Each size is measured with the fused drift measurement (CUDA, Triton) and, ``-multi-tensor``,
-with PyTorch's multi-tensor kernels.
+Each size is measured with the fused drift measurement queued behind the reduce on a side stream
+(CUDA, Triton; the default), ``-unqueued`` with the same kernel launched after the reduce, and
+``-multi-tensor`` with PyTorch's multi-tensor kernels.
 
     python tools/averaging_overhead.py --out overhead.json
 """
@@ -62,11 +68,14 @@ def timed(op: Callable[[], object], prepare: Callable[[], None], iters: int) -> 
     return statistics.median(device), statistics.median(wall)
 
 
-def kernels(op: Callable[[], object], prepare: Callable[[], None], rounds: int) -> tuple[float, dict[str, int]]:
-    """Device kernels per ``op`` (mean over ``rounds``) and how often each ran."""
+def kernels(op: Callable[[], object], prepare: Callable[[], None],
+            rounds: int) -> tuple[float, dict[str, int], dict[str, float]]:
+    """Device kernels per ``op`` (mean over ``rounds``), how often each ran, and each one's device
+    time per ``op`` in µs."""
     from torch.profiler import ProfilerActivity, profile
 
     names: collections.Counter[str] = collections.Counter()
+    spent: collections.Counter[str] = collections.Counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):
             prepare()
@@ -81,21 +90,34 @@ def kernels(op: Callable[[], object], prepare: Callable[[], None], rounds: int) 
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             names[evt.name] += 1
+            spent[evt.name[:90]] += evt.time_range.elapsed_us()
     for evt in baseline.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             prepares[evt.name] += 1
     names.subtract(prepares)
     counts = {name[:90]: n // rounds for name, n in names.items() if n > 0}
-    return sum(n for n in names.values() if n > 0) / rounds, counts
+    times = {name: spent[name] / rounds for name in counts}
+    return sum(n for n in names.values() if n > 0) / rounds, counts, times
 
 
-def measure(megabytes: float, iters: int, tensors: int, fused: bool) -> dict[str, object]:
+class PollingWatch:
+    """The host side of ``Membership.wait`` on NCCL: poll the work until it completes, then order
+    the stream after it (no peers to check on one rank)."""
+
+    def wait(self, work: object, host_blocking: bool = True) -> None:
+        while not work.is_completed():  # type: ignore[attr-defined]
+            pass
+        work.wait()  # type: ignore[attr-defined]
+
+
+def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[str, object]:
     numel = int(megabytes * 1e6 / 4)
     sizes = [numel // tensors] * (tensors - 1) + [numel - (numel // tensors) * (tensors - 1)]
     params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
     layout = AveragedLayout.fixed(FlatTensors(params), FlatTensors([]))
     plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
-    plane.fused = fused
+    plane.fused = variant != "multi-tensor"
+    plane.queued = variant == "fused"
     weights = round_weights([1], 1.0)
     grads = [torch.empty_like(p) for p in params]
 
@@ -132,8 +154,14 @@ def measure(megabytes: float, iters: int, tensors: int, fused: bool) -> dict[str
     bare_ms, wall_bare_ms = timed(bare, lambda: None, iters)
     round_ms, wall_round_ms = timed(whole_round, after_a_step, iters)
     bare_round_ms, wall_bare_round_ms = timed(bare_round, lambda: None, iters)
-    per_round, names = kernels(average, after_a_step, 20)
-    bare_kernels, _ = kernels(bare, lambda: None, 20)
+    per_round, names, spent = kernels(average, after_a_step, 20)
+    bare_kernels, _, _ = kernels(bare, lambda: None, 20)
+    plane.watch = PollingWatch()  # type: ignore[assignment]
+    for _ in range(5):
+        after_a_step()
+        average()
+    watched_ms, wall_watched_ms = timed(average, after_a_step, iters)
+    plane.watch = None
     return {
         "bytes": numel * 4,
         "tensors": tensors,
@@ -147,10 +175,16 @@ def measure(megabytes: float, iters: int, tensors: int, fused: bool) -> dict[str
         "bare_round_ms": bare_round_ms,
         "round_own_ms": round_ms - bare_round_ms,
         "wall_round_own_ms": wall_round_ms - wall_bare_round_ms,
+        "watched_average_ms": watched_ms,
+        "watched_own_ms": watched_ms - bare_ms,
+        "wall_watched_own_ms": wall_watched_ms - wall_bare_ms,
+        "own_kernel_us": sum(us for name, us in spent.items() if "nccl" not in name.lower()),
+        "kernel_us": spent,
         "kernels_per_round": per_round,
         "kernels_of_the_bare_collective": bare_kernels,
         "kernel_names": names,
         "fused_drift": plane._drift is not None and plane.fused,
+        "queued_drift": plane._drift_stream is not None,
     }
 
 
@@ -165,8 +199,8 @@ def main() -> None:
                                 device_id=torch.device("cuda", 0))
         try:
             result: dict[str, object] = {
-                f"{name}{'' if fused else '-multi-tensor'}": measure(mb, args.iters, args.tensors, fused)
-                for name, mb in SIZES_MB.items() for fused in (True, False)
+                f"{name}{'' if variant == 'fused' else '-' + variant}": measure(mb, args.iters, args.tensors, variant)
+                for name, mb in SIZES_MB.items() for variant in ("fused", "unqueued", "multi-tensor")
             }
         finally:
             dist.destroy_process_group()

@@ -47,9 +47,9 @@ from lightning_elche.bench.workloads import (
     CHAR_SPECS,
     CharWorkload,
     DigitsWorkload,
-    ImagesWorkload,
     Workload,
     model_stats,
+    throughput_workload,
     train_loader,
 )
 from lightning_elche.loop_glue import ddp_model_averager
@@ -122,7 +122,7 @@ class RankContext:
         if section not in self.workloads:
             budget = self.config.budget
             if section == THROUGHPUT:
-                self.workloads[section] = ImagesWorkload(budget.model, budget.tp_samples, self.device)
+                self.workloads[section] = throughput_workload(budget.model, budget.tp_samples, self.device)
             elif self.config.conv_workload == "digits":
                 self.workloads[section] = DigitsWorkload(self.device)
             else:

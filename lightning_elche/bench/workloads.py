@@ -252,9 +252,13 @@ CHAR_SPECS: dict[str, CharSpec] = {
 CHAR_SPEC_GPU = CHAR_SPECS["small"]
 CHAR_SPEC_CPU = CHAR_SPECS["tiny"]
 
-THROUGHPUT_MODELS = ("resnet20", "resnet20x4", "mlp", "mlp-wide")
+IMAGE_MODELS = ("resnet20", "resnet20x4", "mlp", "mlp-wide")
+CHAR_MODELS = tuple(f"char-{size}" for size in CHAR_SPECS)
+THROUGHPUT_MODELS = IMAGE_MODELS + CHAR_MODELS
 """``resnet20x4``: ResNet-20 with 4x the channels (64/128/256); ``mlp-wide``: 3072-8192-5120-10,
-67 M parameters (256 MB in f32), where parameter-sized buffers dominate the memory peak."""
+67 M parameters (256 MB in f32), where parameter-sized buffers dominate the memory peak;
+``char-<size>``: the byte-level transformer of the convergence section (AdamW), a sample being one
+window of its text."""
 
 
 def throughput_net(model: str) -> nn.Module:
@@ -369,8 +373,8 @@ class ImagesWorkload(Workload):
     """Synthetic CIFAR-shaped images and a ResNet-20 (or an MLP): throughput only."""
 
     def __init__(self, model: str, num_samples: int, device: torch.device, data_seed: int = 0) -> None:
-        if model not in THROUGHPUT_MODELS:
-            raise ValueError(f"unknown throughput model {model!r}: expected one of {', '.join(THROUGHPUT_MODELS)}")
+        if model not in IMAGE_MODELS:
+            raise ValueError(f"unknown image model {model!r}: expected one of {', '.join(IMAGE_MODELS)}")
         self.name = f"{model} on synthetic 3x32x32 images"
         self.model = model
         self.data = synthetic_images(num_samples, data_seed, device)
@@ -455,6 +459,15 @@ class CharWorkload(Workload):
             "d_model": self.spec.d_model,
             "layers": self.spec.layers,
         }
+
+
+def throughput_workload(model: str, num_samples: int, device: torch.device) -> Workload:
+    """The throughput section's workload: ``num_samples`` images, or windows of text for the
+    transformer (``char-<size>``)."""
+    if model in CHAR_MODELS:
+        spec = CHAR_SPECS[model.removeprefix("char-")]
+        return CharWorkload(spec, num_samples * (spec.seq_len + 1), device)
+    return ImagesWorkload(model, num_samples, device)
 
 
 def train_loader(dataset: Dataset, batch_size: int, drop_last: bool) -> DataLoader:

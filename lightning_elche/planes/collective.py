@@ -27,7 +27,7 @@ from lightning_elche.planes.base import (
     check_layout,
     stamp_layout,
 )
-from lightning_elche.planes.fused import FusedDrift, drift_or_none
+from lightning_elche.planes.fused import FusedDrift, QueuedDrift, drift_or_none, queue_drift
 from lightning_elche.planes.scratch import PreRoundValues
 from lightning_elche.rounds import Meta, validate_table
 
@@ -81,6 +81,9 @@ class CollectivePlane(AveragingPlane):
         self._drift: Optional[FusedDrift] = None  # the one-pass drift measurement (CUDA, Triton)
         self.fused = True
         """Measure the drift in one fused pass where it can run (CUDA with Triton)."""
+        self.queued = True
+        """Launch the fused measurement behind the reduce on a side stream (NCCL) rather than after it."""
+        self._drift_stream: Optional[Any] = None  # where the drift waits for the reduce (CUDA)
         self._failed = False  # the last round's collectives did not finish: its values need restoring
         self._premul_backend: Optional[bool] = None
         self._local: Optional[Tensor] = None
@@ -187,13 +190,24 @@ class CollectivePlane(AveragingPlane):
             torch._foreach_mul_(buffers.flats, buffer_factor / param_factor)
         works = self.sum_scaled(joint, param_factor, wait=False)
         # The multi-tensor path takes the pre-round norms beside the reduce; the fused one reads
-        # every value once after it.
+        # every value once after it, launched while the reduce runs where it can be.
         pre_norms = torch._foreach_norm(pre.params) if pre.params and drift is None else None
-        for work in works:
-            self._await(work, self._host_blocking)
+        queued = None
+        if pre.params and drift is not None and self.queued:
+            queued = self._drift_behind(works, drift, pre.addresses)
+            drift = self._drift  # a new one where the queuing failed and abandoned the old one
+        try:
+            for work in works:
+                self._await(work, self._host_blocking)
+        except BaseException:
+            if queued is not None:
+                self._abandon(queued)
+            raise
         self._failed = False
         if not pre.params:
             divergence = None
+        elif queued is not None:
+            divergence = queued.result()
         elif drift is not None:
             divergence = drift(pre.addresses)
         else:
@@ -202,6 +216,29 @@ class CollectivePlane(AveragingPlane):
         if outer is not None:
             outer.step(params.flats)
         return divergence
+
+    def _drift_behind(self, works: list[Any], drift: FusedDrift, addresses: list[int]) -> Optional[QueuedDrift]:
+        """The fused drift queued behind the reduce on a side stream (NCCL, whose works order
+        streams without the host waiting); None on a host-blocking transport."""
+        if self._host_blocking:
+            return None
+        if self._drift_stream is None:
+            self._drift_stream = torch.cuda.Stream(device=self.layout.joint[0].device)
+        queued = queue_drift(drift, self._drift_stream, works, addresses)
+        if queued is None:
+            self._abandon_side_stream()
+        return queued
+
+    def _abandon(self, queued: QueuedDrift) -> None:
+        queued.abandon()
+        self._abandon_side_stream()
+
+    def _abandon_side_stream(self) -> None:
+        # Its kernel may still run after a failed reduce, into this measurement's partial sums and
+        # ticket counter: the next round measures on a new stream with new ones.
+        self._drift_stream = None
+        if self._pre is not None:
+            self._drift = drift_or_none(self.layout.joint, self._pre.current)
 
     def sum_scaled(self, flats: list[Tensor], factor: float, wait: bool = True) -> list[Any]:
         """The wire part of a round: SUM all-reduce each flat buffer in place, every rank's values
@@ -238,7 +275,7 @@ class CollectivePlane(AveragingPlane):
         # The engine outlives fit (its totals are the run's record): free the model-sized buffers.
         if self._pre is not None:
             self._pre.release()
-        self._pre, self._drift = None, None
+        self._pre, self._drift, self._drift_stream = None, None, None
         self._meta_out = None
         self.params.release()
         self.buffers.release()

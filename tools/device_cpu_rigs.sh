@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The N-rank CPU rigs on the 16-core device machine (issue 25, items 3-4): two runs of cpu4 on
+# cores 0-3 and 4-7 (the same commit twice, side by side: the noise check) and one cpu8 on cores
+# 8-15, at the full budget, speeds spread 4.5x, interleaved passes with solos before and after
+# the arms; the bench skips a pass that would end after DEADLINE s (default 470).
+# Usage: tools/device_cpu_rigs.sh OUT. Writes seven files: a/cpu4.{md,json}, b/cpu4.{md,json},
+# c/cpu8.{md,json} and logs.tar.gz. COMMIT is stamped into the reports (the copied tree has no git).
+set -u
+out=${1:?OUT}
+export PYTHONPATH=$PWD
+deadline=${DEADLINE:-470}
+common=(--budget full --seeds 0 --only-headline --tp-arms ddp,nccl_cadence,cpu_cadence,cpu_async --no-plots
+        --commit "${COMMIT:-unknown}" --deadline-s "$deadline")
+pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
+mkdir -p "$out/a" "$out/b" "$out/c" /tmp/rig-logs
+date -u > /tmp/rig-logs/date
+pin 0-3 python3 -m lightning_elche.bench --rig cpu4 "${common[@]}" --rank-slowdowns 1,2,3,4.5 --throughput-seeds 3 \
+  --out "$out/a" > /tmp/rig-logs/cpu4-a.log 2>&1 &
+pin 4-7 python3 -m lightning_elche.bench --rig cpu4 "${common[@]}" --rank-slowdowns 1,2,3,4.5 --throughput-seeds 3 \
+  --out "$out/b" > /tmp/rig-logs/cpu4-b.log 2>&1 &
+pin 8-15 python3 -m lightning_elche.bench --rig cpu8 "${common[@]}" --rank-slowdowns 1,2,3,4.5,1,2,3,4.5 \
+  --throughput-seeds 2 --out "$out/c" > /tmp/rig-logs/cpu8-c.log 2>&1 &
+wait
+tar -czf "$out/logs.tar.gz" -C /tmp rig-logs
+for f in "$out"/a/cpu4.md "$out"/b/cpu4.md "$out"/c/cpu8.md; do echo "== $f"; grep -E "efficiency|share error|slowdown|warning" "$f" | head -12; done
+tail -n 3 /tmp/rig-logs/*.log
