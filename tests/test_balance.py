@@ -137,12 +137,22 @@ def test_a_rank_lost_mid_epoch_costs_its_window_and_the_detection(world: int) ->
     assert len(fit.epochs[-1].batches) == world - 1
 
 
+def mid_epoch_join(world: int, spread: float, batches_per_rank: int, fraction: float = 0.3) -> Join:
+    """A rank twice as slow as the fastest asks to join epoch 1 ``fraction`` of the way into it."""
+    epoch_s = batches_per_rank * world / sum(1.0 / t for t in spread_batch_s(world, spread))
+    return Join(epoch=1, at_s=fraction * epoch_s, batch_s=2.0 * FAST_BATCH_S)
+
+
 @pytest.mark.parametrize("world", [2, 4, 8, 32])
-def test_a_rank_joining_recalibrates_and_keeps_the_efficiency(world: int) -> None:
-    fit = scale_fit(world, 4.0, 128, epochs=3, join=Join(epoch=1, batch_s=2.0 * FAST_BATCH_S))
-    assert len(fit.epochs[1].batches) == world + 1
-    assert all(epoch.trained == 128 * world for epoch in fit.epochs)
-    assert fit.epochs[1].batches[-1] > 0 and fit.efficiency() >= 0.97
+def test_a_rank_joining_mid_epoch_is_measured_and_keeps_the_efficiency(world: int) -> None:
+    fit = scale_fit(world, 4.0, 128, epochs=3, join=mid_epoch_join(world, 4.0, 128))
+    joined = fit.epochs[1]
+    assert joined.joined_at_s is not None and 0.0 < joined.joined_at_s < 0.5 * joined.seconds
+    assert len(joined.batches) == world + 1 and joined.batches[-1] > 0  # it trained in the epoch it joined
+    assert_exactly_once(fit, world, 128)
+    parts = fit.loss_by_cause()
+    assert fit.efficiency() >= LONG_FLOOR[world], (fit.efficiency(), parts)
+    assert abs(parts["rest"]) < 1e-6
     joiner = fit.epochs[-1].batches[-1] / sum(fit.epochs[-1].batches)
     speeds = [1.0 / t for t in fit.batch_s]
     assert abs(joiner / (speeds[-1] / sum(speeds)) - 1.0) < 0.05

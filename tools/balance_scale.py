@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from balance_helpers import Join, Loss  # noqa: E402
-from test_balance import FAST_BATCH_S, scale_fit  # noqa: E402
+from balance_helpers import Loss  # noqa: E402
+from test_balance import mid_epoch_join, scale_fit  # noqa: E402
 
-CAUSES = ("plan_lag", "drain", "sync", "change", "first_window", "warm_up")
+CAUSES = ("plan_lag", "drain", "sync", "change", "join", "first_window", "warm_up")
 
 
 def row(label: str, fit) -> str:  # type: ignore[no-untyped-def]
@@ -38,8 +38,8 @@ def main() -> None:
     for world in (2, 4, 8, 32):
         lost = scale_fit(world, 4.0, 128, epochs=3, loss=Loss(epoch=1, round=1, rank=world - 1, detect_s=0.5))
         print(row(f"{world}, 4x, 128, slowest lost in epoch 1", lost))
-        joined = scale_fit(world, 4.0, 128, epochs=3, join=Join(epoch=1, batch_s=2.0 * FAST_BATCH_S))
-        print(row(f"{world}, 4x, 128, a 2x rank joins at epoch 1", joined), flush=True)
+        joined = scale_fit(world, 4.0, 128, epochs=3, join=mid_epoch_join(world, 4.0, 128))
+        print(row(f"{world}, 4x, 128, a 2x rank joins 0.3 into epoch 1", joined), flush=True)
 
 
 if __name__ == "__main__":
