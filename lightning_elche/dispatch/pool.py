@@ -71,6 +71,9 @@ class PoolEpoch:
     """This rank's reserved chunk while it has not claimed it (None: claimed, or a joiner)."""
     last_chunk: Optional[int] = None
     queue_dry: bool = False
+    left_tail: Optional[int] = None
+    """The span (changes before it) in which this rank left the pool's tail to faster ranks: it
+    claims no more in that span, so a reopened iterator would find nothing for it."""
 
     @property
     def total_batches(self) -> int:
@@ -173,8 +176,9 @@ class PoolDispatch(ElCheSampler):
 
         Near the end of a pooled epoch a slower rank then stops claiming chunks when the faster
         ranks would finish what is left sooner without it; one rank, the fastest by the first
-        shares of the epoch, claims until the pool is dry, so every chunk is still trained exactly
-        once, however the shares change during the epoch (:class:`TailRule`).
+        shares of the epoch (or since its latest membership change), claims until the pool is dry,
+        so every chunk is still trained exactly once, however the shares change during the epoch
+        (:class:`TailRule`).
         """
         if self._tail is None:
             self._tail = TailRule.from_shares(shares, self.world_size)
@@ -183,19 +187,21 @@ class PoolDispatch(ElCheSampler):
 
     def leaves_tail(self) -> bool:
         """Whether this rank would stop claiming now, leaving the epoch's tail to faster ranks
-        (the rule of an epoch without a membership change)."""
+        (after a membership change: once the change's returned work is all claimed)."""
         current = self._epoch
         if self._tail is None or current is None:
             return False
         assert self.counter is not None
-        counter, keys, plan = self.counter, current.keys, current.plan
+        counter, keys, plan, span = self.counter, current.keys, current.plan, self._cursor.changes
 
         def next_chunk() -> Optional[tuple[int, int]]:
-            claim = plan.pool_bases[0] + counter.add(keys.pool(0), 0)
+            claim = plan.pool_bases[span] + counter.add(keys.pool(span), 0)
             return None if claim >= len(current.layout) else (current.layout[claim][1], current.batches_from(claim))
 
         claimed = math.ceil(self.record.samples / self.batch_size)
-        return self._tail.leaves_tail(self.rank, claimed, self._batches_at_round(), current.total_batches,
+        # The lost ranks' batches in the consensus are neither any member's nor left in the pool.
+        consensus = math.ceil(sum(stop - start for start, stop in plan.lost_trained) / self.batch_size)
+        return self._tail.leaves_tail(self.rank, claimed, self._batches_at_round(), current.total_batches - consensus,
                                       self.max_chunk_batches, next_chunk)
 
     def _batches_at_round(self) -> list[int]:
@@ -270,15 +276,17 @@ class PoolDispatch(ElCheSampler):
             reserved, current.reserved = current.reserved, None
             return self._chunk_claim(reserved)
         span = self._cursor.changes
-        if not self._cursor.changed:
-            if current.last_chunk is not None and self.leaves_tail():
-                return None
-        elif not current.queue_dry:
+        if self._cursor.changed and not current.queue_dry:
             queue = current.plan.queues[span]
             index = self.counter.add(current.keys.queue(span), 1) - 1
             if index < len(queue):
                 return f"r{span}.{index}", queue[index]
             current.queue_dry = True
+        # After a change too: without the rule a slow rank took one of the last chunks of every
+        # epoch with a join or a loss in it, and the others waited for it at the end.
+        if current.last_chunk is not None and self.leaves_tail():
+            current.left_tail = span
+            return None
         return self._chunk_claim(current.plan.pool_bases[span] + self.counter.add(current.keys.pool(span), 1) - 1)
 
     def _chunk_claim(self, chunk: int) -> Optional[tuple[str, Range]]:
@@ -297,6 +305,8 @@ class PoolDispatch(ElCheSampler):
     def _work_left(self) -> bool:
         assert self.counter is not None and self._epoch is not None
         current, span = self._epoch, self._cursor.changes
+        if current.left_tail == span:
+            return False  # what is left is the faster ranks' (a later change may hand it more)
         if self.counter.add(current.keys.queue(span), 0) < len(current.plan.queues[span]):
             return True
         return current.plan.pool_bases[span] + self.counter.add(current.keys.pool(span), 0) < len(current.layout)
@@ -349,6 +359,10 @@ class PoolDispatch(ElCheSampler):
         tail = self._tail
         kept = [] if tail is None or change.is_join else [tail.shares[k] for k in change.survivors]
         self._tail = TailRule.from_shares(kept, len(kept)) if sum(kept) > 0 else None
+        at_round = self._round_batches
+        if at_round is not None and at_round[0] == self.epoch and len(at_round[1]) == self.world_size:
+            # The tail rule counts from the latest round: a joiner had started none of the epoch then.
+            self._round_batches = (at_round[0], change.carry(at_round[1], lambda: 0))
         return len(returned)
 
     def _lineage_of(self, rank: int, span: int) -> list[tuple[int, int]]:

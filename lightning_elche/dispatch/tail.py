@@ -34,6 +34,8 @@ class TailRule:
     round): every rank adopts the rounds in the same order, so it is the same rank everywhere.
     Shares adopted later differ between ranks at any one moment (``cpu_async`` adopts at different
     steps), so :meth:`with_shares` keeps the drainer: one chosen from them could leave on every rank.
+    A membership change chooses it again, the same way on every member: the fastest survivor by the
+    shares every member held at the change (a loss), or by the first round's after it (a join).
     """
 
     shares: tuple[float, ...]
