@@ -4,6 +4,8 @@ model of the real controller and pooled dispatch (tests/balance_helpers.py): no 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from balance_helpers import Join, Loss, simulate_cadence_fit
 
@@ -133,26 +135,60 @@ def test_a_rank_lost_mid_epoch_costs_its_window_and_the_detection(world: int) ->
     assert parts["change"] > 0.0 and abs(parts["rest"]) < 1e-6
     # What the change costs is its own part: the rest stays within a point of the fit without it.
     assert 1.0 - fit.efficiency() - parts["change"] <= 1.0 - base.efficiency() + 0.01
-    assert fit.efficiency() >= 0.96
+    assert fit.efficiency() >= LONG_FLOOR[world], (fit.efficiency(), parts)
     assert len(fit.epochs[-1].batches) == world - 1
 
 
-def mid_epoch_join(world: int, spread: float, batches_per_rank: int, fraction: float = 0.3) -> Join:
+def mid_epoch_join(world: int, spread: float, batches_per_rank: int, fraction: float) -> Join:
     """A rank twice as slow as the fastest asks to join epoch 1 ``fraction`` of the way into it."""
     epoch_s = batches_per_rank * world / sum(1.0 / t for t in spread_batch_s(world, spread))
     return Join(epoch=1, at_s=fraction * epoch_s, batch_s=2.0 * FAST_BATCH_S)
 
 
+JOIN_AT = (0.05, 0.35, 0.65)
+"""Where in epoch 1 the joiner asks, as a fraction of the epoch."""
+
+
 @pytest.mark.parametrize("world", [2, 4, 8, 32])
 def test_a_rank_joining_mid_epoch_is_measured_and_keeps_the_efficiency(world: int) -> None:
-    fit = scale_fit(world, 4.0, 128, epochs=3, join=mid_epoch_join(world, 4.0, 128))
-    joined = fit.epochs[1]
-    assert joined.joined_at_s is not None and 0.0 < joined.joined_at_s < 0.5 * joined.seconds
-    assert len(joined.batches) == world + 1 and joined.batches[-1] > 0  # it trained in the epoch it joined
+    # Admitted at the first round after its request (which ends every member's window at its next
+    # batch), it claims from the epoch's pool at once. Its cost is its own part: the cut window,
+    # the calibration windows that measure it, its first batch (warm_up). Before the pool's tail
+    # rule held after a change, the epoch it joined also drained badly: 0.966 and 0.968 at 4 ranks
+    # for requests at 0.05 and 0.65 of the epoch.
+    for fraction in JOIN_AT:
+        join = mid_epoch_join(world, 4.0, 128, fraction)
+        fit = scale_fit(world, 4.0, 128, epochs=3, join=join)
+        joined = fit.epochs[1]
+        assert joined.joined_at_s is not None and join.at_s <= joined.joined_at_s < joined.seconds
+        assert len(joined.batches) == world + 1 and joined.batches[-1] > 0  # it trained in the epoch it joined
+        assert_exactly_once(fit, world, 128)
+        parts = fit.loss_by_cause()
+        assert fit.efficiency() >= LONG_FLOOR[world], (fraction, fit.efficiency(), parts)
+        assert parts["join"] > 0.0 and abs(parts["rest"]) < 1e-6
+        joiner = fit.epochs[-1].batches[-1] / sum(fit.epochs[-1].batches)
+        speeds = [1.0 / t for t in fit.batch_s]
+        assert abs(joiner / (speeds[-1] / sum(speeds)) - 1.0) < 0.05
+
+
+def test_the_admission_s_wait_is_the_join_s_own_and_only_adds_to_it() -> None:
+    # The members wait for the joiner's state (0.13-0.27 s measured, docs/failures.md): every rank's
+    # time then, at its solo rate, and nothing else changes.
+    join = mid_epoch_join(4, 4.0, 128, 0.4)
+    quick = scale_fit(4, 4.0, 128, epochs=3, join=join)
+    held = scale_fit(4, 4.0, 128, epochs=3, join=replace(join, admit_s=0.25))
+    held_batches = 0.25 * sum(1.0 / t for t in held.batch_s)  # in solo batches of the members and the joiner
+    for before, after in zip(quick.epochs, held.epochs, strict=True):
+        grown = {cause: after.lost[cause] - before.lost[cause] for cause in before.lost}
+        assert grown.pop("join") == pytest.approx(held_batches if after.joined_at_s is not None else 0.0)
+        assert all(abs(g) < 1e-9 for g in grown.values()) and after.batches == before.batches
+
+
+@pytest.mark.parametrize("world", [4, 32])
+def test_a_loss_and_a_join_in_one_epoch_still_train_every_batch_once(world: int) -> None:
+    fit = scale_fit(world, 4.0, 128, epochs=3, loss=Loss(epoch=1, round=1, rank=world - 1, detect_s=0.5),
+                    join=mid_epoch_join(world, 4.0, 128, 0.4))
+    assert [len(epoch.batches) for epoch in fit.epochs] == [world] * 3  # one lost, one joined
     assert_exactly_once(fit, world, 128)
     parts = fit.loss_by_cause()
-    assert fit.efficiency() >= LONG_FLOOR[world], (fit.efficiency(), parts)
-    assert abs(parts["rest"]) < 1e-6
-    joiner = fit.epochs[-1].batches[-1] / sum(fit.epochs[-1].batches)
-    speeds = [1.0 / t for t in fit.batch_s]
-    assert abs(joiner / (speeds[-1] / sum(speeds)) - 1.0) < 0.05
+    assert parts["change"] > 0.0 and parts["join"] > 0.0 and abs(parts["rest"]) < 1e-6
