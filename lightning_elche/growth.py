@@ -14,7 +14,8 @@ a round that saw joiners waiting, every member asks for a consensus round two ro
 first consensus round at which every rank still has data in the epoch and nobody stops, every
 member admits them (:meth:`Growth.after_round`): the admitted list, the entry (every member and
 joiner says it is there, and one that is gone is left out: :mod:`lightning_elche.membership.entry`),
-the next generation's group, then rank 0 sends each joiner, over that group, the consensus
+the next generation's group (with the ``cpu_*`` plane's side group: taking the change is then no
+rendezvous), then rank 0 sends each joiner, over that group, the consensus
 parameters and buffers, its own optimizer and scheduler states (for local SGD a peer's inner
 optimizer state is a state that trained the same consensus, and the one the joiner would otherwise
 rebuild from nothing), the loop position and its callbacks' states (as a resume restores them),
@@ -29,9 +30,10 @@ round record: controller, convergence guard, outer optimizer) and the dispatch s
 member id, without a process group; Lightning's start-of-fit collectives answer locally until it
 trains. ``setup`` sends the request and waits for admission (its facts: the model's averaging
 signature, the training loader's dataset length, batch size, order and seed, the mode), takes part
-in the entry, builds the new generation's group, receives its state watching rank 0 (lost: the
-joiner leaves, dropped) and settles the delivery, takes the parameters before the averaging plane is built, and after
-Lightning set up the optimizers takes the rest; ``process_dataloader`` builds its sampler from the
+in the entry, builds the new generation's group (and the side group its plane will take), receives
+its state watching rank 0 (lost: the joiner leaves, dropped) and settles the delivery, takes the
+parameters before the averaging plane is built, and after Lightning set up the optimizers takes the
+rest; ``process_dataloader`` builds its sampler from the
 dispatch state. Its first batch is in the cohort's current epoch, its first round the cohort's next.
 """
 
@@ -46,6 +48,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any, NoReturn, Optional
 
 import torch
@@ -91,9 +94,9 @@ from lightning_elche.membership.change import Change, PeerFailure, RanksLost
 from lightning_elche.membership.entry import Entry, settle_entry, settled_key
 from lightning_elche.membership.groups import (
     abandon_group,
+    abandon_side_group_ahead,
     init_generation_group_watched,
     let_default_group_go,
-    make_side_group_ahead,
 )
 from lightning_elche.membership.survival import Survival, fence, fence_members
 from lightning_elche.planes import keeps_side_group
@@ -207,6 +210,7 @@ class Growth:
         self._job_view: Any = None
         self._backend = ""
         self._timeout: Any = None
+        self._side_timeout: Optional[timedelta] = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Built per fit inside the rank processes (the launcher pickles the strategy before that).
@@ -226,6 +230,10 @@ class Growth:
     def fit_prefix(self, strategy: Any) -> str:
         """The fit's key prefix (and, on a member, the job's id and join secret), the same on every
         rank: one broadcast from rank 0 on a member, the admission on a joiner."""
+        # The plane's side group is built with every admission's group (watched there, not when the
+        # holders take the change).
+        transport = strategy.elche.run_mode.transport
+        self._side_timeout = strategy.snapshot_timeout if keeps_side_group(transport) else None
         if self.joining:
             return self._admit(strategy)
         job = ("", "")
@@ -350,7 +358,7 @@ class Growth:
         assert self.survival is not None
         membership, groups = self.survival.membership, self.survival.groups
         while change is not None and change.is_join:
-            built = groups.renew_watched()
+            built = groups.renew_watched(self._side_timeout)
             grouped = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
                                    joiner_timeout_s=membership.join_timeout_s, stage="grouped")
             fence_members(grouped.dropped, membership)
@@ -492,10 +500,8 @@ class Growth:
             self._dropped(membership, f"{left_out}")
         if delivered.after != change.after:  # a member or another joiner was left out: one more group
             change = self._join_group(membership, _followed(membership, change, delivered), device)
-        # What the members do with the change next (a side group, the rest of the state) is done
-        # here at once: they wait for it, and this joiner's setup takes a second or more.
-        if keeps_side_group(strategy.elche.run_mode.transport):
-            make_side_group_ahead(strategy.snapshot_timeout)
+        # The rest of the state is taken here at once: the members wait for it, and this joiner's
+        # setup takes a second or more.
         leader = membership.members[0]
         self._rest = recv_state(0, wait=_watching(membership, leader))
         _mark(member, "rest_received")
@@ -511,7 +517,8 @@ class Growth:
         and settled, again one generation on while a participant is left out; the change it
         ends with."""
         while True:
-            built = init_generation_group_watched(membership, self._backend, self._timeout, device)
+            built = init_generation_group_watched(membership, self._backend, self._timeout, device,
+                                                  self._side_timeout)
             try:
                 grouped = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
                                        joiner_timeout_s=membership.join_timeout_s, stage="grouped")
@@ -539,6 +546,7 @@ class Growth:
         if self._link is not None:
             self._link.mark_dropped()
         membership.leave(f"joiner {membership.original_rank} was dropped from its admission: {why}")
+        abandon_side_group_ahead(membership)
         abandon_group(dist.group.WORLD, membership)
         membership.close()
         raise JoinRefused(f"ElCheStrategy: joiner {membership.original_rank} was dropped from its admission: {why}")

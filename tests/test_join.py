@@ -430,6 +430,25 @@ def test_a_member_lost_between_the_entry_and_the_group_is_an_ordinary_loss(tmp_p
     check_grown(job, joins=[[JOINER]], lost=(member,), cohort_rc=-9 if member == 0 else 0)
 
 
+@pytest.mark.parametrize(("point", "mode"), [("taking", "cpu_cadence"),
+                                             *(pytest.param(p, m, marks=pytest.mark.faults)
+                                               for p, m in (("taking", "cpu_sync"), ("taking", "cpu_async"),
+                                                            ("side_group", "cpu_cadence"), ("side_group", "cpu_sync"),
+                                                            ("side_group", "cpu_async")))])
+def test_a_member_lost_while_the_holders_take_the_change_is_an_ordinary_loss(tmp_path: Path, point: str,
+                                                                            mode: str) -> None:
+    # Issue 22: the cpu_* plane built its side group when it took the change, a rendezvous: rank 0
+    # and the joiner waited there for the dead member until snapshot_timeout (60 s here) and failed.
+    # The side group is built with the admission's group now, watched and settled (side_group: lost
+    # there, it is left out of the group and the joiner enters with the others); taking the change
+    # waits for nobody (taking: the next round loses it, the joiner takes part in that agreement).
+    job = run_join_job(tmp_path, mode, cohort_extra=("--member-dies-in-admission", f"1:{point}"), timeout_s=150.0)
+    check_grown(job, joins=[[JOINER]], lost=(1,))
+    assert sorted(m for loss in job.results[JOINER]["losses"] for m in loss["lost"]) == [1], job.results[JOINER]
+    if point == "side_group":
+        assert "did not come up" in job.log or "did not come up" in job.joiner_log, job.log[-3000:]
+
+
 RANK_0_POINTS = {
     # the joiner acknowledged its admission, rank 0 has not named the new generation yet
     "offered": r"the member that offered it \(0\) was lost .* before it named the new generation",
