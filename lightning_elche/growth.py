@@ -91,14 +91,20 @@ from lightning_elche.membership.admission import (
 )
 from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import Change, PeerFailure, RanksLost
-from lightning_elche.membership.entry import Entry, settle_entry, settled_key
+from lightning_elche.membership.entry import (
+    followed,
+    narrow,
+    regroup,
+    settle_entry,
+    settle_stage,
+    settled_key,
+)
 from lightning_elche.membership.groups import (
     abandon_group,
     abandon_side_group_ahead,
     init_generation_group_watched,
-    let_default_group_go,
 )
-from lightning_elche.membership.survival import Survival, fence, fence_members
+from lightning_elche.membership.survival import Survival, fence_members
 from lightning_elche.planes import keeps_side_group
 from lightning_elche.state_transfer import PackedState, pack_state, recv_state
 
@@ -137,23 +143,6 @@ def _host_blocking() -> bool:
 def _watching(membership: Membership, peer: int, ends_on: str = "") -> Callable[[Any], None]:
     """A transfer's wait for one message, watching the transfer's other end (``peer``)."""
     return lambda work: membership.wait(work, _host_blocking(), peers=[peer], ends_on=ends_on)
-
-
-def _stayed(change: Change) -> list[int]:
-    """The members of ``change.after`` that were members before it (its joiners are the rest)."""
-    return [m for m in change.after if m not in change.joined_ids]
-
-
-def _followed(membership: Membership, change: Change, settled: Entry) -> Change:
-    """A joiner: ``change`` as a settlement after its group was up left it (someone left out), one
-    generation on; the group it had goes."""
-    followed = Change(generation=change.generation + 1, before=change.before, after=settled.after,
-                      reasons={**change.reasons, **settled.lost}, detected_at=change.detected_at,
-                      regrouped_with="new group")
-    membership.changes.clear()
-    membership.enter(followed)
-    let_default_group_go(membership)
-    return followed
 
 
 def all_can_admit(outcome: Any, dispatch: Dispatch) -> bool:
@@ -308,11 +297,16 @@ class Growth:
         opened = membership.admit(joined)
         entry = settle_entry(membership, opened.generation, opened.before, joined)
         fence_members(entry.dropped, membership)
-        change = self._narrow(opened, entry, engine, session, opened.generation)
+        groups, side = self.survival.groups, self._side_timeout
+
+        def batches() -> Any:  # by rank, at the admission round: a member lost in the admission kept those
+            return engine.progress_at_failure(session.epoch).epoch_batches
+
+        change = narrow(opened, entry, membership, opened.generation, batches)
         _mark(me, "entered")
         if change is None:
             return
-        change = self._regroup(change, engine, session)
+        change = regroup(change, membership, groups, side, batches)
         if change is None:
             return
         _mark(me, "regrouped")
@@ -326,12 +320,11 @@ class Growth:
             _mark(me, "state_sent", tensor_bytes=sent)
         # Whether every joiner has its state, the same answer on all: one that died or stalled while
         # it was sent is dropped, and the members build one more group, without it.
-        delivered = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
-                                 joiner_timeout_s=membership.join_timeout_s, stage="delivered")
+        delivered = settle_stage(membership, change, "delivered")
         fence_members(delivered.dropped, membership)
         if delivered.after != change.after:
-            change = self._regroup(self._narrow(change, delivered, engine, session, change.generation + 1),
-                                   engine, session, first=False)
+            change = regroup(narrow(change, delivered, membership, change.generation + 1, batches), membership,
+                             groups, side, batches, first=False)
             if change is None:
                 return
         for holder in self.survival.holders():
@@ -346,38 +339,6 @@ class Growth:
         if change.is_join:
             _warn_joined(change, membership.world_size)
 
-    def _regroup(self, change: Optional[Change], engine: Any, session: Any, first: bool = True) -> Optional[Change]:
-        """Members: the default group of ``change.after``, recorded in the change (None: the members
-        it had before, on a new group of their own generation).
-
-        With joiners the group is built watched (:func:`init_generation_group_watched`) and every
-        participant then settles it (``grouped``): one lost before it was up (it said it was there,
-        then died) is left out as at the entry, and the group is built again without it, one
-        generation on. ``first``: ``change`` is the entry's (the current group is the members' own,
-        which a loss alone may shrink)."""
-        assert self.survival is not None
-        membership, groups = self.survival.membership, self.survival.groups
-        while change is not None and change.is_join:
-            built = groups.renew_watched(self._side_timeout)
-            grouped = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
-                                   joiner_timeout_s=membership.join_timeout_s, stage="grouped")
-            fence_members(grouped.dropped, membership)
-            if grouped.after == change.after:
-                if not built:  # everyone else is there and up: this rank cannot take part
-                    raise RanksLost(f"ElChe: this rank (member {membership.original_rank}) could not build the "
-                                    "admission's group while every other participant did; it leaves the fit.")
-                change = replace(change, regrouped_with="new group")
-                membership.record(change)
-                return change
-            change, first = self._narrow(change, grouped, engine, session, change.generation + 1), False
-        if change is None:
-            if not first:
-                groups.renew()
-            return None
-        change = replace(change, regrouped_with=groups.rebuild(change) if first else groups.renew())
-        membership.record(change)
-        return change
-
     @staticmethod
     def _deliver(packed: PackedState, change: Change, membership: Membership) -> int:
         """Rank 0: the state to each joiner, watching that joiner (one that is lost gets no more: the
@@ -389,32 +350,6 @@ class Growth:
             except PeerFailure as failure:
                 log.warning(f"ElCheStrategy: joiner {joiner} did not take its state ({failure}).")
         return packed.tensor_bytes
-
-    def _narrow(self, change: Change, entry: Entry, engine: Any, session: Any, generation: int) -> Optional[Change]:
-        """``change`` as one of its settlements (:mod:`~lightning_elche.membership.entry`) left it, as
-        ``generation`` (the entry's own, before the group; the next one after the delivery): a joiner
-        that did not reach it is out (never a member), a member that did not is lost (its batches of
-        the epoch at the admission round are in the consensus, the rest goes back); None when nothing
-        changed after all (the fit goes on with the members it had)."""
-        assert self.survival is not None
-        membership = self.survival.membership
-        if entry.after == change.after:
-            return change
-        membership.changes.remove(change)
-        membership.members, membership.generation = list(entry.after), generation
-        if entry.after == change.before:
-            return None
-        batches = engine.progress_at_failure(session.epoch).epoch_batches
-        trained = {m: int(batches[k]) if k < len(batches) else 0 for k, m in enumerate(change.before)
-                   if m in entry.lost}
-        reasons = {**change.reasons, **entry.lost}
-        limit = membership.limit  # the losses before this admission, and this admission's
-        ends_fit = bool(reasons) and limit is not None and membership.lost_count + len(reasons) >= limit
-        narrowed = replace(change, generation=generation, after=entry.after, reasons=reasons,
-                           trained_batches={**change.trained_batches, **trained}, ends_fit=ends_fit)
-        membership.changes.append(narrowed)
-        fence(narrowed, membership)
-        return narrowed
 
     @staticmethod
     def _send(payload: dict[str, Any], change: Change, membership: Membership) -> None:
@@ -494,12 +429,11 @@ class Growth:
         self._first = self._take_first(membership, strategy.lightning_module.state_dict())
         _mark(member, "state_received")
         try:
-            delivered = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
-                                     joiner_timeout_s=membership.join_timeout_s, stage="delivered")
+            delivered = settle_stage(membership, change, "delivered")
         except RanksLost as left_out:
             self._dropped(membership, f"{left_out}")
         if delivered.after != change.after:  # a member or another joiner was left out: one more group
-            change = self._join_group(membership, _followed(membership, change, delivered), device)
+            change = self._join_group(membership, followed(membership, change, delivered), device)
         # The rest of the state is taken here at once: the members wait for it, and this joiner's
         # setup takes a second or more.
         leader = membership.members[0]
@@ -513,22 +447,21 @@ class Growth:
         return job.fit_prefix
 
     def _join_group(self, membership: Membership, change: Change, device: Optional[torch.device]) -> Change:
-        """The joiner's side of :meth:`_regroup`: the group of ``change``'s generation, built watched
+        """The joiner's side of :func:`regroup`: the group of ``change``'s generation, built watched
         and settled, again one generation on while a participant is left out; the change it
         ends with."""
         while True:
             built = init_generation_group_watched(membership, self._backend, self._timeout, device,
                                                   self._side_timeout)
             try:
-                grouped = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
-                                       joiner_timeout_s=membership.join_timeout_s, stage="grouped")
+                grouped = settle_stage(membership, change, "grouped")
             except RanksLost as left_out:
                 self._dropped(membership, f"{left_out}")
             if grouped.after == change.after:
                 if not built:
                     self._dropped(membership, "it could not build the admission's group while everyone else did")
                 return change
-            change = _followed(membership, change, grouped)
+            change = followed(membership, change, grouped)
 
     def _take_first(self, membership: Membership, into: Any) -> Any:
         """The joiner's state from rank 0, watching rank 0 and the settlement of the delivery (the
