@@ -24,17 +24,21 @@ is there once it has that state; one lost meanwhile is dropped, a member lost me
 the members build one more group without them); every holder takes the change (``apply_change``);
 rank 0 then sends the ElChe state (the engine's
 round record: controller, convergence guard, outer optimizer) and the dispatch state
-(``state_for_joiner``), which follow from the change.
+(``state_for_joiner``), which follow from the change, and every participant settles which joiners
+have their whole state (``joined``): one that has not (it died, or rank 0 was lost while it sent)
+leaves and never was a member; whoever is gone is taken out at the next round, as after any change,
+a dropped joiner uncounted.
 
 **The joiner.** ``setup_distributed`` connects to the job's store and registers the next free
 member id, without a process group; Lightning's start-of-fit collectives answer locally until it
 trains. ``setup`` sends the request and waits for admission (its facts: the model's averaging
 signature, the training loader's dataset length, batch size, order and seed, the mode), takes part
 in the entry, builds the new generation's group (and the side group its plane will take), receives
-its state watching rank 0 (lost: the joiner leaves, dropped) and settles the delivery, takes the
-parameters before the averaging plane is built, and after Lightning set up the optimizers takes the
-rest; ``process_dataloader`` builds its sampler from the
-dispatch state. Its first batch is in the cohort's current epoch, its first round the cohort's next.
+its state watching rank 0 (lost: the joiner leaves, dropped) and settles the delivery, then the
+rest of the state, settled too (``joined``; rank 0 lost before it all came: the joiner leaves,
+dropped). It takes the parameters before the averaging plane is built and the rest after Lightning
+set up the optimizers; ``process_dataloader`` builds its sampler from the dispatch state. Its first
+batch is in the cohort's current epoch, its first round the cohort's next.
 """
 
 from __future__ import annotations
@@ -96,8 +100,10 @@ from lightning_elche.membership.entry import (
     narrow,
     regroup,
     settle_entry,
+    settle_joined,
     settle_stage,
     settled_key,
+    stayed,
 )
 from lightning_elche.membership.groups import (
     abandon_group,
@@ -330,14 +336,20 @@ class Growth:
         for holder in self.survival.holders():
             holder.apply_change(change)
         _mark(me, "applied")
-        if membership.rank == 0 and change.is_join:
-            self._send({"engine": engine.round_record(), "callback_role": session.callback_role.state_dict(),
-                        "dispatch": sampler.state_for_joiner()}, change, membership)
-            _mark(me, "rest_sent")
+        joiners: tuple[int, ...] = ()
+        if change.is_join:
+            if membership.rank == 0:
+                self._send({"engine": engine.round_record(), "callback_role": session.callback_role.state_dict(),
+                            "dispatch": sampler.state_for_joiner()}, change, membership)
+                _mark(me, "rest_sent")
+            # One more settlement on every rank, always: which joiners have their whole state.
+            dropped = settle_joined(membership, change).dropped
+            joiners = tuple(m for m in change.joined_ids if m not in dropped)
         self.survival.follow_up(change)
         _mark(me, "admit_end")
-        if change.is_join:
-            _warn_joined(change, membership.world_size)
+        if joiners:
+            kept = (*stayed(change), *joiners)
+            _warn_joined(replace(change, after=kept), len(kept))
 
     @staticmethod
     def _deliver(packed: PackedState, change: Change, membership: Membership) -> int:
@@ -353,11 +365,15 @@ class Growth:
 
     @staticmethod
     def _send(payload: dict[str, Any], change: Change, membership: Membership) -> None:
-        """Rank 0: the rest of the state, once every holder took the change (a joiner lost now is an
-        ordinary loss: it was a member from its delivery on)."""
+        """Rank 0: the rest of the state, once every holder took the change, watching each joiner (one
+        that is lost gets no more: the settlement after it leaves it out)."""
         packed = pack_state(payload)
         for rank in change.joined:
-            packed.send(rank, _watching(membership, change.after[rank]))
+            joiner = change.after[rank]
+            try:
+                packed.send(rank, _watching(membership, joiner))
+            except PeerFailure as failure:
+                log.warning(f"ElCheStrategy: joiner {joiner} did not take the rest of its state ({failure}).")
 
     def fit_over(self, strategy: Any) -> None:
         self._over = True
@@ -436,14 +452,14 @@ class Growth:
             change = self._join_group(membership, followed(membership, change, delivered), device)
         # The rest of the state is taken here at once: the members wait for it, and this joiner's
         # setup takes a second or more.
-        leader = membership.members[0]
-        self._rest = recv_state(0, wait=_watching(membership, leader))
+        self._rest = self._take_rest(membership, change)
         _mark(member, "rest_received")
         self._job = (str(self._first["job"][0]), str(self._first["job"][1]))
         strategy.set_world_ranks()  # Lightning's rank view follows the admitted rank
         rank_zero_info(f"ElCheStrategy: joined the running fit as rank {membership.rank} of {membership.world_size} "
                        f"(member {member}) in {time.perf_counter() - started:.2f} s.")
-        _warn_joined(change, membership.world_size)
+        kept = (*stayed(change), *(m for m in change.joined_ids if m not in membership.dropped_joiners))
+        _warn_joined(replace(change, after=kept), len(kept))
         return job.fit_prefix
 
     def _join_group(self, membership: Membership, change: Change, device: Optional[torch.device]) -> Change:
@@ -472,6 +488,21 @@ class Growth:
             return recv_state(0, into={"module": into}, wait=_watching(membership, leader, ends_on))
         except PeerFailure as failure:
             self._dropped(membership, f"its state did not arrive: {failure}")
+
+    def _take_rest(self, membership: Membership, change: Change) -> Any:
+        """The rest of the state from rank 0 once the holders took the change, watching rank 0 and the
+        settlement after it; then that settlement (:func:`settle_joined`). Lost rank 0, or left out
+        there, this joiner never was a member: it leaves as a dropped joiner."""
+        ends_on = settled_key(membership, membership.generation, "joined")
+        try:
+            rest = recv_state(0, wait=_watching(membership, membership.members[0], ends_on))
+        except PeerFailure as failure:
+            self._dropped(membership, f"the rest of its state did not arrive: {failure}")
+        try:
+            settle_joined(membership, change)
+        except RanksLost as left_out:
+            self._dropped(membership, f"{left_out}")
+        return rest
 
     def _dropped(self, membership: Membership, why: str) -> NoReturn:
         """A joiner left out of its admission after its group was up: it says so (the members stop

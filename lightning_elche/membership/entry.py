@@ -18,11 +18,14 @@ read that one:
 The change the admission opened is then the settled one (:func:`narrow`): a join, a join and a
 loss, a loss alone, or nothing at all.
 
-Two later settlements of the same admission work the same way (``stage``): ``grouped``, once every
+Three later settlements of the same admission work the same way (``stage``): ``grouped``, once every
 participant built the group (watched: :func:`~.groups.init_generation_group_watched`) or gave up
-on it, and ``delivered``, once rank 0 sent each joiner its state. At those every absent participant
-is waited for until it is there or gone, and someone left out costs one more generation's group
-(:func:`regroup`).
+on it, ``delivered``, once rank 0 sent each joiner its state, and ``joined``, once the holders took
+the change and rank 0 sent the rest. At those every absent participant is waited for until it is
+there or gone. At the first two someone left out costs one more generation's group; at ``joined``
+the holders have the change already, so nobody is taken out there: a joiner left out leaves (it
+never was a member, :meth:`~.agreement.Membership.note_dropped`), and whoever is gone is taken out
+at the next round, as after any change.
 """
 
 from __future__ import annotations
@@ -76,10 +79,11 @@ def entry_key(membership: Membership, generation: int, name: str) -> str:
 
 
 STAGES = {"": "did not reach the new group", "grouped": "did not build the new group",
-          "delivered": "did not take its state"}
+          "delivered": "did not take its state", "joined": "did not take the rest of its state"}
 """The settlements of one admission (``stage``: the entry, before the group; ``grouped``, once the
-group was built, or its build given up on; ``delivered``, once the state was sent), each with what
-a joiner left out at it did not do."""
+group was built, or its build given up on; ``delivered``, once the state was sent; ``joined``, once
+the holders took the change and rank 0 sent the rest), each with what a joiner left out at it did
+not do."""
 
 
 def settle_entry(membership: Membership, generation: int, members: Sequence[int], joiners: Sequence[int],
@@ -221,3 +225,19 @@ def followed(membership: Membership, change: Change, settled: Entry) -> Change:
     let_default_group_go(membership)
     return after
 
+
+def settle_joined(membership: Membership, change: Change) -> Entry:
+    """Every participant, once the holders took ``change`` and rank 0 sent the rest of the state
+    (``joined``): which joiners have their whole state, the same answer on all. The holders have
+    the change, so nobody is taken out here: a joiner left out leaves by itself and never was a
+    member (:meth:`Membership.note_dropped`: the change that takes it out at the next round does
+    not count it), and a member found gone (rank 0 lost while it sent, one lost as it took the
+    change) is lost at the next round, as after any change.
+
+    Raises:
+        RanksLost: this participant was left out."""
+    joined = settle_stage(membership, change, "joined")
+    if membership.original_rank in stayed(change):
+        fence_members([*joined.lost, *joined.dropped], membership)
+    membership.note_dropped(joined.dropped)
+    return joined
