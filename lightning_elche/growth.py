@@ -14,7 +14,8 @@ a round that saw joiners waiting, every member asks for a consensus round two ro
 first consensus round at which every rank still has data in the epoch and nobody stops, every
 member admits them (:meth:`Growth.after_round`): the admitted list, the entry (every member and
 joiner says it is there, and one that is gone is left out: :mod:`lightning_elche.membership.entry`),
-the next generation's group, then rank 0 sends each joiner, over that group, the consensus
+the next generation's group (with the ``cpu_*`` plane's side group: taking the change is then no
+rendezvous), then rank 0 sends each joiner, over that group, the consensus
 parameters and buffers, its own optimizer and scheduler states (for local SGD a peer's inner
 optimizer state is a state that trained the same consensus, and the one the joiner would otherwise
 rebuild from nothing), the loop position and its callbacks' states (as a resume restores them),
@@ -23,16 +24,21 @@ is there once it has that state; one lost meanwhile is dropped, a member lost me
 the members build one more group without them); every holder takes the change (``apply_change``);
 rank 0 then sends the ElChe state (the engine's
 round record: controller, convergence guard, outer optimizer) and the dispatch state
-(``state_for_joiner``), which follow from the change.
+(``state_for_joiner``), which follow from the change, and every participant settles which joiners
+have their whole state (``joined``): one that has not (it died, or rank 0 was lost while it sent)
+leaves and never was a member; whoever is gone is taken out at the next round, as after any change,
+a dropped joiner uncounted.
 
 **The joiner.** ``setup_distributed`` connects to the job's store and registers the next free
 member id, without a process group; Lightning's start-of-fit collectives answer locally until it
 trains. ``setup`` sends the request and waits for admission (its facts: the model's averaging
 signature, the training loader's dataset length, batch size, order and seed, the mode), takes part
-in the entry, builds the new generation's group, receives its state watching rank 0 (lost: the
-joiner leaves, dropped) and settles the delivery, takes the parameters before the averaging plane is built, and after
-Lightning set up the optimizers takes the rest; ``process_dataloader`` builds its sampler from the
-dispatch state. Its first batch is in the cohort's current epoch, its first round the cohort's next.
+in the entry, builds the new generation's group (and the side group its plane will take), receives
+its state watching rank 0 (lost: the joiner leaves, dropped) and settles the delivery, then the
+rest of the state, settled too (``joined``; rank 0 lost before it all came: the joiner leaves,
+dropped). It takes the parameters before the averaging plane is built and the rest after Lightning
+set up the optimizers; ``process_dataloader`` builds its sampler from the dispatch state. Its first
+batch is in the cohort's current epoch, its first round the cohort's next.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any, NoReturn, Optional
 
 import torch
@@ -88,14 +95,22 @@ from lightning_elche.membership.admission import (
 )
 from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import Change, PeerFailure, RanksLost
-from lightning_elche.membership.entry import Entry, settle_entry, settled_key
+from lightning_elche.membership.entry import (
+    followed,
+    narrow,
+    regroup,
+    settle_entry,
+    settle_joined,
+    settle_stage,
+    settled_key,
+    stayed,
+)
 from lightning_elche.membership.groups import (
     abandon_group,
+    abandon_side_group_ahead,
     init_generation_group_watched,
-    let_default_group_go,
-    make_side_group_ahead,
 )
-from lightning_elche.membership.survival import Survival, fence, fence_members
+from lightning_elche.membership.survival import Survival, fence_members
 from lightning_elche.planes import keeps_side_group
 from lightning_elche.state_transfer import PackedState, pack_state, recv_state
 
@@ -134,23 +149,6 @@ def _host_blocking() -> bool:
 def _watching(membership: Membership, peer: int, ends_on: str = "") -> Callable[[Any], None]:
     """A transfer's wait for one message, watching the transfer's other end (``peer``)."""
     return lambda work: membership.wait(work, _host_blocking(), peers=[peer], ends_on=ends_on)
-
-
-def _stayed(change: Change) -> list[int]:
-    """The members of ``change.after`` that were members before it (its joiners are the rest)."""
-    return [m for m in change.after if m not in change.joined_ids]
-
-
-def _followed(membership: Membership, change: Change, settled: Entry) -> Change:
-    """A joiner: ``change`` as a settlement after its group was up left it (someone left out), one
-    generation on; the group it had goes."""
-    followed = Change(generation=change.generation + 1, before=change.before, after=settled.after,
-                      reasons={**change.reasons, **settled.lost}, detected_at=change.detected_at,
-                      regrouped_with="new group")
-    membership.changes.clear()
-    membership.enter(followed)
-    let_default_group_go(membership)
-    return followed
 
 
 def all_can_admit(outcome: Any, dispatch: Dispatch) -> bool:
@@ -207,6 +205,7 @@ class Growth:
         self._job_view: Any = None
         self._backend = ""
         self._timeout: Any = None
+        self._side_timeout: Optional[timedelta] = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Built per fit inside the rank processes (the launcher pickles the strategy before that).
@@ -226,6 +225,10 @@ class Growth:
     def fit_prefix(self, strategy: Any) -> str:
         """The fit's key prefix (and, on a member, the job's id and join secret), the same on every
         rank: one broadcast from rank 0 on a member, the admission on a joiner."""
+        # The plane's side group is built with every admission's group (watched there, not when the
+        # holders take the change).
+        transport = strategy.elche.run_mode.transport
+        self._side_timeout = strategy.snapshot_timeout if keeps_side_group(transport) else None
         if self.joining:
             return self._admit(strategy)
         job = ("", "")
@@ -300,11 +303,16 @@ class Growth:
         opened = membership.admit(joined)
         entry = settle_entry(membership, opened.generation, opened.before, joined)
         fence_members(entry.dropped, membership)
-        change = self._narrow(opened, entry, engine, session, opened.generation)
+        groups, side = self.survival.groups, self._side_timeout
+
+        def batches() -> Any:  # by rank, at the admission round: a member lost in the admission kept those
+            return engine.progress_at_failure(session.epoch).epoch_batches
+
+        change = narrow(opened, entry, membership, opened.generation, batches)
         _mark(me, "entered")
         if change is None:
             return
-        change = self._regroup(change, engine, session)
+        change = regroup(change, membership, groups, side, batches)
         if change is None:
             return
         _mark(me, "regrouped")
@@ -318,57 +326,30 @@ class Growth:
             _mark(me, "state_sent", tensor_bytes=sent)
         # Whether every joiner has its state, the same answer on all: one that died or stalled while
         # it was sent is dropped, and the members build one more group, without it.
-        delivered = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
-                                 joiner_timeout_s=membership.join_timeout_s, stage="delivered")
+        delivered = settle_stage(membership, change, "delivered")
         fence_members(delivered.dropped, membership)
         if delivered.after != change.after:
-            change = self._regroup(self._narrow(change, delivered, engine, session, change.generation + 1),
-                                   engine, session, first=False)
+            change = regroup(narrow(change, delivered, membership, change.generation + 1, batches), membership,
+                             groups, side, batches, first=False)
             if change is None:
                 return
         for holder in self.survival.holders():
             holder.apply_change(change)
         _mark(me, "applied")
-        if membership.rank == 0 and change.is_join:
-            self._send({"engine": engine.round_record(), "callback_role": session.callback_role.state_dict(),
-                        "dispatch": sampler.state_for_joiner()}, change, membership)
-            _mark(me, "rest_sent")
+        joiners: tuple[int, ...] = ()
+        if change.is_join:
+            if membership.rank == 0:
+                self._send({"engine": engine.round_record(), "callback_role": session.callback_role.state_dict(),
+                            "dispatch": sampler.state_for_joiner()}, change, membership)
+                _mark(me, "rest_sent")
+            # One more settlement on every rank, always: which joiners have their whole state.
+            dropped = settle_joined(membership, change).dropped
+            joiners = tuple(m for m in change.joined_ids if m not in dropped)
         self.survival.follow_up(change)
         _mark(me, "admit_end")
-        if change.is_join:
-            _warn_joined(change, membership.world_size)
-
-    def _regroup(self, change: Optional[Change], engine: Any, session: Any, first: bool = True) -> Optional[Change]:
-        """Members: the default group of ``change.after``, recorded in the change (None: the members
-        it had before, on a new group of their own generation).
-
-        With joiners the group is built watched (:func:`init_generation_group_watched`) and every
-        participant then settles it (``grouped``): one lost before it was up (it said it was there,
-        then died) is left out as at the entry, and the group is built again without it, one
-        generation on. ``first``: ``change`` is the entry's (the current group is the members' own,
-        which a loss alone may shrink)."""
-        assert self.survival is not None
-        membership, groups = self.survival.membership, self.survival.groups
-        while change is not None and change.is_join:
-            built = groups.renew_watched()
-            grouped = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
-                                   joiner_timeout_s=membership.join_timeout_s, stage="grouped")
-            fence_members(grouped.dropped, membership)
-            if grouped.after == change.after:
-                if not built:  # everyone else is there and up: this rank cannot take part
-                    raise RanksLost(f"ElChe: this rank (member {membership.original_rank}) could not build the "
-                                    "admission's group while every other participant did; it leaves the fit.")
-                change = replace(change, regrouped_with="new group")
-                membership.record(change)
-                return change
-            change, first = self._narrow(change, grouped, engine, session, change.generation + 1), False
-        if change is None:
-            if not first:
-                groups.renew()
-            return None
-        change = replace(change, regrouped_with=groups.rebuild(change) if first else groups.renew())
-        membership.record(change)
-        return change
+        if joiners:
+            kept = (*stayed(change), *joiners)
+            _warn_joined(replace(change, after=kept), len(kept))
 
     @staticmethod
     def _deliver(packed: PackedState, change: Change, membership: Membership) -> int:
@@ -382,39 +363,17 @@ class Growth:
                 log.warning(f"ElCheStrategy: joiner {joiner} did not take its state ({failure}).")
         return packed.tensor_bytes
 
-    def _narrow(self, change: Change, entry: Entry, engine: Any, session: Any, generation: int) -> Optional[Change]:
-        """``change`` as one of its settlements (:mod:`~lightning_elche.membership.entry`) left it, as
-        ``generation`` (the entry's own, before the group; the next one after the delivery): a joiner
-        that did not reach it is out (never a member), a member that did not is lost (its batches of
-        the epoch at the admission round are in the consensus, the rest goes back); None when nothing
-        changed after all (the fit goes on with the members it had)."""
-        assert self.survival is not None
-        membership = self.survival.membership
-        if entry.after == change.after:
-            return change
-        membership.changes.remove(change)
-        membership.members, membership.generation = list(entry.after), generation
-        if entry.after == change.before:
-            return None
-        batches = engine.progress_at_failure(session.epoch).epoch_batches
-        trained = {m: int(batches[k]) if k < len(batches) else 0 for k, m in enumerate(change.before)
-                   if m in entry.lost}
-        reasons = {**change.reasons, **entry.lost}
-        limit = membership.limit  # the losses before this admission, and this admission's
-        ends_fit = bool(reasons) and limit is not None and membership.lost_count + len(reasons) >= limit
-        narrowed = replace(change, generation=generation, after=entry.after, reasons=reasons,
-                           trained_batches={**change.trained_batches, **trained}, ends_fit=ends_fit)
-        membership.changes.append(narrowed)
-        fence(narrowed, membership)
-        return narrowed
-
     @staticmethod
     def _send(payload: dict[str, Any], change: Change, membership: Membership) -> None:
-        """Rank 0: the rest of the state, once every holder took the change (a joiner lost now is an
-        ordinary loss: it was a member from its delivery on)."""
+        """Rank 0: the rest of the state, once every holder took the change, watching each joiner (one
+        that is lost gets no more: the settlement after it leaves it out)."""
         packed = pack_state(payload)
         for rank in change.joined:
-            packed.send(rank, _watching(membership, change.after[rank]))
+            joiner = change.after[rank]
+            try:
+                packed.send(rank, _watching(membership, joiner))
+            except PeerFailure as failure:
+                log.warning(f"ElCheStrategy: joiner {joiner} did not take the rest of its state ({failure}).")
 
     def fit_over(self, strategy: Any) -> None:
         self._over = True
@@ -486,42 +445,39 @@ class Growth:
         self._first = self._take_first(membership, strategy.lightning_module.state_dict())
         _mark(member, "state_received")
         try:
-            delivered = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
-                                     joiner_timeout_s=membership.join_timeout_s, stage="delivered")
+            delivered = settle_stage(membership, change, "delivered")
         except RanksLost as left_out:
             self._dropped(membership, f"{left_out}")
         if delivered.after != change.after:  # a member or another joiner was left out: one more group
-            change = self._join_group(membership, _followed(membership, change, delivered), device)
-        # What the members do with the change next (a side group, the rest of the state) is done
-        # here at once: they wait for it, and this joiner's setup takes a second or more.
-        if keeps_side_group(strategy.elche.run_mode.transport):
-            make_side_group_ahead(strategy.snapshot_timeout)
-        leader = membership.members[0]
-        self._rest = recv_state(0, wait=_watching(membership, leader))
+            change = self._join_group(membership, followed(membership, change, delivered), device)
+        # The rest of the state is taken here at once: the members wait for it, and this joiner's
+        # setup takes a second or more.
+        self._rest = self._take_rest(membership, change)
         _mark(member, "rest_received")
         self._job = (str(self._first["job"][0]), str(self._first["job"][1]))
         strategy.set_world_ranks()  # Lightning's rank view follows the admitted rank
         rank_zero_info(f"ElCheStrategy: joined the running fit as rank {membership.rank} of {membership.world_size} "
                        f"(member {member}) in {time.perf_counter() - started:.2f} s.")
-        _warn_joined(change, membership.world_size)
+        kept = (*stayed(change), *(m for m in change.joined_ids if m not in membership.dropped_joiners))
+        _warn_joined(replace(change, after=kept), len(kept))
         return job.fit_prefix
 
     def _join_group(self, membership: Membership, change: Change, device: Optional[torch.device]) -> Change:
-        """The joiner's side of :meth:`_regroup`: the group of ``change``'s generation, built watched
+        """The joiner's side of :func:`regroup`: the group of ``change``'s generation, built watched
         and settled, again one generation on while a participant is left out; the change it
         ends with."""
         while True:
-            built = init_generation_group_watched(membership, self._backend, self._timeout, device)
+            built = init_generation_group_watched(membership, self._backend, self._timeout, device,
+                                                  self._side_timeout)
             try:
-                grouped = settle_entry(membership, change.generation, _stayed(change), change.joined_ids,
-                                       joiner_timeout_s=membership.join_timeout_s, stage="grouped")
+                grouped = settle_stage(membership, change, "grouped")
             except RanksLost as left_out:
                 self._dropped(membership, f"{left_out}")
             if grouped.after == change.after:
                 if not built:
                     self._dropped(membership, "it could not build the admission's group while everyone else did")
                 return change
-            change = _followed(membership, change, grouped)
+            change = followed(membership, change, grouped)
 
     def _take_first(self, membership: Membership, into: Any) -> Any:
         """The joiner's state from rank 0, watching rank 0 and the settlement of the delivery (the
@@ -533,12 +489,28 @@ class Growth:
         except PeerFailure as failure:
             self._dropped(membership, f"its state did not arrive: {failure}")
 
+    def _take_rest(self, membership: Membership, change: Change) -> Any:
+        """The rest of the state from rank 0 once the holders took the change, watching rank 0 and the
+        settlement after it; then that settlement (:func:`settle_joined`). Lost rank 0, or left out
+        there, this joiner never was a member: it leaves as a dropped joiner."""
+        ends_on = settled_key(membership, membership.generation, "joined")
+        try:
+            rest = recv_state(0, wait=_watching(membership, membership.members[0], ends_on))
+        except PeerFailure as failure:
+            self._dropped(membership, f"the rest of its state did not arrive: {failure}")
+        try:
+            settle_joined(membership, change)
+        except RanksLost as left_out:
+            self._dropped(membership, f"{left_out}")
+        return rest
+
     def _dropped(self, membership: Membership, why: str) -> NoReturn:
         """A joiner left out of its admission after its group was up: it says so (the members stop
         waiting for it at once), lets the group go and leaves."""
         if self._link is not None:
             self._link.mark_dropped()
         membership.leave(f"joiner {membership.original_rank} was dropped from its admission: {why}")
+        abandon_side_group_ahead(membership)
         abandon_group(dist.group.WORLD, membership)
         membership.close()
         raise JoinRefused(f"ElCheStrategy: joiner {membership.original_rank} was dropped from its admission: {why}")

@@ -41,6 +41,14 @@ def test_a_malformed_change_is_refused(before: tuple[int, ...], after: tuple[int
         Change(generation=1, before=before, after=after)
 
 
+def test_a_dropped_joiner_leaves_like_a_lost_rank_but_is_not_counted() -> None:
+    change = Change(generation=3, before=(0, 1, 2), after=(1,), reasons={0: "gone", 2: "no rest"}, dropped=(2,))
+    assert change.lost_ids == (0, 2) and change.counted_lost == 1 and change.is_loss
+    assert change.describe() == "lost rank 0 (gone); dropped joiner 2 (no rest)"
+    with pytest.raises(ValueError, match=r"Change\(dropped=\[1\]\) is invalid: expected members that leave"):
+        Change(generation=3, before=(0, 1, 2), after=(1,), dropped=(1,))
+
+
 def test_changes_agreed_one_after_the_other_are_one_change_in_the_first_numbering() -> None:
     first = Change(generation=1, before=(0, 1, 2, 3), after=(0, 2, 3), reasons={1: "a"}, detected_at=5.0)
     second = Change(generation=2, before=(0, 2, 3), after=(0, 2), reasons={3: "b"}, ends_fit=True)

@@ -27,7 +27,8 @@ dense in the order the changes give, validation over the whole (padded) set on t
 0 unless it was lost. Every joiner process ends in one documented outcome, asserted: admitted (exit 0
 with a result, or lost by its fault with a non-zero code), too late (exit 0 with "nothing to join":
 only for an ``after_first`` joiner or when rank 0 was lost, the holds could not wait for it), or
-dropped from its admission (exit 1 with its message: only when a launch member was lost).
+dropped from its admission (exit 1 with its message: only when a launch member was lost; one
+dropped after the holders took it in is in a later change's losses, marked dropped).
 
 The full soak is marked ``faults``; ``ELCHE_SOAK_TRIALS`` (default 60), ``ELCHE_SOAK_FIRST`` and
 ``ELCHE_SOAK_SEED`` set its size and draw, and with ``ELCHE_SOAK_REPORT=path`` every trial appends one
@@ -268,7 +269,9 @@ def check_trial(job: JoinJob, trial: JoinTrial) -> list[str]:
     first = job.results.get(survivors[0])
     assert first is not None, f"launch rank {survivors[0]} did not finish: {sorted(job.results)}\n{logs}"
     joins = [sorted(c["joined"]) for c in first["changes"] if c["joined"]]
-    admitted = {m for joined in joins for m in joined}
+    # Taken in, then dropped before it had its whole state (rank 0 lost while it sent the rest).
+    dropped = {m for c in first["changes"] for m in c["dropped"]}
+    admitted = {m for joined in joins for m in joined} - dropped
     lost = tuple(sorted(fired))
     assert set(lost) <= set(range(trial.ranks)) | admitted, f"a lost rank that was never a member: {lost}, {joins}"
     check_grown(
@@ -280,6 +283,7 @@ def check_trial(job: JoinJob, trial: JoinTrial) -> list[str]:
         launch=trial.ranks,
         cohort_rc=None,
         joiner_rc=None,
+        dropped=tuple(sorted(dropped)),
     )
     assert (job.cohort_rc == 0) == (0 not in fired), f"rank 0's exit code {job.cohort_rc}, lost: {0 in fired}"
     finishers = sorted(job.results)

@@ -150,6 +150,30 @@ def test_a_survivor_lost_during_the_agreement_is_one_loss_in_the_callers_numberi
             m.close()
 
 
+def test_a_joiner_dropped_after_the_holders_took_it_leaves_with_the_next_change_uncounted() -> None:
+    # An admission's last settlement dropped joiner 2 (it never had its whole state) after the holders
+    # took it in, and rank 1 was lost there too: the next round's change takes both out, and only
+    # rank 1 counts (max_failure=2 would end the fit if joiner 2 did).
+    import socket
+
+    store = dist.HashStore()
+    for gone in (1, 2):
+        store.set(proc_key(gone), f"{socket.gethostname()}:999999999")
+    ms = [Membership(store, "fit", r, [0, 1, 2, 3], LIVENESS, join_timeout=timedelta(seconds=5), max_failure=2)
+          for r in (0, 3)]
+    for m in ms:
+        m.note_dropped([2])
+    try:
+        changes = agree_together(ms, timeout_s=10)
+        for m in ms:
+            change = changes[m.original_rank]
+            assert change.lost_original == [1, 2] and change.dropped == (2,) and change.counted_lost == 1
+            assert not change.ends_fit and m.lost_count == 1
+    finally:
+        for m in ms:
+            m.close()
+
+
 def test_survivors_that_got_further_than_others_set_the_lost_ranks_trained_batches() -> None:
     # Rank 1 died in the middle of round 5's collectives: ranks 0 and 2 completed it, rank 3 did not.
     import socket

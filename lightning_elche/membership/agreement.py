@@ -20,7 +20,7 @@ import ctypes
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Optional
@@ -96,6 +96,9 @@ class Membership:
         self.abandoned: list[Any] = []
         self.generation = 0
         self.changes: list[Change] = []
+        self.dropped_joiners: set[int] = set()
+        """Joiners that left their admission before they had their whole state, after the holders
+        took it (:meth:`note_dropped`): the change that takes them out does not count them."""
         self.liveness_timeout_s = liveness_timeout.total_seconds()
         self.join_timeout_s = join_timeout.total_seconds()
         self.signals = PeerSignals(store, exit_notice_prefix(fit_prefix), self.liveness_timeout_s,
@@ -133,7 +136,8 @@ class Membership:
 
     @property
     def lost_count(self) -> int:
-        return sum(len(change.lost_ids) for change in self.changes)
+        """The lost ranks that count against ``max_failure`` (dropped joiners never were members)."""
+        return sum(change.counted_lost for change in self.changes)
 
     @property
     def lost_original(self) -> list[int]:
@@ -170,6 +174,12 @@ class Membership:
                         detected_at=time.time())
         self.enter(change)
         return change
+
+    def note_dropped(self, joiners: Iterable[int]) -> None:
+        """Joiners the holders took in with a change, left out at its last settlement (they did not
+        get their whole state): they are gone, and the next change takes them out, uncounted. Every
+        member (and every joiner that stays) notes the same, from the settled list."""
+        self.dropped_joiners.update(joiners)
 
     def enter(self, change: Change) -> None:
         """Follow ``change``: its members and generation are this fit's from now on (a joiner enters
@@ -301,16 +311,18 @@ class Membership:
     def _settle(self, change: Change, generations: int, before: tuple[int, ...],
                 records: dict[int, RoundProgress]) -> Change:
         """The agreed change as the caller acts on it: every survivor's round count, the lost ranks'
-        trained batches (as the survivor that got furthest saw them), and whether it reaches
-        ``max_failure``; the record holds it in place of its generations."""
+        trained batches (as the survivor that got furthest saw them), the dropped joiners it takes
+        out (:meth:`note_dropped`), and whether it reaches ``max_failure`` (they do not count); the
+        record holds it in place of its generations."""
         furthest = records[round_leader(records)].epoch_batches
         lost_ids = change.lost_ids
         # 0 for a rank no round reported yet (lost before the first round: in the sanity check).
         trained = {m: int(furthest[k]) if k < len(furthest) else 0 for k, m in enumerate(before) if m in lost_ids}
         del self.changes[-generations:]
-        lost = self.lost_count + len(change.lost_ids)
-        change = replace(change, trained_batches=trained, ends_fit=self.limit is not None and lost >= self.limit,
-                         completed_rounds={m: r.rounds for m, r in records.items()})
+        change = replace(change, trained_batches=trained, completed_rounds={m: r.rounds for m, r in records.items()},
+                         dropped=tuple(m for m in lost_ids if m in self.dropped_joiners))
+        lost = self.lost_count + change.counted_lost
+        change = replace(change, ends_fit=bool(change.counted_lost) and self.limit is not None and lost >= self.limit)
         self.changes.append(change)
         return change
 

@@ -54,6 +54,10 @@ class Change:
             when the change was agreed. A peer that dies in the middle of a round's collectives may
             let some members complete it and not others: those behind catch up on the round
             before the failed one runs again (see :mod:`~lightning_elche.membership.survival`).
+        dropped: of the members that left, the joiners of an admission that left it before they had
+            their whole state (its last settlement, after the holders took it): they leave the
+            numbering as a lost rank does (nothing of theirs is in the consensus, their share of
+            the epoch goes back), but never were members, so nothing counts against ``max_failure``.
     """
 
     generation: int
@@ -65,6 +69,7 @@ class Change:
     detected_at: float = 0.0
     regrouped_with: str = ""
     completed_rounds: Mapping[int, int] = field(default_factory=dict)
+    dropped: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("before", "after"):
@@ -79,6 +84,10 @@ class Change:
             )
         if not self.after:
             raise ValueError("Change(after=[]) is invalid: a change leaves at least one member.")
+        if not set(self.dropped) <= set(self.lost_ids):
+            raise ValueError(f"Change(dropped={list(self.dropped)}) is invalid: expected members that leave with "
+                             f"this change (of {list(self.lost_ids)}): the joiners dropped before they had their "
+                             "whole state.")
 
     # -- who -------------------------------------------------------------------------------------
 
@@ -106,6 +115,11 @@ class Change:
     def joined(self) -> list[int]:
         """New ranks of the members that joined (the last ranks)."""
         return list(range(len(self.survivors), len(self.after)))
+
+    @property
+    def counted_lost(self) -> int:
+        """How many of the members that left count against ``max_failure`` (dropped joiners do not)."""
+        return len(self.lost_ids) - len(self.dropped)
 
     @property
     def lost_original(self) -> list[int]:
@@ -170,8 +184,12 @@ class Change:
     def describe(self) -> str:
         """``"lost rank 1 (its process is gone); joined rank 3"``, by member id."""
         parts = []
-        if self.lost_ids:
-            parts.append("lost " + ", ".join(f"rank {m} ({self.reasons.get(m, 'lost')})" for m in self.lost_ids))
+        lost = [m for m in self.lost_ids if m not in self.dropped]
+        if lost:
+            parts.append("lost " + ", ".join(f"rank {m} ({self.reasons.get(m, 'lost')})" for m in lost))
+        if self.dropped:
+            parts.append("dropped joiner " + ", ".join(f"{m} ({self.reasons.get(m, 'dropped')})"
+                                                      for m in self.dropped))
         if self.joined_ids:
             # By id: joiners admitted together take their ranks in the order they asked, which races.
             parts.append("joined " + ", ".join(f"rank {m}" for m in sorted(self.joined_ids)))
@@ -204,6 +222,7 @@ def combined(changes: Sequence[Change]) -> Change:
         detected_at=first.detected_at,
         regrouped_with=last.regrouped_with,
         completed_rounds=last.completed_rounds,
+        dropped=tuple(m for m in first.before if m not in last.after and any(m in c.dropped for c in changes)),
     )
 
 

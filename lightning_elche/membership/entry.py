@@ -15,13 +15,17 @@ read that one:
 * a member that is gone, or not here within the join timeout, is left out as a lost rank (it
   counts against ``max_failure``, as any loss does).
 
-The change the admission opened is then the settled one: a join, a join and a loss, a loss alone,
-or nothing at all.
+The change the admission opened is then the settled one (:func:`narrow`): a join, a join and a
+loss, a loss alone, or nothing at all.
 
-Two later settlements of the same admission work the same way (``stage``): ``grouped``, once every
+Three later settlements of the same admission work the same way (``stage``): ``grouped``, once every
 participant built the group (watched: :func:`~.groups.init_generation_group_watched`) or gave up
-on it, and ``delivered``, once rank 0 sent each joiner its state. At those every absent participant
-is waited for until it is there or gone, and someone left out costs one more generation's group.
+on it, ``delivered``, once rank 0 sent each joiner its state, and ``joined``, once the holders took
+the change and rank 0 sent the rest. At those every absent participant is waited for until it is
+there or gone. At the first two someone left out costs one more generation's group; at ``joined``
+the holders have the change already, so nobody is taken out there: a joiner left out leaves (it
+never was a member, :meth:`~.agreement.Membership.note_dropped`), and whoever is gone is taken out
+at the next round, as after any change.
 """
 
 from __future__ import annotations
@@ -29,11 +33,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Optional
 
 from lightning_elche.membership.agreement import Membership
-from lightning_elche.membership.change import RanksLost
+from lightning_elche.membership.change import Change, RanksLost
+from lightning_elche.membership.groups import ProcessGroups, let_default_group_go
+from lightning_elche.membership.survival import fence, fence_members
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +79,11 @@ def entry_key(membership: Membership, generation: int, name: str) -> str:
 
 
 STAGES = {"": "did not reach the new group", "grouped": "did not build the new group",
-          "delivered": "did not take its state"}
+          "delivered": "did not take its state", "joined": "did not take the rest of its state"}
 """The settlements of one admission (``stage``: the entry, before the group; ``grouped``, once the
-group was built, or its build given up on; ``delivered``, once the state was sent), each with what
-a joiner left out at it did not do."""
+group was built, or its build given up on; ``delivered``, once the state was sent; ``joined``, once
+the holders took the change and rank 0 sent the rest), each with what a joiner left out at it did
+not do."""
 
 
 def settle_entry(membership: Membership, generation: int, members: Sequence[int], joiners: Sequence[int],
@@ -134,3 +143,101 @@ def settled_key(membership: Membership, generation: int, stage: str = "") -> str
 def _stage_key(membership: Membership, generation: int, stage: str, name: str) -> str:
     # The entry's keys lie at the entry's root (as before the later settlements), a stage's under its name.
     return entry_key(membership, generation, f"{stage}/{name}" if stage else name)
+
+
+def stayed(change: Change) -> list[int]:
+    """The members of ``change.after`` that were members before it (its joiners are the rest)."""
+    return [m for m in change.after if m not in change.joined_ids]
+
+
+def settle_stage(membership: Membership, change: Change, stage: str) -> Entry:
+    """A later settlement (``stage``) of the admission ``change``: a live joiner is waited for as long as
+    the join timeout (its state may still be on its way)."""
+    return settle_entry(membership, change.generation, stayed(change), change.joined_ids,
+                        joiner_timeout_s=membership.join_timeout_s, stage=stage)
+
+
+def narrow(change: Change, entry: Entry, membership: Membership, generation: int,
+           batches: Callable[[], Sequence[int]]) -> Optional[Change]:
+    """Members: ``change`` as one of its settlements left it, as ``generation`` (the entry's own,
+    before the group; the next one after a later settlement): a joiner that did not reach it is out
+    (never a member), a member that did not is lost (its batches of the epoch at the admission round,
+    ``batches()`` by rank, are in the consensus, the rest goes back); None when nothing changed after
+    all (the fit goes on with the members it had)."""
+    if entry.after == change.after:
+        return change
+    membership.changes.remove(change)
+    membership.members, membership.generation = list(entry.after), generation
+    if entry.after == change.before:
+        return None
+    counts = batches()
+    trained = {m: int(counts[k]) if k < len(counts) else 0 for k, m in enumerate(change.before) if m in entry.lost}
+    reasons = {**change.reasons, **entry.lost}
+    limit = membership.limit  # the losses before this admission, and this admission's
+    ends_fit = bool(reasons) and limit is not None and membership.lost_count + len(reasons) >= limit
+    narrowed = replace(change, generation=generation, after=entry.after, reasons=reasons,
+                       trained_batches={**change.trained_batches, **trained}, ends_fit=ends_fit)
+    membership.changes.append(narrowed)
+    fence(narrowed, membership)
+    return narrowed
+
+
+def regroup(change: Optional[Change], membership: Membership, groups: ProcessGroups,
+            side_timeout: Optional[timedelta], batches: Callable[[], Sequence[int]],
+            first: bool = True) -> Optional[Change]:
+    """Members: the default group of ``change.after``, recorded in the change (None: the members it
+    had before, on a new group of their own generation).
+
+    With joiners the group (and the plane's side group, ``side_timeout``) is built watched
+    (:meth:`ProcessGroups.renew_watched`) and every participant then settles it (``grouped``): one
+    lost before it was up (it said it was there, then died) is left out as at the entry, and the
+    group is built again without it, one generation on. ``first``: ``change`` is the entry's (the
+    current group is the members' own, which a loss alone may shrink)."""
+    while change is not None and change.is_join:
+        built = groups.renew_watched(side_timeout)
+        grouped = settle_stage(membership, change, "grouped")
+        fence_members(grouped.dropped, membership)
+        if grouped.after == change.after:
+            if not built:  # everyone else is there and up: this rank cannot take part
+                raise RanksLost(f"ElChe: this rank (member {membership.original_rank}) could not build the "
+                                "admission's group while every other participant did; it leaves the fit.")
+            change = replace(change, regrouped_with="new group")
+            membership.record(change)
+            return change
+        change, first = narrow(change, grouped, membership, change.generation + 1, batches), False
+    if change is None:
+        if not first:
+            groups.renew()
+        return None
+    change = replace(change, regrouped_with=groups.rebuild(change) if first else groups.renew())
+    membership.record(change)
+    return change
+
+
+def followed(membership: Membership, change: Change, settled: Entry) -> Change:
+    """A joiner: ``change`` as a settlement after its group was up left it (someone left out), one
+    generation on; the group it had goes."""
+    after = Change(generation=change.generation + 1, before=change.before, after=settled.after,
+                   reasons={**change.reasons, **settled.lost}, detected_at=change.detected_at,
+                   regrouped_with="new group")
+    membership.changes.clear()
+    membership.enter(after)
+    let_default_group_go(membership)
+    return after
+
+
+def settle_joined(membership: Membership, change: Change) -> Entry:
+    """Every participant, once the holders took ``change`` and rank 0 sent the rest of the state
+    (``joined``): which joiners have their whole state, the same answer on all. The holders have
+    the change, so nobody is taken out here: a joiner left out leaves by itself and never was a
+    member (:meth:`Membership.note_dropped`: the change that takes it out at the next round does
+    not count it), and a member found gone (rank 0 lost while it sent, one lost as it took the
+    change) is lost at the next round, as after any change.
+
+    Raises:
+        RanksLost: this participant was left out."""
+    joined = settle_stage(membership, change, "joined")
+    if membership.original_rank in stayed(change):
+        fence_members([*joined.lost, *joined.dropped], membership)
+    membership.note_dropped(joined.dropped)
+    return joined

@@ -5,7 +5,9 @@ After a change the default group is rebuilt on the new members: NCCL's own ``shr
 the installed torch and NCCL offer it (losses only), else a new group on the store keys of the
 new generation. Either way every other group is gone, so a plane that keeps a side group builds a
 new one (:func:`new_side_group`) when it takes the change, and lets the broken one go with
-:func:`abandon_group`.
+:func:`abandon_group`. In an admission the side group is built with the default group, watched
+(:func:`init_generation_group_watched`): taking the change is then no rendezvous a lost member
+could hold.
 """
 
 from __future__ import annotations
@@ -28,21 +30,24 @@ log = logging.getLogger(__name__)
 
 
 _made_ahead: list[Any] = []
-"""A joiner's side group, made before its plane exists (:func:`make_side_group_ahead`)."""
+"""The side group built with the current default group in an admission
+(:func:`init_generation_group_watched`), until a plane takes it: a member's when it takes the
+change, a joiner's when it builds its plane. It goes with its default group (:func:`let_default_group_go`)."""
 
 
 def new_side_group(timeout: timedelta) -> Any:
-    """A gloo group over the current members (every member calls it, in the same order)."""
+    """A gloo group over the current members (every member calls it, in the same order); the one
+    built with the default group, when there is one."""
     if _made_ahead:
         return _made_ahead.pop()
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def make_side_group_ahead(timeout: timedelta) -> None:
-    """A joiner makes the side group its plane will take as soon as it has its state: the members
-    make theirs when they take the change, and would otherwise wait there for the joiner's whole
-    setup (its plane is built with its model, a second or more for a large one)."""
-    _made_ahead.append(dist.new_group(backend="gloo", timeout=timeout))
+def abandon_side_group_ahead(watch: Optional[Membership]) -> None:
+    """Let the side group built with the default group go, unused (its generation was left out,
+    or this joiner was dropped): a member of it may be lost."""
+    while _made_ahead:
+        abandon_group(_made_ahead.pop(), watch)
 
 
 def abandon_group(group: Any, watch: Optional[Membership]) -> None:
@@ -115,12 +120,13 @@ class ProcessGroups:
             return False
         return True
 
-    def renew_watched(self) -> bool:
-        """:meth:`renew`, watched (:func:`init_generation_group_watched`): False when a member of the
-        generation was lost before the group was up."""
+    def renew_watched(self, side_timeout: Optional[timedelta] = None) -> bool:
+        """:meth:`renew`, watched (:func:`init_generation_group_watched`; ``side_timeout``: a plane's
+        side group is built with it): False when a member of the generation was lost before the
+        groups were up."""
         backend = self._backend_now()
         let_default_group_go(self.membership)
-        return init_generation_group_watched(self.membership, backend, self.timeout, self.device)
+        return init_generation_group_watched(self.membership, backend, self.timeout, self.device, side_timeout)
 
     def _backend_now(self) -> str:
         # Remembered: a watched group that never came up leaves no default group to ask.
@@ -131,6 +137,7 @@ class ProcessGroups:
 
 def let_default_group_go(membership: Membership) -> None:
     """Abandon and destroy the default group, if there is one (a watched one may never have come up)."""
+    abandon_side_group_ahead(membership)  # built over the same members: it goes with them
     if dist.is_initialized():
         # A collective stuck on a lost rank must not hold the group, nor may its release wait for it.
         abandon_group(dist.group.WORLD, membership)
@@ -153,21 +160,27 @@ GROUP_WAIT_FLOOR_S = 30.0
 
 
 def init_generation_group_watched(membership: Membership, backend: str, timeout: Optional[timedelta],
-                                  device: Optional[torch.device]) -> bool:
+                                  device: Optional[torch.device], side_timeout: Optional[timedelta] = None) -> bool:
     """:func:`init_generation_group` in an admission, where a participant may die after it said it
     was there: the rendezvous waits for every rank until the transport's timeout, so it runs on a
     thread (on a store connection of its own: a client's blocking wait holds its connection), while
     this thread watches the generation's other members. Returns whether the group is up; False when
     one of them was lost first, or after max(30 s, 3 x liveness timeout).
 
-    The rendezvous itself is given that bound as its timeout (the group takes ``timeout`` once it is
-    up): a thread left in a rendezvous that a lost rank never completes ends by then, and the
-    process waits for it at exit (a thread still inside torch's store wait when the interpreter
-    finalizes aborts the process)."""
+    ``side_timeout``: the plane keeps a side group (the ``cpu_*`` modes), which the same thread
+    builds next, with this timeout once it is up (:func:`new_side_group` hands it to the plane).
+    Its rendezvous is one more a lost member would never complete; built here, it is watched and
+    settled with the default group's, and taking the change builds nothing.
+
+    Each rendezvous is given that bound as its timeout (a group takes ``timeout`` or
+    ``side_timeout`` once it is up): a thread left in a rendezvous that a lost rank never completes
+    ends by then, and the process waits for it at exit (a thread still inside torch's store wait
+    when the interpreter finalizes aborts the process)."""
     store = membership.store.clone() if hasattr(membership.store, "clone") else membership.store
     limit = max(GROUP_WAIT_FLOOR_S, 3 * membership.liveness_timeout_s)
     rendezvous = timedelta(seconds=limit) if timeout is None else min(timeout, timedelta(seconds=limit))
     failed: list[BaseException] = []
+    side: list[Any] = []
 
     def build() -> None:
         try:
@@ -176,6 +189,10 @@ def init_generation_group_watched(membership: Membership, backend: str, timeout:
             init_generation_group(membership, backend, rendezvous, device, store=store)
             if timeout is not None and timeout != rendezvous:
                 dist.distributed_c10d._set_pg_timeout(timeout)
+            if side_timeout is not None:
+                group = dist.new_group(backend="gloo", timeout=min(side_timeout, timedelta(seconds=limit)))
+                dist.distributed_c10d._set_pg_timeout(side_timeout, group)
+                side.append(group)
         except BaseException as error:  # reported below, on the watching thread
             failed.append(error)
 
@@ -195,4 +212,6 @@ def init_generation_group_watched(membership: Membership, backend: str, timeout:
     if failed:
         log.warning(f"ElCheStrategy: the group of generation {membership.generation} failed: {failed[0]}.")
         return False
+    # Only a build this thread saw through: an abandoned one must never hand a plane its group.
+    _made_ahead.extend(side)
     return True

@@ -31,9 +31,12 @@ bad join). ``--hold-for-joiner STEP[:COUNT[:WORLD]]`` (repeatable): launch rank 
 batch from step ``STEP`` on with at least ``WORLD`` ranks in the fit, until ``COUNT`` (default 1) joiners
 asked to join (each hold appends a line to ``holds-rank0.jsonl``). ``--member-dies-in-admission RANK:POINT`` SIGKILLs
 launch rank ``RANK`` in its first admission: at ``admitted`` (the admitted list read, before the new
-group), ``entered`` (the entry settled with it there, before the new group) or ``applied`` (the change
+group), ``entered`` (the entry settled with it there, before the new group), ``side_group`` (its side
+group's rendezvous, ``cpu_*`` modes, wherever it is built), ``taking`` (as its engine takes the change,
+after Lightning's rank view, the session and the dispatch) or ``applied`` (the change
 applied, the joiner's state sent), and launch rank 0 also at ``offered`` (the joiner acknowledged, the
-admitted list not out) or ``sending`` (the new group up, before the joiner's state); it writes its
+admitted list not out), ``sending`` (the new group up, before the joiner's state) or ``rest`` (the
+holders took the change, before the rest of the joiner's state); it writes its
 ``fault-rank<r>.json`` first.
 
 ``--val-fault KIND:RANK:BATCH:EPOCH`` injects ``kill``/``stop``/``raise``/``exit`` (at the batch's start)
@@ -91,7 +94,9 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -221,7 +226,8 @@ class FaultLogModel(pl.LightningModule):
             "val_count": float(self.trainer.callback_metrics.get("val_count", -1.0)),
             "params": [p.detach().flatten().tolist() for p in self.parameters()],
             "losses": [
-                {"generation": loss.generation, "lost": loss.lost_original, "reasons": loss.reasons,
+                {"generation": loss.generation, "lost": loss.lost_original, "dropped": list(loss.dropped),
+                 "reasons": loss.reasons,
                  "trained_batches": loss.trained_batches, "detected_at": loss.detected_at,
                  "regrouped_with": loss.regrouped_with}
                 for loss in strategy.lost_ranks
@@ -526,7 +532,7 @@ class RecordChanges(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         trainer.strategy.add_membership_listener(lambda change: CHANGES.append(
             {"generation": change.generation, "joined": list(change.joined_ids), "lost": change.lost_original,
-             "world_size": change.world_size_after, "epoch": trainer.current_epoch,
+             "dropped": list(change.dropped), "world_size": change.world_size_after, "epoch": trainer.current_epoch,
              "global_step": trainer.global_step}))
 
 
@@ -691,8 +697,8 @@ def request_after_the_first_join() -> None:
 
 
 def die_in_admission(out_dir: str, point: str) -> None:
-    """SIGKILL this member in its first admission, at ``point`` (``admitted``, ``entered``, ``applied``;
-    rank 0: ``offered``, ``sending``)."""
+    """SIGKILL this member in its first admission, at ``point`` (``admitted``, ``entered``, ``side_group``,
+    ``taking``, ``applied``; rank 0: ``offered``, ``sending``, ``rest``)."""
     from lightning_elche import growth
     from lightning_elche.membership import admission
 
@@ -738,6 +744,13 @@ def die_in_admission(out_dir: str, point: str) -> None:
             return 0
 
         growth.Growth._deliver = staticmethod(die_instead)  # type: ignore[assignment]
+    elif point == "rest":  # rank 0: the holders took the change, the joiner waits for the rest of its state
+        def die_instead_of_the_rest(*args: Any, **kwargs: Any) -> None:
+            fault_record()
+
+        growth.Growth._send = staticmethod(die_instead_of_the_rest)  # type: ignore[assignment]
+    elif point in ("side_group", "taking"):
+        die_while_the_holders_take_the_change(point, fault_record)
     elif point == "applied":
         admit_joiners = growth.Growth._admit_joiners
 
@@ -748,7 +761,42 @@ def die_in_admission(out_dir: str, point: str) -> None:
         growth.Growth._admit_joiners = admit_joiners_then_die  # type: ignore[method-assign]
     else:
         raise SystemExit(f"--member-dies-in-admission POINT={point!r} is invalid: expected admitted, entered, "
-                         "applied, offered or sending")
+                         "side_group, taking, applied, offered, sending or rest")
+
+
+def die_while_the_holders_take_the_change(point: str, die: Callable[[], None]) -> None:
+    """``side_group``: die as this member's side group (``cpu_*`` modes) starts its rendezvous in its
+    first admission, wherever that is built; ``taking``: die as its engine takes the admission's
+    change (Lightning's rank view, the session and the dispatch took it already)."""
+    from lightning_elche import growth
+    from lightning_elche.engine import ElCheEngine
+
+    admitting = threading.Event()
+    admit_joiners = growth.Growth._admit_joiners
+
+    def admit_joiners_marked(self: Any, *args: Any, **kwargs: Any) -> None:
+        admitting.set()
+        admit_joiners(self, *args, **kwargs)
+
+    growth.Growth._admit_joiners = admit_joiners_marked  # type: ignore[method-assign]
+    if point == "side_group":
+        new_group = torch.distributed.new_group
+
+        def die_at_the_side_group(*args: Any, **kwargs: Any) -> Any:
+            if admitting.is_set():
+                die()
+            return new_group(*args, **kwargs)
+
+        torch.distributed.new_group = die_at_the_side_group
+        return
+    apply_change = ElCheEngine.apply_change
+
+    def die_taking(self: Any, *args: Any, **kwargs: Any) -> None:
+        if admitting.is_set():
+            die()
+        apply_change(self, *args, **kwargs)
+
+    ElCheEngine.apply_change = die_taking  # type: ignore[method-assign]
 
 
 def micro_batch(value: Optional[str]) -> Any:
@@ -907,7 +955,8 @@ if __name__ == "__main__":
     parser.add_argument("--join-when-dry", action="store_true", help="the joiner's first iterator finds no work")
     parser.add_argument("--restart-lost", type=int, default=0, help="ElCheStrategy(restart_lost=N)")
     parser.add_argument("--member-dies-in-admission", default=None,
-                        help="RANK:POINT (admitted, entered, applied; rank 0: offered, sending)")
+                        help="RANK:POINT (admitted, entered, side_group, taking, applied; rank 0: offered, "
+                        "sending, rest)")
     parser.add_argument("--hold-for-joiner", action="append", default=[],
                         help="STEP[:COUNT[:WORLD]]: launch rank 0 waits there for COUNT join requests")
     parser.add_argument("--params", type=float, default=0, help="an MLP of about this many parameters")
