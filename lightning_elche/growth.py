@@ -191,6 +191,7 @@ class Growth:
         self.admitter: Optional[Admitter] = None
         self.survival: Optional[Survival] = None
         self.admit_at: Optional[int] = None
+        self.knock: Optional[JoinKnock] = None
         self._over = False
         self._job: tuple[str, str] = ("", "")
         # The joiner's
@@ -251,7 +252,7 @@ class Growth:
             self.admitter.facts = self._facts
         self.survival = engine.failures
         engine.joiners_waiting = self.admitter.waiting
-        knock = JoinKnock(membership.store)
+        self.knock = knock = JoinKnock(membership.store)
         membership.heartbeat.add_watcher(knock.observe)
         engine.joiner_knocked = knock.take
         rounds.after_each_round = lambda trainer, outcome: self.after_round(trainer, outcome, engine, rounds.session,
@@ -275,6 +276,8 @@ class Growth:
         if not waiting:
             self.admit_at = None
             return
+        if self.knock is not None:
+            self.knock.settle()
         admissible = (outcome.consensus and not outcome.ends_window_sequence and sampler is not None
                       and all_can_admit(outcome, engine.run_mode.dispatch) and not session.leaving
                       and not session.pending_save)

@@ -238,3 +238,31 @@ def test_a_joiners_request_ends_each_members_window_once_and_a_launch_request_ne
         assert int(store.add(heartbeat_key(0), 0)) > 3  # the failing watcher did not end the heartbeat
     finally:
         beat.close()
+
+
+def test_a_round_that_saw_joiners_answers_the_requests_its_members_saw_while_they_waited_in_it() -> None:
+    """A member that waited in a round while a joiner asked must not end its next window for that
+    joiner once the round has seen it (rank 0 read it into the round): the round answers it."""
+    from lightning_elche.growth import Growth
+    from lightning_elche.membership.admission import JoinKnock, key
+
+    store = dist.HashStore()
+    knock = JoinKnock(store)
+    store.add(key("requests"), 1)  # a joiner asks while this member waits in a round
+    knock.observe(store)
+    growth = Growth()
+    growth.admitter, growth.knock = SimpleNamespace(), knock  # type: ignore[assignment]
+    keeps: list[bool] = []
+    engine = SimpleNamespace(controller=SimpleNamespace(keep_a_round_before_the_epoch_end=keeps.append),
+                             request_consensus=lambda at_round: None)
+    seen_nobody = SimpleNamespace(reports=[SimpleNamespace(joiners=0)], consensus=False, index=3)
+    growth.after_round(None, seen_nobody, engine, None, None)  # type: ignore[arg-type]
+    assert knock._answered == 0, "a round that saw no joiner answers nothing"
+    saw_one = SimpleNamespace(reports=[SimpleNamespace(joiners=1)], consensus=False, index=4,
+                              ends_window_sequence=False)
+    growth.after_round(None, saw_one, engine, None, None)  # type: ignore[arg-type]
+    assert not knock.take(), "the round that saw the joiner answered its request"
+    assert keeps == [False, True] and growth.admit_at == 6
+    store.add(key("requests"), 1)  # a later joiner still ends the next window
+    knock.observe(store)
+    assert knock.take()

@@ -107,6 +107,11 @@ class JoinKnock:
         self._answered = seen
         return True
 
+    def settle(self) -> None:
+        """A round saw joiners waiting: the requests seen so far are answered by it (a member that
+        waited in that round while one arrived must not end its next window for it)."""
+        self._answered = max(self._answered, self._seen)
+
 
 # -- the job's secret -------------------------------------------------------------------------------
 
