@@ -345,6 +345,8 @@ class _Model:
                 self.lost["plan_lag"] += waited / state.batch_s
         self.cut = False
         if waiting:
+            for state in self.ranks:  # JoinKnock.settle: the round that saw the joiner answers its request
+                state.knocked = True
             done = self.after_round(epoch_over, done)
         # A join's calibration windows (short, planned from no or a warm-up reading of the joiner) are its cost.
         self.measuring_joiner = self.measuring_joiner and (
