@@ -11,8 +11,8 @@ divergence norms and the launches, at the benchmark's two model sizes:
   own work beyond the all-reduce;
 * ``wall_average_ms`` / ``wall_bare_ms``: the same two on the host's clock, synchronized;
 * ``kernels_per_round``: device kernels one ``average()`` runs (torch.profiler), with their names;
-  ``own_kernel_us``: the summed device time of those kernels but the collective's (the round's own
-  device work without the host's gaps), ``kernel_us`` per kernel name;
+  ``own_kernel_us``: the summed device time of those kernels but the bare collective's (the round's
+  own device work without the host's gaps), ``kernel_us`` per kernel name;
 * ``watched_average_ms`` / ``watched_own_ms``: ``average()`` as a fit runs it, its host polling the
   reduce for a lost peer (``Membership.wait`` on NCCL: ``is_completed()``, then ``wait()``): the
   host launches nothing between the reduce and its end unless the launch was queued before;
@@ -22,9 +22,9 @@ divergence norms and the launches, at the benchmark's two model sizes:
   difference. On one rank nobody is waited for in the exchange, so the copy beside it shows here in
   full; with peers it runs while this rank waits for the slowest one.
 
-Each size is measured with the fused drift measurement queued behind the reduce on a side stream
-(CUDA, Triton; the default), ``-unqueued`` with the same kernel launched after the reduce, and
-``-multi-tensor`` with PyTorch's multi-tensor kernels.
+Each size is measured with the fused drift measurement launched after the reduce (CUDA, Triton;
+the default), ``-queued`` with the same kernel queued behind the reduce on a side stream
+(``CollectivePlane.queued``), and ``-multi-tensor`` with PyTorch's multi-tensor kernels.
 
     python tools/averaging_overhead.py --out overhead.json
 """
@@ -117,7 +117,7 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     layout = AveragedLayout.fixed(FlatTensors(params), FlatTensors([]))
     plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
     plane.fused = variant != "multi-tensor"
-    plane.queued = variant == "fused"
+    plane.queued = variant == "queued"
     weights = round_weights([1], 1.0)
     grads = [torch.empty_like(p) for p in params]
 
@@ -155,7 +155,7 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     round_ms, wall_round_ms = timed(whole_round, after_a_step, iters)
     bare_round_ms, wall_bare_round_ms = timed(bare_round, lambda: None, iters)
     per_round, names, spent = kernels(average, after_a_step, 20)
-    bare_kernels, _, _ = kernels(bare, lambda: None, 20)
+    bare_kernels, bare_names, _ = kernels(bare, lambda: None, 20)
     plane.watch = PollingWatch()  # type: ignore[assignment]
     for _ in range(5):
         after_a_step()
@@ -178,7 +178,7 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
         "watched_average_ms": watched_ms,
         "watched_own_ms": watched_ms - bare_ms,
         "wall_watched_own_ms": wall_watched_ms - wall_bare_ms,
-        "own_kernel_us": sum(us for name, us in spent.items() if "nccl" not in name.lower()),
+        "own_kernel_us": sum(us for name, us in spent.items() if name not in bare_names),
         "kernel_us": spent,
         "kernels_per_round": per_round,
         "kernels_of_the_bare_collective": bare_kernels,
@@ -200,7 +200,7 @@ def main() -> None:
         try:
             result: dict[str, object] = {
                 f"{name}{'' if variant == 'fused' else '-' + variant}": measure(mb, args.iters, args.tensors, variant)
-                for name, mb in SIZES_MB.items() for variant in ("fused", "unqueued", "multi-tensor")
+                for name, mb in SIZES_MB.items() for variant in ("fused", "queued", "multi-tensor")
             }
         finally:
             dist.destroy_process_group()

@@ -81,8 +81,11 @@ class CollectivePlane(AveragingPlane):
         self._drift: Optional[FusedDrift] = None  # the one-pass drift measurement (CUDA, Triton)
         self.fused = True
         """Measure the drift in one fused pass where it can run (CUDA with Triton)."""
-        self.queued = True
-        """Launch the fused measurement behind the reduce on a side stream (NCCL) rather than after it."""
+        self.queued = False
+        """Launch the fused measurement behind the reduce on a side stream (NCCL) rather than after it.
+        Off: on one H100 (2026-12-06, ``docs/benchmarks.md``) it did not shorten the round a fit
+        runs, whose host polls the reduce (465 against 310 µs at 17 MB), on a host loaded by
+        other runs; ``tools/averaging_overhead.py`` measures both."""
         self._drift_stream: Optional[Any] = None  # where the drift waits for the reduce (CUDA)
         self._failed = False  # the last round's collectives did not finish: its values need restoring
         self._premul_backend: Optional[bool] = None
