@@ -386,12 +386,16 @@ def test_a_few_random_joins_and_losses(tmp_path: Path, trial: JoinTrial) -> None
     run_trial(tmp_path, trial)
 
 
-SLOW_RANK_0_RESTART = JoinTrial("fixed", 0, "nccl_cadence", 3, 2, ("prompt",), ("11:2",), ("exit:2:1:0",), (), True)
+SLOW_RANK_0_RESTART = JoinTrial("fixed", 0, "nccl_cadence", 3, 2, ("prompt",), ("5:2",), ("exit:2:1:0",), (), True)
 """Join soak trial 0.038 of the first soak on the device's cores: launch rank 2 exits at its step 1 and
-is restarted; rank 0 holds at its step 11 for the restarted child and the joiner (seconds, while the
-child starts), so the controller takes rank 0 for many times slower than the others. In the next
-epoch rank 0 leaves the pool's tail after its first chunk and waits, out of data, at every round:
-no round had every rank holding data, and the restarted child found the fit over."""
+is restarted; rank 0 holds for the restarted child and the joiner (seconds, while the child starts),
+so the controller takes rank 0 for many times slower than the others, and the other ranks drain the
+epoch meanwhile. Before 071ecad no round had every rank holding data, and the restarted child found
+the fit over; now it is admitted at the round after the hold, while the others wait out of data.
+The hold was at rank 0's step 11; since the pool's tail rule also holds after a membership change
+(59f33ae) rank 0 trains 9 batches of epoch 0, step 11 fell in the fit's last epoch, whose data the
+others had all claimed when the child asked (an honest "late"), so the hold is at step 7, in epoch 0
+(4 of 4 runs on 2 cores admitted the child, 2 of them with both other ranks out of data)."""
 
 
 @pytest.mark.timeout(420)
