@@ -175,9 +175,15 @@ def _mark(member: int, event: str, **fields: Any) -> None:
         sink.write(json.dumps({"event": event, "time": time.time(), "member": member, **fields}) + "\n")
 
 
-def _warn_joined(change: Change, world_size: int) -> None:
-    message = (f"ElCheStrategy {change.describe()} (member ids): {world_size} rank(s) go on; the joiner takes a "
-               "share of this epoch's untrained data from its first window.")
+def _warn_joined(change: Change, membership: Membership) -> None:
+    """``RankJoinedWarning`` for the joiners of ``change`` that stayed (none: no warning); a joiner
+    dropped at the last settlement (:meth:`Membership.note_dropped`) is not one."""
+    joiners = [m for m in change.joined_ids if m not in membership.dropped_joiners]
+    if not joiners:
+        return
+    kept = (*stayed(change), *joiners)
+    message = (f"ElCheStrategy {replace(change, after=kept).describe()} (member ids): {len(kept)} rank(s) go on; "
+               "the joiner takes a share of this epoch's untrained data from its first window.")
     warnings.warn(message, RankJoinedWarning, stacklevel=3)
 
 
@@ -339,20 +345,16 @@ class Growth:
         for holder in self.survival.holders():
             holder.apply_change(change)
         _mark(me, "applied")
-        joiners: tuple[int, ...] = ()
         if change.is_join:
             if membership.rank == 0:
                 self._send({"engine": engine.round_record(), "callback_role": session.callback_role.state_dict(),
                             "dispatch": sampler.state_for_joiner()}, change, membership)
                 _mark(me, "rest_sent")
             # One more settlement on every rank, always: which joiners have their whole state.
-            dropped = settle_joined(membership, change).dropped
-            joiners = tuple(m for m in change.joined_ids if m not in dropped)
+            settle_joined(membership, change)
         self.survival.follow_up(change)
         _mark(me, "admit_end")
-        if joiners:
-            kept = (*stayed(change), *joiners)
-            _warn_joined(replace(change, after=kept), len(kept))
+        _warn_joined(change, membership)
 
     @staticmethod
     def _deliver(packed: PackedState, change: Change, membership: Membership) -> int:
@@ -461,8 +463,7 @@ class Growth:
         strategy.set_world_ranks()  # Lightning's rank view follows the admitted rank
         rank_zero_info(f"ElCheStrategy: joined the running fit as rank {membership.rank} of {membership.world_size} "
                        f"(member {member}) in {time.perf_counter() - started:.2f} s.")
-        kept = (*stayed(change), *(m for m in change.joined_ids if m not in membership.dropped_joiners))
-        _warn_joined(replace(change, after=kept), len(kept))
+        _warn_joined(change, membership)
         return job.fit_prefix
 
     def _join_group(self, membership: Membership, change: Change, device: Optional[torch.device]) -> Change:
