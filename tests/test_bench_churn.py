@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from lightning_elche.bench.churn import (
     fault_count,
     fault_schedule,
     goal_met,
+    join_line,
+    join_phases,
+    parse_cpu_sets,
 )
 from lightning_elche.bench.config import parse_args
 
@@ -74,8 +78,12 @@ def test_elche_counts_only_rounds_completed_inside_the_clock():
               {"event": "round", "time": 111.0, "samples": 512, "world": 4}]  # after the end
     row = elche_goodput(events, 100.0, 110.0)
     assert row["consensus_samples"] == 448 and row["rounds"] == 2
-    assert row["samples_per_s"] == pytest.approx(44.8)
-    assert (row["members_min"], row["members_max"]) == (3, 4) and row["round_s_mean"] == pytest.approx(5.0)
+    # Counted to the last completed round (5 s in), not to the clock's end: the round in flight at the
+    # end is neither counted nor charged.
+    assert row["counted_s"] == pytest.approx(5.0) and row["samples_per_s"] == pytest.approx(448 / 5.0)
+    assert row["samples_per_clock_s"] == pytest.approx(44.8)
+    assert (row["members_min"], row["members_max"]) == (3, 4) and row["round_s_mean"] == pytest.approx(2.5)
+    assert elche_goodput(events[:2], 100.0, 110.0)["samples_per_s"] == 0.0  # no round: nothing counted
 
 
 def _steps(attempt: int, first_step: int, count: int, start: float, samples: int = 64) -> list[dict[str, object]]:
@@ -116,8 +124,10 @@ def test_the_goal_is_judged_only_where_the_rate_decides_it():
 
 def test_report_table_has_every_arm_its_ratios_and_the_arms_a_cut_run_did_not_reach():
     row = {"kills": [{}], "joiners_started": [{}], "joiners_trained": 1, "members_min": 3, "members_max": 4,
-           "consensus_samples": 12800, "samples_per_s": 320.0, "rounds": 11, "vs_own_fault_free": 0.914,
-           "vs_ddp_fault_free": 2.5, "ended_early": None}
+           "consensus_samples": 12800, "counted_s": 40.0, "samples_per_s": 320.0, "rounds": 11,
+           "vs_own_fault_free": 0.914, "vs_ddp_fault_free": 2.5, "ended_early": None,
+           "joins": [{"to_ready_s": 6.25, "ready_to_admitted_s": 0.4, "to_training_s": 6.8, "cohort_stall_s": 0.12},
+                     {"started": 1.0}]}
     result = {"rig": "cpu4", "commit": "abc", "date": "2026-12-02",
               "command": "python -m lightning_elche.bench --churn 1",
               "machine": {"cpu": "x", "logical_cpus": 16, "torch": "2.11", "lightning": "2.6.6", "python": "3.12"},
@@ -125,7 +135,13 @@ def test_report_table_has_every_arm_its_ratios_and_the_arms_a_cut_run_did_not_re
               "faults_per_minute_per_4_ranks": 1.0, "arms_planned": list(ARMS), "arms": {ELCHE_JOINS: row},
               "goal": {"met": True}}
     text = churn_markdown(result)
-    assert "| elche_joins | 1 | 1 / 1 | 3-4 (11 rounds) | 12,800 | 320 | 0.91 | 2.50 |" in text
+    assert "| elche_joins | 1 | 1 / 1 | 3-4 (11 rounds) | 12,800 | 40.0 | 320 | 0.91 | 2.50 |" in text
+    assert ("- elche_joins, replacement 1: ready 6.2 s after its start (import, model, loaders); admitted 0.40 s "
+            "later; training 6.8 s after its start; launch rank 0's admission took 0.12 s.") in text
+    assert "- elche_joins, replacement 2: never ready" in text
+    assert "The arms ran one after the other." in text
+    side = {**result, "config": {**result["config"], "cpu_sets": [[0, 1]]}, "arms": {ELCHE_JOINS: {**row, "cpus": "0,1"}}}
+    assert "side by side, each pinned to its own CPUs: elche_joins on 0,1." in churn_markdown(side)
     assert "not run (the run was cut short): elche_fault_free, elche_shrink, ddp_fault_free, ddp_torchrun" in text
     assert "at 12.5 s" in text and "Commit abc" in text and ": met (this run: --churn 1)" in text
     assert "Structure only" not in text
@@ -145,6 +161,12 @@ def test_report_table_has_every_arm_its_ratios_and_the_arms_a_cut_run_did_not_re
     ({"arms": ("elche_joins", "nope")}, "ChurnConfig(arms='elche_joins,nope') is invalid"),
     ({"arms": (ELCHE_JOINS,)}, "add elche_fault_free to --churn-arms"),
     ({"arms": (DDP_RESTART, ELCHE_SHRINK, "elche_fault_free")}, "add ddp_fault_free to --churn-arms"),
+    ({"arms": (ELCHE_CLEAN, ELCHE_JOINS), "cpu_sets": ((0,),)},
+     "ChurnConfig(cpu_sets='0') is invalid: expected one non-empty CPU set per arm (2 arms"),
+    ({"arms": (ELCHE_CLEAN, ELCHE_JOINS), "cpu_sets": ((0,), ())}, "one non-empty CPU set per arm"),
+    ({"arms": (ELCHE_CLEAN, ELCHE_JOINS), "cpu_sets": ((0, 1), (1,))},
+     "ChurnConfig(cpu_sets='0,1/1') is invalid: expected disjoint CPU sets"),
+    ({"arms": (ELCHE_CLEAN, ELCHE_JOINS), "cpu_sets": ((0,), (100_000,))}, "expected CPUs this process may use"),
 ])
 def test_bad_churn_settings_are_refused_with_the_owner_and_a_remedy(changes, message):
     with pytest.raises(ValueError, match=r"; (pass|use|add) ") as error:
@@ -166,6 +188,35 @@ def test_command_line_reaches_the_config_and_bad_values_exit_2(capsys):
     assert "ChurnConfig(mode='fast') is invalid: expected an ElChe mode of this build (" in capsys.readouterr().err
     assert main(["--rig", "gpu2-homo", "--churn", "1"]) == 2
     assert "ChurnConfig(rig='gpu2-homo') is invalid: expected a CPU rig" in capsys.readouterr().err
+
+
+def test_cpu_sets_are_read_one_per_arm_and_a_bad_list_names_the_knob():
+    assert parse_cpu_sets("0-3/4-7/8,10") == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 10))
+    assert parse_cpu_sets("5") == ((5,),)
+    with pytest.raises(ValueError, match=r"ChurnConfig\(cpu_sets='0-x/4'\) is invalid: expected CPU lists like"):
+        parse_cpu_sets("0-x/4")
+    args = parse_args(["--rig", "cpu2", "--churn", "1", "--churn-arms", "elche_fault_free,elche_joins",
+                       "--churn-cpus", "0/1"])
+    if {0, 1} <= os.sched_getaffinity(0):
+        assert build_churn_config(args).cpu_sets == ((0,), (1,))
+
+
+def test_join_phases_match_replacements_in_order_of_readiness(tmp_path: Path):
+    def marks(member: int, **times: float) -> None:
+        lines = [json.dumps({"event": event, "time": t, "member": member}) for event, t in times.items()]
+        (tmp_path / f"join-timing-{member}.jsonl").write_text("\n".join(lines) + "\n")
+
+    (tmp_path / "join-timing-0.jsonl").write_text("".join(
+        json.dumps({"event": e, "time": t, "member": 0}) + "\n"
+        for e, t in (("admit_start", 21.0), ("admit_end", 21.25), ("admit_start", 40.0), ("admit_end", 40.5))))
+    marks(5, ready=39.0, admitted=40.0, training_starts=40.6)  # the second replacement, ready second
+    marks(4, ready=20.0, admitted=21.0, training_starts=21.3)
+    started = [{"time": 12.0}, {"time": 33.0}, {"time": 50.0}]
+    first, second, third = join_phases(started, tmp_path)
+    assert first["to_ready_s"] == pytest.approx(8.0) and first["ready_to_admitted_s"] == pytest.approx(1.0)
+    assert first["to_training_s"] == pytest.approx(9.3) and first["cohort_stall_s"] == pytest.approx(0.25)
+    assert second["to_ready_s"] == pytest.approx(6.0) and second["cohort_stall_s"] == pytest.approx(0.5)
+    assert "to_ready_s" not in third and join_line(third).startswith("never ready")
 
 
 # -- end to end -----------------------------------------------------------------------------------
@@ -217,3 +268,34 @@ def test_a_machine_without_a_core_per_process_is_reported_as_structure_only(monk
     host["logical_cpus"] = 16
     result = churn._result(_config(arms=(ELCHE_CLEAN, ELCHE_JOINS)), [], arms, {})
     assert not result["crowded"] and result["goal"]["met"] is True
+
+
+@pytest.mark.distributed
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+def test_side_by_side_arms_run_at_once_each_on_its_own_cpus_and_time_their_replacements(tmp_path: Path):
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    sets = (cpus[:half], cpus[half:] or cpus[:half])
+    if sets[0] == sets[1]:
+        pytest.fail("this test needs two CPUs")
+    seconds, rate = 30.0, 4.0
+    seed = _early_fault_seed(rate, seconds, 8.0)
+    out = tmp_path / "out"
+    spec = "/".join(",".join(map(str, s)) for s in sets)
+    rc, log = run_command([sys.executable, "-m", "lightning_elche.bench", "--rig", "cpu2", "--budget", "tiny",
+                           "--churn", str(rate), "--churn-seconds", str(seconds), "--churn-delay", "1",
+                           "--churn-seed", str(seed), "--churn-arms", f"{ELCHE_CLEAN},{ELCHE_JOINS}",
+                           "--churn-cpus", spec, "--commit", "test", "--out", str(out)], tmp_path, 280)
+    assert rc == 0, log[-4000:]
+    result = json.loads((out / "cpu2-churn.json").read_text())
+    arms = result["arms"]
+    assert abs(arms[ELCHE_CLEAN]["t0"] - arms[ELCHE_JOINS]["t0"]) < 20.0  # the clocks ran together
+    for arm, allowed in zip((ELCHE_CLEAN, ELCHE_JOINS), sets, strict=True):
+        starts = [json.loads(line) for line in (out / "cpu2-churn-runs" / arm / "events.jsonl").read_text().splitlines()
+                  if '"start"' in line]
+        assert starts and all(set(e["cpus"]) <= set(allowed) for e in starts), (arm, starts, allowed)
+    joins = arms[ELCHE_JOINS]["joins"]
+    assert len(joins) == 1 and joins[0]["to_ready_s"] > 0, joins
+    assert arms[ELCHE_JOINS]["joiners_trained"] == 1 and joins[0]["cohort_stall_s"] is not None, joins
+    assert "side by side" in (out / "cpu2-churn.md").read_text()

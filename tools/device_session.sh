@@ -1,24 +1,36 @@
 #!/usr/bin/env bash
-# One device call for the measurements that fit one lease (issues 22 and 25), side by side on
-# disjoint cores of the 16-core GPU machine:
-#   cores 0-5:   the ElChe churn arms (fault-free, joins, shrink-only) at RATE faults per minute per
-#                four ranks, SECONDS each (tools/device_churn.sh);
-#   cores 6-11:  the Lightning DDP churn arms (fault-free, torchrun with restarts), the same schedule;
-#   cores 12-15: the one-GPU round and memory checks (tools/device_gpu_round.sh; the overhead tool
-#                runs first, while the churn arms start up).
+# One device call for the churn goal (issue 22 item 8) and the one-GPU checks (issue 25), on the
+# 16-core GPU machine, in two phases:
+#   phase A, SECONDS (default 180) per arm, side by side so that every arm sees the same load:
+#     cores 0-3 elche_fault_free, 4-7 elche_joins, 8-11 elche_shrink (one bench run, --churn-cpus);
+#     cores 12-15 the one-GPU round and memory checks (tools/device_gpu_round.sh).
+#   phase B: cores 0-3 ddp_fault_free, 4-7 ddp_torchrun, the same schedule (a second bench run).
+# RATE (default 1: three faults per 180 s arm, one per minute per four ranks), SEED (default 0) and
+# DELAY (default 5 s) are those of tools/device_churn.sh. A replacement's start-up is timed
+# (ELCHE_JOIN_TIMING, set by the bench) and the import time of a rank is probed first.
 # Usage: COMMIT=<sha> tools/device_session.sh OUT [SECONDS]. Everything is packed into
 # OUT/session.tar.gz (the device tool brings back at most 8 files); the summaries are printed.
 set -u
-out=${1:?OUT}; seconds=${2:-100}
+out=${1:?OUT}; seconds=${2:-180}
+export PYTHONPATH=$PWD
 mkdir -p "$out/elche" "$out/ddp" "$out/gpu"
 pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
-CPUS=0-5 ARMS=elche_fault_free,elche_joins,elche_shrink RATE=${RATE:-1} \
-  tools/device_churn.sh "$out/elche" "$seconds" > "$out/elche/summary.txt" 2>&1 &
-CPUS=6-11 ARMS=ddp_fault_free,ddp_torchrun RATE=${RATE:-1} \
-  tools/device_churn.sh "$out/ddp" "$seconds" > "$out/ddp/summary.txt" 2>&1 &
+churn() {  # churn OUT ARMS CPUS
+  timeout $(( ${seconds%.*} + 150 )) python3 -m lightning_elche.bench --rig cpu4 --budget quick --churn "${RATE:-1}" \
+    --churn-seconds "$seconds" --churn-delay "${DELAY:-5}" --churn-seed "${SEED:-0}" --commit "${COMMIT:-unknown}" \
+    --churn-arms "$2" --churn-cpus "$3" --no-plots --out "$1" > "$1/churn.log" 2>&1
+  echo "exit $?" >> "$1/churn.log"
+  find "$1/cpu4-churn-runs" -name ckpt -type d -prune -exec rm -rf {} + 2>/dev/null
+}
+{ date -u; nproc; pin 0 python3 -X importtime -c "import lightning_elche.bench.churn_fit" 2>&1 | sort -t'|' -k2 -n | tail -8
+  for i in 1 2; do /usr/bin/time -f "%e s: import of a churn rank (core 0)" pin 0 python3 -c "import lightning_elche.bench.churn_fit"; done
+} > "$out/startup.txt" 2>&1
 pin 12-15 bash tools/device_gpu_round.sh "$out/gpu" > "$out/gpu/summary.txt" 2>&1 &
+churn "$out/elche" "${ARMS_A:-elche_fault_free,elche_joins,elche_shrink}" "${CPUS_A:-0-3/4-7/8-11}"
+churn "$out/ddp" ddp_fault_free,ddp_torchrun "${CPUS_B:-0-3/4-7}"
 wait
-tar -czf /tmp/session.tar.gz -C "$out" elche ddp gpu && rm -rf "$out/elche/runs.tar.gz" "$out/ddp/runs.tar.gz"
-mv /tmp/session.tar.gz "$out/session.tar.gz"
-for part in gpu elche ddp; do echo "=== $part"; tail -n 30 "$out/$part/summary.txt"; done
+tar -czf /tmp/session.tar.gz -C "$out" elche ddp gpu startup.txt && mv /tmp/session.tar.gz "$out/session.tar.gz"
+cat "$out/startup.txt"
+for part in gpu elche ddp; do echo "=== $part"; tail -n 30 "$out/$part/summary.txt" "$out/$part/churn.log" 2>/dev/null | grep -v "^How the numbers"; done
 find "$out" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
+rm -f "$out/startup.txt"

@@ -51,10 +51,12 @@ import os
 import platform
 import random
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -64,6 +66,7 @@ from typing import Any, Optional
 from lightning_elche.bench.churn_fit import EVENTS
 from lightning_elche.bench.worker import cpu_model, free_port
 from lightning_elche.checks import invalid
+from lightning_elche.growth import JOIN_TIMING_ENV
 
 ELCHE_CLEAN, ELCHE_JOINS, ELCHE_SHRINK = "elche_fault_free", "elche_joins", "elche_shrink"
 DDP_CLEAN, DDP_RESTART = "ddp_fault_free", "ddp_torchrun"
@@ -72,6 +75,7 @@ FAULTED = (ELCHE_JOINS, ELCHE_SHRINK, DDP_RESTART)
 BASELINE = {ELCHE_CLEAN: ELCHE_CLEAN, ELCHE_JOINS: ELCHE_CLEAN, ELCHE_SHRINK: ELCHE_CLEAN, DDP_CLEAN: DDP_CLEAN,
             DDP_RESTART: DDP_CLEAN}
 TAG = "ELCHE_CHURN_TAG"
+JOIN_TIMING_DIR = "join-timing"
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
 ARM_DESCRIPTIONS = {
@@ -113,6 +117,9 @@ class ChurnConfig:
     mode: str
     arms: tuple[str, ...] = ARMS
     max_restarts: int = 100
+    cpu_sets: tuple[tuple[int, ...], ...] = ()
+    """Empty: the arms run one after the other. Else one CPU set per arm (in ``arms`` order): the arms
+    run side by side, each pinned to its own set, so that every arm sees the same background load."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -135,11 +142,49 @@ class ChurnConfig:
             raise _invalid("ChurnConfig(arms", ",".join(self.arms),
                            f"a comma-separated subset of {', '.join(ARMS)}", "pass e.g. --churn-arms "
                            f"{ELCHE_CLEAN},{ELCHE_JOINS}")
+        if self.cpu_sets:
+            self._check_cpu_sets()
         for arm in self.arms:
             if BASELINE[arm] not in self.arms:
                 raise _invalid("ChurnConfig(arms", ",".join(self.arms),
                                f"the fault-free arm of every faulted arm ({arm} is measured against "
                                f"{BASELINE[arm]})", f"add {BASELINE[arm]} to --churn-arms")
+
+
+    def _check_cpu_sets(self) -> None:
+        shown = "/".join(",".join(str(c) for c in cpus) for cpus in self.cpu_sets)
+        usable = os.sched_getaffinity(0)
+        flat = [c for cpus in self.cpu_sets for c in cpus]
+        if len(self.cpu_sets) != len(self.arms) or not all(self.cpu_sets):
+            raise _invalid("ChurnConfig(cpu_sets", shown, f"one non-empty CPU set per arm ({len(self.arms)} arms: "
+                           f"{', '.join(self.arms)})", "pass e.g. --churn-cpus 0-3/4-7/8-11 with three arms")
+        if len(set(flat)) != len(flat):
+            raise _invalid("ChurnConfig(cpu_sets", shown, "disjoint CPU sets (arms side by side must not share a "
+                           "core)", "pass e.g. --churn-cpus 0-3/4-7 (every arm its own cores)")
+        if not set(flat) <= usable:
+            raise _invalid("ChurnConfig(cpu_sets", shown, f"CPUs this process may use ({format_cpus(usable)})",
+                           "pass only CPUs of that list to --churn-cpus")
+
+
+def parse_cpu_sets(text: str) -> tuple[tuple[int, ...], ...]:
+    """``0-3/4-7/8,9`` -> ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9)): one set per arm, ``/`` between sets."""
+    sets = []
+    for part in text.split("/"):
+        cpus: list[int] = []
+        for piece in part.split(","):
+            low, _, high = piece.strip().partition("-")
+            try:
+                first, last = int(low), int(high or low)
+            except ValueError:
+                raise _invalid("ChurnConfig(cpu_sets", text, "CPU lists like 0-3/4-7/8,9 (one per arm, '/' "
+                               "between arms)", "pass e.g. --churn-cpus 0-3/4-7") from None
+            cpus.extend(range(first, last + 1))
+        sets.append(tuple(cpus))
+    return tuple(sets)
+
+
+def format_cpus(cpus: Any) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
 
 
 def fault_count(rate: float, ranks: int, seconds: float) -> int:
@@ -171,10 +216,14 @@ def elche_goodput(events: list[dict[str, Any]], t0: float, t1: float) -> dict[st
     rounds = [e for e in events if e["event"] == "round" and t0 < e["time"] <= t1]
     samples = sum(int(e["samples"]) for e in rounds)
     worlds = [int(e["world"]) for e in rounds]
-    return {"consensus_samples": samples, "rounds": len(rounds), "samples_per_s": samples / (t1 - t0),
+    # The count stops at the last completed round: dividing by the whole clock would charge each arm a
+    # random part of a window (up to 10 % of a 100 s arm with 10 s windows) that no fault caused.
+    counted = max(e["time"] for e in rounds) - t0 if rounds else t1 - t0
+    return {"consensus_samples": samples, "rounds": len(rounds), "samples_per_s": samples / counted,
+            "counted_s": counted, "samples_per_clock_s": samples / (t1 - t0),
             "members_min": min(worlds, default=0), "members_max": max(worlds, default=0),
             "members_mean": sum(worlds) / len(worlds) if worlds else 0.0,
-            "round_s_mean": (t1 - t0) / len(rounds) if rounds else None}
+            "round_s_mean": counted / len(rounds) if rounds else None}
 
 
 def ddp_goodput(events: list[dict[str, Any]], t0: float, t1: float, kill_times: tuple[float, ...] = ()
@@ -204,7 +253,8 @@ def ddp_goodput(events: list[dict[str, Any]], t0: float, t1: float, kill_times: 
     kept = max(0, final - base) * int(last["samples"])
     return {"consensus_samples": kept, "trained_samples": trained, "lost_samples": trained - kept,
             "final_global_step": final, "attempts": len({int(e["attempt"]) for e in steps}),
-            "samples_per_s": kept / (t1 - t0), "ended_in_restart": dead}
+            "samples_per_s": kept / (t1 - t0), "counted_s": t1 - t0, "samples_per_clock_s": kept / (t1 - t0),
+            "ended_in_restart": dead}
 
 
 # -- processes ----------------------------------------------------------------------------
@@ -305,13 +355,26 @@ def _clock_start(arm_dir: Path) -> Optional[float]:
     return min(starts, default=None)
 
 
-def run_arm(arm: str, config: ChurnConfig, schedule: list[Fault], arm_dir: Path, log: Any = None) -> ArmRun:
-    """Start the arm's processes, apply the schedule (faulted arms), kill everything at the end."""
+def run_arm(arm: str, config: ChurnConfig, schedule: list[Fault], arm_dir: Path, log: Any = None,
+            cpus: tuple[int, ...] = (), halt: Optional[threading.Event] = None) -> ArmRun:
+    """Start the arm's processes, apply the schedule (faulted arms), kill everything at the end.
+    ``cpus``: pin every process of the arm to them; ``halt``: once set, the arm ends at once (its
+    processes are killed as at its end)."""
+    halt = halt or threading.Event()
+    if cpus:
+        # Linux keeps the mask per thread and a child inherits its forking thread's mask: arms in threads
+        # side by side pin their own processes (replacements and restarts included) and nobody else's.
+        os.sched_setaffinity(0, cpus)
     arm_dir.mkdir(parents=True, exist_ok=True)
     (arm_dir / EVENTS).unlink(missing_ok=True)
     tag, port = secrets.token_hex(8), free_port()
     env = _environment(tag, arm_dir, port)
     kind = "ddp" if arm.startswith("ddp") else "elche"
+    if kind == "elche":
+        timing = arm_dir / JOIN_TIMING_DIR
+        shutil.rmtree(timing, ignore_errors=True)
+        timing.mkdir()
+        env[JOIN_TIMING_ENV] = str(timing)
     fit = _fit_command(config, arm_dir, kind)
     if kind == "ddp":
         env.pop("MASTER_ADDR")
@@ -328,7 +391,7 @@ def run_arm(arm: str, config: ChurnConfig, schedule: list[Fault], arm_dir: Path,
         procs.append(subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.time() + START_TIMEOUT_S
         while (t0 := _clock_start(arm_dir)) is None:
-            if procs[0].poll() is not None or time.time() > deadline:
+            if procs[0].poll() is not None or time.time() > deadline or halt.is_set():
                 run.error = f"no training start (exit status {procs[0].poll()}); see {arm_dir / 'job.log'}"
                 return run
             time.sleep(0.05)
@@ -336,7 +399,7 @@ def run_arm(arm: str, config: ChurnConfig, schedule: list[Fault], arm_dir: Path,
         run.t1 = t1
         pending = list(schedule) if arm in FAULTED else []
         joins: list[tuple[float, int]] = []
-        while time.time() < t1:
+        while time.time() < t1 and not halt.is_set():
             now = time.time()
             if pending and now >= t0 + pending[0].at_s:
                 victim = choose_victim(pending[0].pick, _candidates(tag))
@@ -394,7 +457,56 @@ def measure(run: ArmRun, arm_dir: Path) -> dict[str, Any]:
     starts = [e for e in events if e["event"] == "start"]
     row.update({"joiners_trained": sum(1 for e in starts if e.get("joiner")),
                 "attempts_started": len({e.get("attempt") for e in starts}) if run.arm.startswith("ddp") else None})
+    if run.joiners_started:
+        row["joins"] = join_phases(run.joiners_started, arm_dir / JOIN_TIMING_DIR)
     return row
+
+
+def join_phases(started: list[dict[str, Any]], timing: Path) -> list[dict[str, Any]]:
+    """Where each replacement's time went: from its start to ``ready`` (import, model, loaders), to
+    ``admitted`` (the next consensus round), to its training start; and the cohort's stall (launch rank
+    0's admission). The k-th joiner to be ready is matched with the k-th replacement started."""
+    marks: dict[str, dict[str, float]] = {}
+    for path in sorted(timing.glob("join-timing-*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                mark = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            marks.setdefault(path.stem, {}).setdefault(mark["event"], mark["time"])
+    joiners = sorted((m for m in marks.values() if "ready" in m), key=lambda m: m["ready"])
+    stalls = _admission_stalls(timing / "join-timing-0.jsonl")
+    phases = []
+    for k, launch in enumerate(started):
+        row: dict[str, Any] = {"started": launch["time"]}
+        if k < len(joiners):
+            m = joiners[k]
+            row["to_ready_s"] = m["ready"] - launch["time"]
+            if "admitted" in m:
+                row["ready_to_admitted_s"] = m["admitted"] - m["ready"]
+            if "training_starts" in m and "admitted" in m:
+                row["admitted_to_training_s"] = m["training_starts"] - m["admitted"]
+                row["to_training_s"] = m["training_starts"] - launch["time"]
+                row["cohort_stall_s"] = next((end - begin for begin, end in stalls
+                                              if m["admitted"] - 5.0 <= begin <= m["training_starts"]), None)
+        phases.append(row)
+    return phases
+
+
+def _admission_stalls(path: Path) -> list[tuple[float, float]]:
+    if not path.exists():
+        return []
+    begins, spans = [], []
+    for line in path.read_text().splitlines():
+        try:
+            mark = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if mark["event"] == "admit_start":
+            begins.append(mark["time"])
+        elif mark["event"] == "admit_end" and begins:
+            spans.append((begins.pop(), mark["time"]))
+    return spans
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -425,21 +537,54 @@ def run_churn(config: ChurnConfig, out_dir: Path, stem: str, stamp: dict[str, An
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
+    def finish(arm: str, run: ArmRun) -> None:
+        nonlocal result
+        row: dict[str, Any] = {"description": ARM_DESCRIPTIONS[arm], **asdict(run)}
+        if run.t0 is not None:
+            row.update(measure(run, work / arm))
+        if config.cpu_sets:
+            row["cpus"] = format_cpus(config.cpu_sets[config.arms.index(arm)])
+        arms[arm] = row
+        result = _result(config, schedule, {a: arms[a] for a in config.arms if a in arms}, stamp)
+        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+        (out_dir / f"{stem}.md").write_text(churn_markdown(result))
+
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        for arm in config.arms:
-            arm_dir = work / arm
-            run = run_arm(arm, config, schedule, arm_dir, log=sys.stderr)
-            row: dict[str, Any] = {"description": ARM_DESCRIPTIONS[arm], **asdict(run)}
-            if run.t0 is not None:
-                row.update(measure(run, arm_dir))
-            arms[arm] = row
-            result = _result(config, schedule, arms, stamp)
-            (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
-            (out_dir / f"{stem}.md").write_text(churn_markdown(result))
+        if config.cpu_sets:
+            _side_by_side(config, schedule, work, finish)
+        else:
+            for arm in config.arms:
+                finish(arm, run_arm(arm, config, schedule, work / arm, log=sys.stderr))
     finally:
         signal.signal(signal.SIGTERM, previous)
     return result
+
+
+def _side_by_side(config: ChurnConfig, schedule: list[Fault], work: Path, finish: Any) -> None:
+    """Every arm at once, each in a thread pinned to its CPU set; the clocks start together within the
+    arms' start-up spread. An interrupt ends every arm through its own clean-up."""
+    runs: dict[str, ArmRun] = {}
+    halt = threading.Event()
+
+    def one(arm: str, cpus: tuple[int, ...]) -> None:
+        runs[arm] = run_arm(arm, config, schedule, work / arm, log=sys.stderr, cpus=cpus, halt=halt)
+
+    threads = [threading.Thread(target=one, args=(arm, cpus), name=f"churn-{arm}", daemon=True)
+               for arm, cpus in zip(config.arms, config.cpu_sets, strict=True)]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.5)  # in steps: the main thread stays free to take a SIGTERM
+    except BaseException:
+        halt.set()  # every arm kills its processes in its own clean-up before this one goes on
+        for thread in threads:
+            thread.join(60.0)
+        raise
+    for arm in config.arms:
+        finish(arm, runs.get(arm, ArmRun(arm, error="its thread ended without a result")))
 
 
 def _result(config: ChurnConfig, schedule: list[Fault], arms: dict[str, Any], stamp: dict[str, Any]
@@ -451,7 +596,9 @@ def _result(config: ChurnConfig, schedule: list[Fault], arms: dict[str, Any], st
     faults_per_min = len(schedule) / config.seconds * 60.0 * 4.0 / config.ranks
     host = machine()
     # The ranks, a replacement starting and the harness: with fewer cores the rates measure contention.
-    crowded = (host["logical_cpus"] or 1) < config.ranks + 2
+    # Side by side, a replacement takes the core its victim freed.
+    crowded = (min(len(cpus) for cpus in config.cpu_sets) < config.ranks if config.cpu_sets
+               else (host["logical_cpus"] or 1) < config.ranks + 2)
     return {**stamp, "machine": host, "config": asdict(config), "arms_planned": list(config.arms),
             "schedule": [asdict(f) for f in schedule], "faults_per_minute_per_4_ranks": faults_per_min,
             "crowded": crowded,
@@ -503,26 +650,30 @@ def churn_markdown(result: dict[str, Any]) -> str:
         f"(--churn {config['rate']:g}: {result['faults_per_minute_per_4_ranks']:.2f} per minute per four ranks), "
         f"kill -9 of a random live rank other than launch rank 0 at "
         f"{times} s; replacement delay {config['delay_s']:g} s; "
-        f"DDP checkpoint every {config['ckpt_every']} steps.",
+        f"DDP checkpoint every {config['ckpt_every']} steps. " + _layout(result),
         "",
         "| arm | kills | replacements started / training | members (min-max) | samples into the model | "
-        "samples/s | vs own fault-free | vs DDP fault-free |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "counted to (s) | samples/s | vs own fault-free | vs DDP fault-free |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for arm, row in result["arms"].items():
         if row.get("samples_per_s") is None:
-            lines.append(f"| {arm} | failed: {row.get('error')} | | | | | | |")
+            lines.append(f"| {arm} | failed: {row.get('error')} | | | | | | | |")
             continue
         members = (f"{row['members_min']}-{row['members_max']} ({row['rounds']} rounds)" if "members_min" in row
                    else f"{config['ranks']} ({row.get('attempts', 0)} attempt(s))")
         lost = f" (lost {row['lost_samples']:,})" if row.get("lost_samples") else ""
         name = arm if row.get("ended_early") is None else f"{arm} (ended early, exit {row['ended_early']})"
         lines.append(f"| {name} | {len(row['kills'])} | {len(row['joiners_started'])} / {row['joiners_trained']} | "
-                     f"{members} | {row['consensus_samples']:,}{lost} | {row['samples_per_s']:.0f} | "
-                     f"{_fmt(row['vs_own_fault_free'])} | {_fmt(row['vs_ddp_fault_free'])} |")
+                     f"{members} | {row['consensus_samples']:,}{lost} | {_fmt(row.get('counted_s'), 1)} | "
+                     f"{row['samples_per_s']:.0f} | {_fmt(row['vs_own_fault_free'])} | "
+                     f"{_fmt(row['vs_ddp_fault_free'])} |")
     missing = [arm for arm in result.get("arms_planned", []) if arm not in result["arms"]]
     if missing:
-        lines.append(f"| not run (the run was cut short): {', '.join(missing)} | | | | | | | |")
+        lines.append(f"| not run (the run was cut short): {', '.join(missing)} | | | | | | | | |")
+    for arm, row in result["arms"].items():
+        for k, join in enumerate(row.get("joins", [])):
+            lines.append(("" if k or lines[-1] == "" else "\n") + f"- {arm}, replacement {k + 1}: " + join_line(join))
     if result.get("crowded"):
         lines += ["", f"**Structure only**: {m['logical_cpus']} logical CPUs for {config['ranks']} ranks, a "
                       "replacement and the harness: these rates measure contention, not churn (the goal is not "
@@ -542,12 +693,35 @@ def churn_markdown(result: dict[str, Any]) -> str:
         "`global_step` of the model held at the end times the samples per step (batch x world): the last attempt's "
         "last step, or the newest checkpoint when that attempt was killed and no later one trained a step before "
         "the end; steps trained after the last checkpoint by an attempt that was then killed are lost (shown in "
-        "brackets), and every restart's start-up and checkpoint load are inside the clock. samples/s = that / the "
-        "measured time. Replacements (elche_joins) and restarts (ddp_torchrun) start up inside the clock too. "
-        "An ElChe count ends at its last completed round (short by up to one round: `round_s_mean` in the JSON). "
+        "brackets), and every restart's start-up and checkpoint load are inside the clock. samples/s = that / "
+        "*counted to*: for ElChe the time from the clock's start to its last completed round (the work of a round "
+        "still in flight at the end is not counted, so neither is its time), for DDP the whole measured time. "
+        "Replacements (elche_joins) and restarts (ddp_torchrun) start up inside the clock too. "
+        "The per-second rate over the whole clock is `samples_per_clock_s` in the JSON. "
         "Rank 0 is never killed (it hosts the job's store and the records).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _layout(result: dict[str, Any]) -> str:
+    if not result["config"].get("cpu_sets"):
+        return "The arms ran one after the other."
+    pinned = ", ".join(f"{arm} on {row.get('cpus', '?')}" for arm, row in result["arms"].items())
+    return f"The arms ran side by side, each pinned to its own CPUs: {pinned}."
+
+
+def join_line(join: dict[str, Any]) -> str:
+    """One replacement's phases (:func:`join_phases`) in words."""
+    if "to_ready_s" not in join:
+        return "never ready (killed or out of time first)"
+    parts = [f"ready {join['to_ready_s']:.1f} s after its start (import, model, loaders)"]
+    if "ready_to_admitted_s" in join:
+        parts.append(f"admitted {join['ready_to_admitted_s']:.2f} s later")
+    if "to_training_s" in join:
+        parts.append(f"training {join['to_training_s']:.1f} s after its start")
+    if join.get("cohort_stall_s") is not None:
+        parts.append(f"launch rank 0's admission took {join['cohort_stall_s']:.2f} s")
+    return "; ".join(parts) + "."
 
 
 def build_churn_config(args: Any) -> ChurnConfig:
@@ -573,7 +747,8 @@ def build_churn_config(args: Any) -> ChurnConfig:
         raise _invalid("ChurnConfig(mode", args.churn_mode, f"an ElChe mode of this build ({', '.join(modes)}"
                        f"{not_built})", "pass e.g. --churn-mode cpu_cadence")
     arms = ARMS if args.churn_arms is None else tuple(a.strip() for a in args.churn_arms.split(",") if a.strip())
-    return ChurnConfig(rate=args.churn, delay_s=args.churn_delay,
+    cpu_sets = parse_cpu_sets(args.churn_cpus) if args.churn_cpus else ()
+    return ChurnConfig(rate=args.churn, delay_s=args.churn_delay, cpu_sets=cpu_sets,
                        seconds=budget.churn_seconds if args.churn_seconds is None else args.churn_seconds,
                        seed=args.churn_seed, ranks=rig.world_size,
                        slowdowns=tuple(headline.rank_throttle(r)[0] for r in range(rig.world_size)),

@@ -79,7 +79,8 @@ class ChurnRecorder(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         append_event(self.out, {"event": "start", "time": time.time(), "slot": slot(), "joiner": self.joiner,
                                 "global_rank": trainer.global_rank, "world": trainer.world_size,
-                                "attempt": self.attempt, "global_step": trainer.global_step})
+                                "attempt": self.attempt, "global_step": trainer.global_step,
+                                "cpus": sorted(os.sched_getaffinity(0))})
         if self.kind == "elche" and not self.joiner and trainer.global_rank == 0:
             self._strategy = trainer.strategy
             trainer.strategy.add_round_listener(self._on_round)  # type: ignore[attr-defined]

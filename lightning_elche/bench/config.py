@@ -396,6 +396,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="comma-separated churn arms (default: elche_fault_free, elche_joins, elche_shrink, "
                             "ddp_fault_free, ddp_torchrun)")
     churn.add_argument("--churn-mode", default="cpu_cadence", help="ElCheStrategy mode of the churn arms")
+    churn.add_argument("--churn-cpus", default=None, metavar="SETS",
+                       help="run the arms side by side, each pinned to its own CPUs: one CPU list per arm in "
+                            "--churn-arms order, '/' between them (e.g. 0-3/4-7/8-11); default: one after the other")
     churn.add_argument("--churn-ckpt-every", type=int, default=25, metavar="N",
                        help="DDP churn arms: optimizer steps between checkpoints")
     parser.add_argument("--commit", default=None,
