@@ -14,13 +14,16 @@ common=(--budget full --seeds 0 --only-headline --tp-arms ddp,nccl_cadence,cpu_c
 pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
 mkdir -p "$out/a" "$out/b" "$out/c" /tmp/rig-logs
 date -u > /tmp/rig-logs/date
-pin 0-3 python3 -m lightning_elche.bench --rig cpu4 "${common[@]}" --rank-slowdowns 1,2,3,4.5 --throughput-seeds 3 \
+# LAYOUT=pair: only the two cpu4 runs, on halves of the machine (0-7 and 8-15), nothing else.
+cores_a=0-3; cores_b=4-7
+[[ "${LAYOUT:-}" == pair ]] && { cores_a=0-7; cores_b=8-15; }
+pin "$cores_a" python3 -m lightning_elche.bench --rig cpu4 "${common[@]}" --rank-slowdowns 1,2,3,4.5 --throughput-seeds 3 \
   --out "$out/a" > /tmp/rig-logs/cpu4-a.log 2>&1 &
-pin 4-7 python3 -m lightning_elche.bench --rig cpu4 "${common[@]}" --rank-slowdowns 1,2,3,4.5 --throughput-seeds 3 \
+pin "$cores_b" python3 -m lightning_elche.bench --rig cpu4 "${common[@]}" --rank-slowdowns 1,2,3,4.5 --throughput-seeds 3 \
   --out "$out/b" > /tmp/rig-logs/cpu4-b.log 2>&1 &
-pin 8-15 python3 -m lightning_elche.bench --rig cpu8 "${common[@]}" --rank-slowdowns 1,2,3,4.5,1,2,3,4.5 \
-  --throughput-seeds 2 --out "$out/c" > /tmp/rig-logs/cpu8-c.log 2>&1 &
+[[ "${LAYOUT:-}" == pair ]] || pin 8-15 python3 -m lightning_elche.bench --rig cpu8 "${common[@]}" \
+  --rank-slowdowns 1,2,3,4.5,1,2,3,4.5 --throughput-seeds 2 --out "$out/c" > /tmp/rig-logs/cpu8-c.log 2>&1 &
 wait
 tar -czf "$out/logs.tar.gz" -C /tmp rig-logs
-for f in "$out"/a/cpu4.md "$out"/b/cpu4.md "$out"/c/cpu8.md; do echo "== $f"; grep -E "efficiency|share error|slowdown|warning" "$f" | head -12; done
+for f in "$out"/a/cpu4.md "$out"/b/cpu4.md "$out"/c/cpu8.md; do [[ -f "$f" ]] || continue; echo "== $f"; grep -E "efficiency|share error|slowdown|warning" "$f" | head -12; done
 tail -n 3 /tmp/rig-logs/*.log

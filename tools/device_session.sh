@@ -5,6 +5,9 @@
 #     cores 0-3 elche_fault_free, 4-7 elche_joins, 8-11 elche_shrink (one bench run, --churn-cpus);
 #     cores 12-15 the one-GPU round and memory checks (tools/device_gpu_round.sh).
 #   phase B: cores 0-3 ddp_fault_free, 4-7 ddp_torchrun, the same schedule (a second bench run).
+#   rigs (only when PHASES names it): the two cpu4 runs of tools/device_cpu_rigs.sh (LAYOUT=pair) until
+#   RIGS_END (default 560) s after the start: the noise check of issue 25 item 4.
+# PHASES (default "gpu elche ddp") picks the parts.
 # RATE (default 1: three faults per 180 s arm, one per minute per four ranks), SEED (default 0) and
 # DELAY (default 5 s) are those of tools/device_churn.sh. A replacement's start-up is timed
 # (ELCHE_JOIN_TIMING, set by the bench) and the import time of a rank is probed first.
@@ -13,7 +16,7 @@
 set -u
 out=${1:?OUT}; seconds=${2:-180}
 export PYTHONPATH=$PWD
-mkdir -p "$out/elche" "$out/ddp" "$out/gpu"
+mkdir -p "$out/elche" "$out/ddp" "$out/gpu" "$out/rigs"
 pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
 churn() {  # churn OUT ARMS CPUS
   timeout $(( ${seconds%.*} + 150 )) python3 -m lightning_elche.bench --rig cpu4 --budget quick --churn "${RATE:-1}" \
@@ -23,14 +26,22 @@ churn() {  # churn OUT ARMS CPUS
   find "$1/cpu4-churn-runs" -name ckpt -type d -prune -exec rm -rf {} + 2>/dev/null
 }
 { date -u; nproc; pin 0 python3 -X importtime -c "import lightning_elche.bench.churn_fit" 2>&1 | sort -t'|' -k2 -n | tail -8
-  for i in 1 2; do /usr/bin/time -f "%e s: import of a churn rank (core 0)" pin 0 python3 -c "import lightning_elche.bench.churn_fit"; done
+  for i in 1 2; do /usr/bin/time -f "%e s: import of a churn rank (core 0)" taskset -c 0 python3 -c "import lightning_elche.bench.churn_fit"; done
 } > "$out/startup.txt" 2>&1
-pin 12-15 bash tools/device_gpu_round.sh "$out/gpu" > "$out/gpu/summary.txt" 2>&1 &
-churn "$out/elche" "${ARMS_A:-elche_fault_free,elche_joins,elche_shrink}" "${CPUS_A:-0-3/4-7/8-11}"
-churn "$out/ddp" ddp_fault_free,ddp_torchrun "${CPUS_B:-0-3/4-7}"
+phases=" ${PHASES:-gpu elche ddp} "
+start=$(date +%s)
+[[ $phases == *" gpu "* ]] && { pin 12-15 bash tools/device_gpu_round.sh "$out/gpu" > "$out/gpu/summary.txt" 2>&1 & }
+[[ $phases == *" elche "* ]] && churn "$out/elche" "${ARMS_A:-elche_fault_free,elche_joins,elche_shrink}" "${CPUS_A:-0-3/4-7/8-11}"
+[[ $phases == *" ddp "* ]] && churn "$out/ddp" ddp_fault_free,ddp_torchrun "${CPUS_B:-0-3/4-7}"
 wait
-tar -czf /tmp/session.tar.gz -C "$out" elche ddp gpu startup.txt && mv /tmp/session.tar.gz "$out/session.tar.gz"
+# rigs: the two cpu4 runs of tools/device_cpu_rigs.sh on halves of the machine, up to RIGS_END s after the start.
+if [[ $phases == *" rigs "* ]]; then
+  mkdir -p "$out/rigs"
+  DEADLINE=$(( ${RIGS_END:-560} - $(date +%s) + start )) LAYOUT=pair bash tools/device_cpu_rigs.sh "$out/rigs" \
+    > "$out/rigs/summary.txt" 2>&1
+fi
+tar -czf /tmp/session.tar.gz -C "$out" elche ddp gpu rigs startup.txt 2>/dev/null; mv /tmp/session.tar.gz "$out/session.tar.gz"
 cat "$out/startup.txt"
-for part in gpu elche ddp; do echo "=== $part"; tail -n 30 "$out/$part/summary.txt" "$out/$part/churn.log" 2>/dev/null | grep -v "^How the numbers"; done
+for part in gpu elche ddp rigs; do echo "=== $part"; tail -n 30 "$out/$part/summary.txt" "$out/$part/churn.log" 2>/dev/null | grep -v "^How the numbers"; done
 find "$out" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
 rm -f "$out/startup.txt"

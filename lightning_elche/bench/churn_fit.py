@@ -89,7 +89,10 @@ class ChurnRecorder(Callback):
         reports = outcome.reports
         append_event(self.out, {"event": "round", "time": time.time(), "index": int(outcome.index),
                                 "samples": sum(int(r.samples) for r in reports),
-                                "steps": sum(int(r.steps) for r in reports), "world": len(reports)})
+                                "steps": sum(int(r.steps) for r in reports), "world": len(reports),
+                                # per member: steps, samples, compute seconds, out of data
+                                "ranks": [[int(r.steps), int(r.samples), round(float(r.compute_s), 3),
+                                           bool(r.out_of_data)] for r in reports]})
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
