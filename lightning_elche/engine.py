@@ -115,6 +115,10 @@ class ElCheEngine:
         self._caught_up = False
         self.joiners_waiting: Optional[Callable[[], int]] = None
         """Rank 0's count of accepted joiners, read once per round into its metadata (admission)."""
+        self.peer_died: Optional[Callable[[], bool]] = None
+        """Whether a peer on this host died since this rank last ended a window for one (``GoneKnock``)."""
+        self.join_requests_read: Optional[Callable[[], int]] = None
+        """Rank 0's count of join requests read so far (after ``joiners_waiting``), into its metadata."""
         self.joiner_knocked: Optional[Callable[[], bool]] = None
         """Whether a joiner asked since this rank last ended a window for one (no I/O: a flag)."""
         self.micro_batch_size: Optional[Callable[[], Optional[int]]] = None
@@ -137,9 +141,14 @@ class ElCheEngine:
             self._loss_sum.add_(loss.detach().to(torch.float64))
 
     def window_due(self) -> bool:
-        # A ready joiner is admitted at a round: a knock ends the window now, not at its planned end.
-        knocked = self._steps > 0 and self.joiner_knocked is not None and self.joiner_knocked()
-        return self._steps >= self.planned_steps or knocked
+        # A ready joiner is admitted at a round, and a dead peer is taken out at one: a knock ends the
+        # window now, not at its planned end.
+        if self._steps >= self.planned_steps:
+            return True
+        if self._steps == 0:
+            return False
+        joiner, died = self.joiner_knocked, self.peer_died
+        return bool((joiner is not None and joiner()) or (died is not None and died()))
 
     @property
     def steps_in_window(self) -> int:
@@ -306,6 +315,8 @@ class ElCheEngine:
         values = [0.0] * META_SIZE
         values[Meta.EPOCH_BATCHES] = epoch_batches
         values[Meta.JOINERS] = self.joiners_waiting() if self.joiners_waiting is not None and self.rank == 0 else 0
+        if self.join_requests_read is not None and self.rank == 0:
+            values[Meta.REQUESTS_READ] = self.join_requests_read()
         values[Meta.MICRO_BATCH] = (self.micro_batch_size() or 0) if self.micro_batch_size is not None else 0
         values[Meta.STEPS] = self._steps
         values[Meta.SAMPLES] = self._samples

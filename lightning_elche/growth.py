@@ -258,6 +258,7 @@ class Growth:
             self.admitter.facts = self._facts
         self.survival = engine.failures
         engine.joiners_waiting = self.admitter.waiting
+        engine.join_requests_read = self.admitter.requests_read
         self.knock = knock = JoinKnock(membership.store)
         membership.heartbeat.add_watcher(knock.observe)
         engine.joiner_knocked = knock.take
@@ -277,13 +278,13 @@ class Growth:
         """Every member, after every round: schedule or carry out an admission (same decision everywhere)."""
         if self.admitter is None or not outcome.reports:
             return
+        if self.knock is not None:
+            self.knock.settle(outcome.reports[0].requests_read)
         waiting = outcome.reports[0].joiners
         engine.controller.keep_a_round_before_the_epoch_end(bool(waiting))
         if not waiting:
             self.admit_at = None
             return
-        if self.knock is not None:
-            self.knock.settle()
         admissible = (outcome.consensus and not outcome.ends_window_sequence and sampler is not None
                       and all_can_admit(outcome, engine.run_mode.dispatch) and not session.leaving
                       and not session.pending_save)

@@ -36,6 +36,7 @@ class Meta(IntEnum):
     EPOCH_BATCHES = 18  # batches this rank started in the current epoch (all trained by the round)
     JOINERS = 19  # rank 0's row: accepted joiners waiting for admission (read from the store once per round)
     MICRO_BATCH = 20  # samples this rank trains per forward and backward (micro_batch set); 0: not reported
+    REQUESTS_READ = 21  # rank 0's row: join requests it has read so far (each judged: queued, refused or stale)
 
 
 META_SIZE = len(Meta)
@@ -81,6 +82,8 @@ class RankReport:
     joiners: int = 0
     micro_batch: Optional[int] = None
     """This rank's micro-batch in samples (``ElCheStrategy(micro_batch=...)``), None when not reported."""
+    requests_read: int = 0
+    """Rank 0's row: how many join requests it had read when it built its row."""
 
     @classmethod
     def from_row(cls, row: list[float]) -> RankReport:
@@ -102,6 +105,7 @@ class RankReport:
             epoch_batches=int(row[Meta.EPOCH_BATCHES]),
             joiners=int(row[Meta.JOINERS]),
             micro_batch=int(row[Meta.MICRO_BATCH]) or None,
+            requests_read=int(row[Meta.REQUESTS_READ]),
         )
 
 

@@ -415,6 +415,17 @@ def test_a_consensus_for_the_next_round_is_still_available():
     assert outcome.consensus and outcome.index == 1
 
 
+def test_a_dead_peers_knock_ends_the_window_after_its_current_step():
+    engine, plane, _ = make_engine()
+    died = [True, False]
+    engine.peer_died = lambda: died.pop(0) if died else False
+    assert not engine.window_due() and died == [True, False], "no step yet in this window: not asked"
+    run_window(engine, 1)
+    assert engine.planned_steps > 1
+    assert engine.window_due(), "a peer died: the round that takes it out comes now"
+    assert not engine.window_due()
+
+
 def test_a_joiners_knock_ends_the_window_after_its_current_step():
     engine, plane, _ = make_engine()
     knocks = [False, True]

@@ -162,13 +162,13 @@ def test_a_frozen_backbone_stays_bit_identical_and_costs_no_wire_bytes(tmp_path,
     sent = {name: load(tmp_path / name, "bytes")[0] for name in ("frozen", "full")}
     per_round = {name: s["bytes"] / s["rounds"] for name, s in sent.items()}
     # Backbone 32x256 + 256 (+ BatchNorm's 2x256 affine), head 257; BatchNorm statistics (2x256 f32)
-    # and 144 bytes of metadata travel either way.
-    param_bytes = 2 if bf16_wire else 4
-    expected = {"frozen": 257 * param_bytes + 512 * 4 + 144,
-                "full": (32 * 256 + 256 + 512 + 257) * param_bytes + 512 * 4 + 144}
+    # and the metadata vector (f64 slots) travel either way.
+    param_bytes, meta_bytes = (2 if bf16_wire else 4), META_SIZE * 8
+    expected = {"frozen": 257 * param_bytes + 512 * 4 + meta_bytes,
+                "full": (32 * 256 + 256 + 512 + 257) * param_bytes + 512 * 4 + meta_bytes}
     print({mode: {name: round(b) for name, b in per_round.items()}})
     assert per_round == pytest.approx(expected, rel=0.01)
-    assert frozen[0]["round_bytes"][0] == expected["frozen"] - 144
+    assert frozen[0]["round_bytes"][0] == expected["frozen"] - meta_bytes
 
 
 def assert_unfrozen_backbone_trained_and_averaged(records: list[dict]) -> None:

@@ -553,3 +553,36 @@ def test_a_rank_0_that_left_the_fit_while_losses_were_tolerated_never_kills_the_
     assert strategy.tolerates_rank_loss(2)
     membership.leave("OutOfMemoryError")
     assert not membership.active and strategy.tolerates_rank_loss(2) and strategy.tolerates_rank_loss()
+
+
+def test_a_dead_peer_on_this_host_knocks_once_until_a_round_takes_it_out():
+    from lightning_elche.membership.liveness import GoneKnock
+
+    store = dist.HashStore()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store.set(job_store.proc_key(1), f"{socket.gethostname()}:{alive.pid}")
+    store.set(job_store.proc_key(2), f"{socket.gethostname()}:{dead.pid}")
+    store.set(job_store.proc_key(3), f"another-host-{os.getpid()}:{alive.pid}")  # unknown from here: never a knock
+    members = [0, 1, 2, 3, 4]  # 4 has not registered yet
+    knock = GoneKnock(lambda: members, 0)
+    try:
+        assert not knock.take(), "nothing observed yet"
+        knock.observe(store)
+        assert knock.take(), "member 2's process is gone"
+        assert not knock.take(), "once per dead peer"
+        knock.observe(store)
+        assert not knock.take(), "seen again before the round took it out: no second knock"
+        members = [0, 1, 3, 4]  # the round took 2 out
+        knock.observe(store)
+        assert not knock.take()
+        alive.kill()
+        alive.wait()
+        knock.observe(store)
+        assert knock.take(), "member 1 died after that round: a knock of its own"
+        members = [0, 3, 4]
+        assert not knock.take()
+    finally:
+        alive.kill()
+        alive.wait()

@@ -7,7 +7,7 @@
 #   phase B: cores 0-3 ddp_fault_free, 4-7 ddp_torchrun, the same schedule (a second bench run).
 #   rigs (only when PHASES names it): the two cpu4 runs of tools/device_cpu_rigs.sh (LAYOUT=pair) until
 #   RIGS_END (default 560) s after the start: the noise check of issue 25 item 4.
-# PHASES (default "gpu elche ddp") picks the parts.
+# PHASES (default "gpu elche ddp") picks the parts; SKIP_PROBE=1 skips the import probe.
 # RATE (default 1: three faults per 180 s arm, one per minute per four ranks), SEED (default 0) and
 # DELAY (default 5 s) are those of tools/device_churn.sh. A replacement's start-up is timed
 # (ELCHE_JOIN_TIMING, set by the bench) and the import time of a rank is probed first.
@@ -25,9 +25,11 @@ churn() {  # churn OUT ARMS CPUS
   echo "exit $?" >> "$1/churn.log"
   find "$1/cpu4-churn-runs" -name ckpt -type d -prune -exec rm -rf {} + 2>/dev/null
 }
-{ date -u; nproc; pin 0 python3 -X importtime -c "import lightning_elche.bench.churn_fit" 2>&1 | sort -t'|' -k2 -n | tail -8
+probe() {
+  date -u; nproc; pin 0 python3 -X importtime -c "import lightning_elche.bench.churn_fit" 2>&1 | sort -t'|' -k2 -n | tail -8
   for i in 1 2; do /usr/bin/time -f "%e s: import of a churn rank (core 0)" taskset -c 0 python3 -c "import lightning_elche.bench.churn_fit"; done
-} > "$out/startup.txt" 2>&1
+}
+[[ -n "${SKIP_PROBE:-}" ]] || probe > "$out/startup.txt" 2>&1
 phases=" ${PHASES:-gpu elche ddp} "
 start=$(date +%s)
 [[ $phases == *" gpu "* ]] && { pin 12-15 bash tools/device_gpu_round.sh "$out/gpu" > "$out/gpu/summary.txt" 2>&1 & }
@@ -41,7 +43,7 @@ if [[ $phases == *" rigs "* ]]; then
     > "$out/rigs/summary.txt" 2>&1
 fi
 tar -czf /tmp/session.tar.gz -C "$out" elche ddp gpu rigs startup.txt 2>/dev/null; mv /tmp/session.tar.gz "$out/session.tar.gz"
-cat "$out/startup.txt"
+cat "$out/startup.txt" 2>/dev/null
 for part in gpu elche ddp rigs; do echo "=== $part"; tail -n 30 "$out/$part/summary.txt" "$out/$part/churn.log" 2>/dev/null | grep -v "^How the numbers"; done
 find "$out" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
 rm -f "$out/startup.txt"

@@ -86,31 +86,42 @@ def key(name: str) -> str:
 
 
 class JoinKnock:
-    """Whether a joiner asked to join since this rank last ended a window early for one.
+    """Whether a joiner asked to join and no round has read its request yet.
 
     The heartbeat thread reads the job's request count once per beat (:meth:`observe`); the
-    training loop asks once per step (:meth:`take`), which is a comparison of two integers. Requests
-    made before this rank started are not a knock: the next round sees them anyway. Each request
-    ends at most one window early, whether or not it is accepted.
+    training loop asks once per step (:meth:`take`), which is a comparison of two integers, and
+    ends its window when it says so. Every round answers the requests rank 0 read into it
+    (:meth:`settle`): it admits them, schedules their admission or refuses them. A request that
+    reached a member after rank 0 had built its row (rank 0 waiting in the round while the others
+    finished their windows) is not in that round, so it ends the member's next window again: the
+    members' ends stay together, and none waits a whole window in a round that others reach late.
+    Requests made before this rank started are not a knock (the next round reads them anyway);
+    a window ends at most once per round, and a request ends at most two windows of a member
+    (bounded even where no rank 0 reads requests).
     """
 
     def __init__(self, store: Any) -> None:
         self._answered = self._seen = int(store.add(key("requests"), 0))
+        self._armed = True
+        self._knocked_for = self._answered
 
     def observe(self, store: Any) -> None:
         self._seen = int(store.add(key("requests"), 0))
 
     def take(self) -> bool:
         seen = self._seen
-        if seen <= self._answered:
+        if not self._armed or seen <= self._answered:
             return False
-        self._answered = seen
+        self._armed = False
+        if seen == self._knocked_for:  # its second window for the same requests: the last one
+            self._answered = seen
+        self._knocked_for = seen
         return True
 
-    def settle(self) -> None:
-        """A round saw joiners waiting: the requests seen so far are answered by it (a member that
-        waited in that round while one arrived must not end its next window for it)."""
-        self._answered = max(self._answered, self._seen)
+    def settle(self, read: int) -> None:
+        """After every round: the requests rank 0 had read (``read``, from its row) are answered."""
+        self._answered = max(self._answered, read)
+        self._armed = True
 
 
 # -- the job's secret -------------------------------------------------------------------------------
@@ -265,6 +276,10 @@ class Admitter:
             index, self._judged = self._judged, self._judged + 1
             self._judge(JoinRequest.from_json(self.store.get(key(f"request/{index}"))))
         return len(self._queue)
+
+    def requests_read(self) -> int:
+        """Rank 0: the requests :meth:`waiting` has read and judged so far."""
+        return self._judged
 
     def _judge(self, request: JoinRequest) -> None:
         assert self.facts is not None

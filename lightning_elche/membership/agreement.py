@@ -33,7 +33,7 @@ from lightning_elche.membership.change import (
     combined,
     failure_limit,
 )
-from lightning_elche.membership.liveness import Heartbeat, PeerSignals
+from lightning_elche.membership.liveness import GoneKnock, Heartbeat, PeerSignals
 from lightning_elche.membership.stall import ProgressStamp
 
 CHECK_INTERVAL_S = 0.5
@@ -108,6 +108,9 @@ class Membership:
         """This rank's progress stamp: advanced by its steps and its watched waits, judged by its peers."""
         self.heartbeat = Heartbeat(store, member, min(1.0, self.liveness_timeout_s / 10.0), self.progress,
                                    self.signals.progress_key(member))
+        self.gone = GoneKnock(lambda: self.members, member)
+        """A peer on this host died since the last round (ends the training loop's window)."""
+        self.heartbeat.add_watcher(self.gone.observe)
         self.active = True
         """Between set-up and the end of the fit: a peer that leaves is survived."""
         self.ended_tolerating = False

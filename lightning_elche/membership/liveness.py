@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -102,6 +102,52 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self._interval_s + 5.0)
+
+
+class GoneKnock:
+    """Whether a peer on this host died and no round has taken it out yet.
+
+    The heartbeat thread looks once per beat (:meth:`observe`, on its own store connection: the
+    registry entry of each peer once, then a read of ``/proc``, no store call); the training loop
+    asks once per step (:meth:`take`) and ends its window on it. The round that finds the loss then
+    comes about a beat after the death, not at the window's planned end: until that round, what the
+    lost rank had claimed of the epoch stays unclaimed and the survivors' plan still counts it,
+    so a long window ran the survivors dry and idle at its end. Peers on other hosts are found at
+    the round as before (their silence takes ``liveness_timeout``).
+
+    Args:
+        members: the current member ids (read on the heartbeat thread; replaced, never mutated,
+            at a change).
+        member: this rank's member id.
+    """
+
+    def __init__(self, members: Callable[[], Sequence[int]], member: int) -> None:
+        self._members, self._member = members, member
+        self._procs: dict[int, tuple[str, int]] = {}
+        self._dead: frozenset[int] = frozenset()  # written by the heartbeat thread only (rebound, never mutated)
+        self._taken: frozenset[int] = frozenset()  # the training thread's only
+
+    def observe(self, store: Any) -> None:
+        for peer in tuple(self._members()):
+            if peer == self._member or peer in self._dead:
+                continue
+            proc = self._procs.get(peer)
+            if proc is None:
+                key = proc_key(peer)
+                if not store.check([key]):
+                    continue
+                proc = self._procs[peer] = parse_process(store.get(key).decode())
+            if process_alive(*proc) is False:
+                self._dead = self._dead | {peer}
+
+    def take(self) -> bool:
+        """Whether a peer died that is still a member and has not ended a window yet."""
+        dead = self._dead
+        if dead <= self._taken:
+            return False
+        fresh = (dead - self._taken) & set(self._members())
+        self._taken = dead
+        return bool(fresh)
 
 
 class PeerSignals:
