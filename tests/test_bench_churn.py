@@ -140,7 +140,8 @@ def test_report_table_has_every_arm_its_ratios_and_the_arms_a_cut_run_did_not_re
             "later; training 6.8 s after its start; launch rank 0's admission took 0.12 s.") in text
     assert "- elche_joins, replacement 2: never ready" in text
     assert "The arms ran one after the other." in text
-    side = {**result, "config": {**result["config"], "cpu_sets": [[0, 1]]}, "arms": {ELCHE_JOINS: {**row, "cpus": "0,1"}}}
+    side = {**result, "config": {**result["config"], "cpu_sets": [[0, 1]]},
+            "arms": {ELCHE_JOINS: {**row, "cpus": "0,1"}}}
     assert "side by side, each pinned to its own CPUs: elche_joins on 0,1." in churn_markdown(side)
     assert "not run (the run was cut short): elche_fault_free, elche_shrink, ddp_fault_free, ddp_torchrun" in text
     assert "at 12.5 s" in text and "Commit abc" in text and ": met (this run: --churn 1)" in text
