@@ -113,14 +113,10 @@ class ElCheEngine:
         self.failures = failures
         self._sent: Optional[Tensor] = None  # the metadata of the round in flight or last started
         self._caught_up = False
-        self.joiners_waiting: Optional[Callable[[], int]] = None
-        """Rank 0's count of accepted joiners, read once per round into its metadata (admission)."""
-        self.peer_died: Optional[Callable[[], bool]] = None
-        """Whether a peer on this host died since this rank last ended a window for one (``GoneKnock``)."""
-        self.join_requests_read: Optional[Callable[[], int]] = None
-        """Rank 0's count of join requests read so far (after ``joiners_waiting``), into its metadata."""
-        self.joiner_knocked: Optional[Callable[[], bool]] = None
-        """Whether a joiner asked since this rank last ended a window for one (no I/O: a flag)."""
+        self.admission: Optional[Callable[[], tuple[int, int]]] = None
+        """(accepted joiners waiting, join requests read): rank 0's, once per round into its metadata."""
+        self.knocks: tuple[Callable[[], bool], ...] = ()
+        """End the window after the step in hand: a ready joiner's or a dead peer's round comes now (no I/O)."""
         self.micro_batch_size: Optional[Callable[[], Optional[int]]] = None
         """This rank's micro-batch in samples (None until known), read once per round into its metadata
         when the fit sets ``micro_batch``: every rank's choice reaches every rank without a collective."""
@@ -141,14 +137,9 @@ class ElCheEngine:
             self._loss_sum.add_(loss.detach().to(torch.float64))
 
     def window_due(self) -> bool:
-        # A ready joiner is admitted at a round, and a dead peer is taken out at one: a knock ends the
-        # window now, not at its planned end.
         if self._steps >= self.planned_steps:
             return True
-        if self._steps == 0:
-            return False
-        joiner, died = self.joiner_knocked, self.peer_died
-        return bool((joiner is not None and joiner()) or (died is not None and died()))
+        return self._steps > 0 and any(knock() for knock in self.knocks)
 
     @property
     def steps_in_window(self) -> int:
@@ -314,9 +305,7 @@ class ElCheEngine:
     ) -> Tensor:
         values = [0.0] * META_SIZE
         values[Meta.EPOCH_BATCHES] = epoch_batches
-        values[Meta.JOINERS] = self.joiners_waiting() if self.joiners_waiting is not None and self.rank == 0 else 0
-        if self.join_requests_read is not None and self.rank == 0:
-            values[Meta.REQUESTS_READ] = self.join_requests_read()
+        values[Meta.JOINERS], values[Meta.REQUESTS_READ] = self.admission() if self.admission is not None else (0, 0)
         values[Meta.MICRO_BATCH] = (self.micro_batch_size() or 0) if self.micro_batch_size is not None else 0
         values[Meta.STEPS] = self._steps
         values[Meta.SAMPLES] = self._samples

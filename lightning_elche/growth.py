@@ -7,7 +7,7 @@ The protocol (who may join, when, and the store keys) is
 **Members.** At launch rank 0 creates the job's join secret and every rank learns it (with the
 fit's key prefix, one broadcast). Rank 0 publishes the fit's facts once its training loader is
 known and reads the count of accepted joiners into its round metadata once per round
-(:attr:`ElCheEngine.joiners_waiting <lightning_elche.engine.ElCheEngine.joiners_waiting>`). A new
+(:attr:`ElCheEngine.admission <lightning_elche.engine.ElCheEngine.admission>`). A new
 request ends every member's current window within a heartbeat (:class:`JoinKnock`, read by the
 heartbeat thread), so that round comes when the joiner is ready, not at the window's end. After
 a round that saw joiners waiting, every member asks for a consensus round two rounds on; at the
@@ -249,7 +249,9 @@ class Growth:
 
     def attach(self, membership: Optional[Membership], rounds: Any, sampler: Callable[[], Any]) -> None:
         """Members, once the engine exists: rank 0 reads the waiting joiners into its round metadata,
-        and every member looks for an admission after every round."""
+        every member looks for an admission after every round, and a joiner's request or a peer
+        dead on this host ends its window (:class:`JoinKnock`,
+        :class:`~lightning_elche.membership.liveness.GoneKnock`)."""
         engine = rounds.engine if rounds is not None else None
         if membership is None or engine is None or engine.failures is None or not self._job[0]:
             return
@@ -257,11 +259,11 @@ class Growth:
         if self._facts is not None:  # a joiner: it judges later joiners once it is rank 0
             self.admitter.facts = self._facts
         self.survival = engine.failures
-        engine.joiners_waiting = self.admitter.waiting
-        engine.join_requests_read = self.admitter.requests_read
+        admitter = self.admitter
+        engine.admission = lambda: (admitter.waiting(), admitter.requests_read()) if engine.rank == 0 else (0, 0)
         self.knock = knock = JoinKnock(membership.store)
         membership.heartbeat.add_watcher(knock.observe)
-        engine.joiner_knocked = knock.take
+        engine.knocks = (knock.take, membership.gone.take)  # GoneKnock reads the job's registry, as joins need
         rounds.after_each_round = lambda trainer, outcome: self.after_round(trainer, outcome, engine, rounds.session,
                                                                             sampler())
 

@@ -279,7 +279,6 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         self._rounds.evaluations = self._evaluations
         self._rounds.gather_objects = getattr(self._collectives, "all_gather_object", None)  # coverage: checked
         self._engine.failures = self._survival(module.trainer, self._rounds)
-        self._engine.peer_died = self._membership.gone.take if self._membership is not None else None
         self._rounds.stall_stamp = self._membership.progress if self._membership else None
 
     def _survival(self, trainer: Trainer, rounds: RoundDriver) -> Optional[Survival]:

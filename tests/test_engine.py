@@ -418,7 +418,7 @@ def test_a_consensus_for_the_next_round_is_still_available():
 def test_a_dead_peers_knock_ends_the_window_after_its_current_step():
     engine, plane, _ = make_engine()
     died = [True, False]
-    engine.peer_died = lambda: died.pop(0) if died else False
+    engine.knocks = (lambda: died.pop(0) if died else False,)
     assert not engine.window_due() and died == [True, False], "no step yet in this window: not asked"
     run_window(engine, 1)
     assert engine.planned_steps > 1
@@ -429,7 +429,7 @@ def test_a_dead_peers_knock_ends_the_window_after_its_current_step():
 def test_a_joiners_knock_ends_the_window_after_its_current_step():
     engine, plane, _ = make_engine()
     knocks = [False, True]
-    engine.joiner_knocked = lambda: knocks.pop(0) if knocks else False
+    engine.knocks = (lambda: knocks.pop(0) if knocks else False,)
     assert not engine.window_due()  # no step yet in this window: the knock waits for one
     assert knocks == [False, True]
     run_window(engine, 1)
