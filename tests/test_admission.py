@@ -208,6 +208,22 @@ def test_an_admission_waits_for_a_draining_rank_only_where_it_must(
     assert all_can_admit(_reports(*ranks), dispatch) is admits
 
 
+def test_in_the_fits_last_epoch_a_pool_a_rank_found_dry_admits_nobody() -> None:
+    """Join soak draw 3.013: two joiners admitted in the last epoch's tail trained nothing (no data
+    left, no epoch after). They now hear that the fit ended."""
+    from lightning_elche.growth import in_last_epoch
+
+    one_dry = _reports((False, 2), (True, 9))
+    assert all_can_admit(one_dry, Dispatch.POOL, last_epoch=False)
+    assert not all_can_admit(one_dry, Dispatch.POOL, last_epoch=True)
+    assert all_can_admit(_reports((False, 2), (False, 9)), Dispatch.POOL, last_epoch=True)  # data left
+    at_epoch = lambda epoch: SimpleNamespace(reports=[SimpleNamespace(epoch=epoch)])  # noqa: E731
+    assert in_last_epoch(SimpleNamespace(max_epochs=2), at_epoch(1))
+    assert not in_last_epoch(SimpleNamespace(max_epochs=2), at_epoch(0))
+    assert not in_last_epoch(SimpleNamespace(max_epochs=-1), at_epoch(5))  # no epoch limit
+    assert not in_last_epoch(None, at_epoch(0))
+
+
 def test_a_joiners_request_ends_each_members_window_once_and_a_launch_request_never() -> None:
     from lightning_elche.membership.admission import JoinKnock
     from lightning_elche.membership.liveness import Heartbeat

@@ -296,7 +296,9 @@ def check_trial(job: JoinJob, trial: JoinTrial) -> list[str]:
         assert result["val_count"] == padded_validation(len(finishers)), (member, result["val_count"])
     holds = job.out / "holds-rank0.jsonl"
     last_hold = [json.loads(line) for line in holds.read_text().splitlines()][-1:] if holds.exists() else []
-    held_late = bool(last_hold) and int(last_hold[0]["epoch"]) == trial.epochs - 1
+    # A hold in the last epoch may come after its last consensus round; a hold that never came (rank 0
+    # too slow to reach its step in the fit) held nobody: either way a joiner may come too late.
+    held_late = not last_hold or int(last_hold[0]["epoch"]) == trial.epochs - 1
     outcomes = [
         joiner_outcome(trial, k, rc, log, admitted, fired, held_late)
         for k, (rc, log) in enumerate(zip(job.joiner_rcs, job.joiner_logs, strict=True))
