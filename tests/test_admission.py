@@ -300,7 +300,7 @@ def test_a_round_that_saw_joiners_answers_the_requests_its_members_saw_while_the
     growth.admitter, growth.knock = SimpleNamespace(), knock  # type: ignore[assignment]
     keeps: list[bool] = []
     engine = SimpleNamespace(controller=SimpleNamespace(keep_a_round_before_the_epoch_end=keeps.append),
-                             request_consensus=lambda at_round: None)
+                             request_consensus=lambda at_round: None, plane=SimpleNamespace(non_blocking=True))
     seen_nobody = SimpleNamespace(reports=[SimpleNamespace(joiners=0, requests_read=0)], consensus=False, index=3)
     growth.after_round(None, seen_nobody, engine, None, None)  # type: ignore[arg-type]
     assert knock._answered == 0, "a round that saw no joiner answers nothing"
@@ -308,7 +308,10 @@ def test_a_round_that_saw_joiners_answers_the_requests_its_members_saw_while_the
                               ends_window_sequence=False)
     growth.after_round(None, saw_one, engine, None, None)  # type: ignore[arg-type]
     assert not knock.take(), "the round that saw the joiner answered its request"
-    assert keeps == [False, True] and growth.admit_at == 6
+    assert keeps == [False, True] and growth.admit_at == 6, "cpu_async: the next round may be in flight"
     store.add(key("requests"), 1)  # a later joiner still ends the next window
     knock.observe(store)
     assert knock.take()
+    engine.plane.non_blocking, growth.admit_at = False, None
+    growth.after_round(None, saw_one, engine, None, None)  # type: ignore[arg-type]
+    assert growth.admit_at == 5, "a blocking plane: no round in flight, the very next one"
