@@ -10,8 +10,9 @@ known and reads the count of accepted joiners into its round metadata once per r
 (:attr:`ElCheEngine.admission <lightning_elche.engine.ElCheEngine.admission>`). A new
 request ends every member's current window within a heartbeat (:class:`JoinKnock`, read by the
 heartbeat thread), so that round comes when the joiner is ready, not at the window's end. After
-a round that saw joiners waiting, every member asks for a consensus round two rounds on; at the
-first consensus round at which every rank still has data in the epoch and nobody stops, every
+a round that saw joiners waiting, every member asks for the next round to be a consensus round
+(two rounds on in ``cpu_async``, whose next round may be in flight); at the first consensus round
+at which every rank can take part (:func:`all_can_admit`) and nobody stops, every
 member admits them (:meth:`Growth.after_round`): the admitted list, the entry (every member and
 joiner says it is there, and one that is gone is left out: :mod:`lightning_elche.membership.entry`),
 the next generation's group (with the ``cpu_*`` plane's side group: taking the change is then no
