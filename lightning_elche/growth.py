@@ -10,9 +10,8 @@ known and reads the count of accepted joiners into its round metadata once per r
 (:attr:`ElCheEngine.admission <lightning_elche.engine.ElCheEngine.admission>`). A new
 request ends every member's current window within a heartbeat (:class:`JoinKnock`, read by the
 heartbeat thread), so that round comes when the joiner is ready, not at the window's end. After
-a round that saw joiners waiting, every member asks for the next round to be a consensus round
-(two rounds on in ``cpu_async``, whose next round may be in flight); at the first consensus round
-at which every rank can take part (:func:`all_can_admit`) and nobody stops, every
+a round that saw joiners waiting, every member asks for a consensus round two rounds on; at the
+first consensus round at which every rank still has data in the epoch and nobody stops, every
 member admits them (:meth:`Growth.after_round`): the admitted list, the entry (every member and
 joiner says it is there, and one that is gone is left out: :mod:`lightning_elche.membership.entry`),
 the next generation's group (with the ``cpu_*`` plane's side group: taking the change is then no
@@ -152,28 +151,18 @@ def _watching(membership: Membership, peer: int, ends_on: str = "") -> Callable[
     return lambda work: membership.wait(work, _host_blocking(), peers=[peer], ends_on=ends_on)
 
 
-def all_can_admit(outcome: Any, dispatch: Dispatch, last_epoch: bool = False) -> bool:
+def all_can_admit(outcome: Any, dispatch: Dispatch) -> bool:
     """Whether every member can take part in an admission at this round (the reports: the same answer
     on all). With the equal split a rank out of data ends its share of the epoch, which the admission
     would cut again. With the pool a rank out of data only waits, joining the rounds, for the epoch's
     end: the joiner claims what is left (or, the pool dry, joins those rounds too), so a slow rank
     that leaves the pool's tail early in an epoch (a short epoch, a rank many times slower than the
-    others) no longer keeps every joiner out until the fit ends. In the fit's last epoch
-    (``last_epoch``) a pool a rank found dry leaves a joiner nothing to train and no epoch follows:
-    it is not admitted, and hears that the fit ended. Rank 0 must have trained a batch of the epoch:
-    its loop's position after the round's batch is what the joiner starts from."""
+    others) no longer keeps every joiner out until the fit ends. Rank 0 must have trained a batch
+    of the epoch: its loop's position after the round's batch is what the joiner starts from."""
     draining = [r.out_of_data for r in outcome.reports]
     if not any(draining):
         return True
-    return (dispatch is Dispatch.POOL and not last_epoch and not all(draining)
-            and outcome.reports[0].epoch_batches > 0)
-
-
-def in_last_epoch(trainer: Optional[Trainer], outcome: Any) -> bool:
-    """Whether the round's epoch is the fit's last by ``max_epochs`` (the same on every rank; a fit
-    that ends by its steps or a stop may end sooner)."""
-    last = getattr(trainer, "max_epochs", None)
-    return last is not None and last > 0 and int(outcome.reports[0].epoch) >= last - 1
+    return dispatch is Dispatch.POOL and not all(draining) and outcome.reports[0].epoch_batches > 0
 
 
 def _mark(member: int, event: str, **fields: Any) -> None:
@@ -299,18 +288,16 @@ class Growth:
             self.admit_at = None
             return
         admissible = (outcome.consensus and not outcome.ends_window_sequence and sampler is not None
-                      and all_can_admit(outcome, engine.run_mode.dispatch, in_last_epoch(trainer, outcome))
-                      and not session.leaving
+                      and all_can_admit(outcome, engine.run_mode.dispatch) and not session.leaving
                       and not session.pending_save)
         if admissible:
             self.admit_at = None
             engine.controller.keep_a_round_before_the_epoch_end(False)
             self._admit_joiners(trainer, waiting, engine, session, sampler)
         elif self.admit_at is None or outcome.index >= self.admit_at:
-            # The next round where none can be in flight; two on in cpu_async, whose next round may
-            # already be. None is after the epoch's last round, and the next epoch's first round comes
-            # before its end (above).
-            self.admit_at = outcome.index + (1 if outcome.ends_window_sequence or not engine.plane.non_blocking else 2)
+            # Two rounds on: in cpu_async the next round may already be in flight; none is after the
+            # epoch's last round, and the next epoch's first round comes before its end (above).
+            self.admit_at = outcome.index + (1 if outcome.ends_window_sequence else 2)
             engine.request_consensus(at_round=self.admit_at)
 
     def _admit_joiners(self, trainer: Trainer, count: int, engine: Any, session: Any, sampler: Any) -> None:

@@ -208,22 +208,6 @@ def test_an_admission_waits_for_a_draining_rank_only_where_it_must(
     assert all_can_admit(_reports(*ranks), dispatch) is admits
 
 
-def test_in_the_fits_last_epoch_a_pool_a_rank_found_dry_admits_nobody() -> None:
-    """Join soak draw 3.013: two joiners admitted in the last epoch's tail trained nothing (no data
-    left, no epoch after). They now hear that the fit ended."""
-    from lightning_elche.growth import in_last_epoch
-
-    one_dry = _reports((False, 2), (True, 9))
-    assert all_can_admit(one_dry, Dispatch.POOL, last_epoch=False)
-    assert not all_can_admit(one_dry, Dispatch.POOL, last_epoch=True)
-    assert all_can_admit(_reports((False, 2), (False, 9)), Dispatch.POOL, last_epoch=True)  # data left
-    at_epoch = lambda epoch: SimpleNamespace(reports=[SimpleNamespace(epoch=epoch)])  # noqa: E731
-    assert in_last_epoch(SimpleNamespace(max_epochs=2), at_epoch(1))
-    assert not in_last_epoch(SimpleNamespace(max_epochs=2), at_epoch(0))
-    assert not in_last_epoch(SimpleNamespace(max_epochs=-1), at_epoch(5))  # no epoch limit
-    assert not in_last_epoch(None, at_epoch(0))
-
-
 def test_a_joiners_request_ends_each_members_window_once_and_a_launch_request_never() -> None:
     from lightning_elche.membership.admission import JoinKnock
     from lightning_elche.membership.liveness import Heartbeat
@@ -300,7 +284,7 @@ def test_a_round_that_saw_joiners_answers_the_requests_its_members_saw_while_the
     growth.admitter, growth.knock = SimpleNamespace(), knock  # type: ignore[assignment]
     keeps: list[bool] = []
     engine = SimpleNamespace(controller=SimpleNamespace(keep_a_round_before_the_epoch_end=keeps.append),
-                             request_consensus=lambda at_round: None, plane=SimpleNamespace(non_blocking=True))
+                             request_consensus=lambda at_round: None)
     seen_nobody = SimpleNamespace(reports=[SimpleNamespace(joiners=0, requests_read=0)], consensus=False, index=3)
     growth.after_round(None, seen_nobody, engine, None, None)  # type: ignore[arg-type]
     assert knock._answered == 0, "a round that saw no joiner answers nothing"
@@ -308,10 +292,7 @@ def test_a_round_that_saw_joiners_answers_the_requests_its_members_saw_while_the
                               ends_window_sequence=False)
     growth.after_round(None, saw_one, engine, None, None)  # type: ignore[arg-type]
     assert not knock.take(), "the round that saw the joiner answered its request"
-    assert keeps == [False, True] and growth.admit_at == 6, "cpu_async: the next round may be in flight"
+    assert keeps == [False, True] and growth.admit_at == 6
     store.add(key("requests"), 1)  # a later joiner still ends the next window
     knock.observe(store)
     assert knock.take()
-    engine.plane.non_blocking, growth.admit_at = False, None
-    growth.after_round(None, saw_one, engine, None, None)  # type: ignore[arg-type]
-    assert growth.admit_at == 5, "a blocking plane: no round in flight, the very next one"
