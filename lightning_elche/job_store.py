@@ -89,6 +89,12 @@ def parse_process(value: str) -> tuple[str, int]:
     return host, int(pid)
 
 
+def registered_process(store: dist.Store, rank: int, prefix: str = RANKS_PREFIX) -> Optional[tuple[str, int]]:
+    """``(hostname, pid)`` that rank ``rank`` registered (:func:`register_rank`); None before it did."""
+    key = proc_key(rank, prefix)
+    return parse_process(store.get(key).decode()) if store.check([key]) else None
+
+
 def process_alive(host: str, pid: int) -> Optional[bool]:
     """Whether process ``pid`` of machine ``host`` is running: None when ``host`` is another machine
     (nothing can be known from here). A zombie (exited, not yet reaped by its parent) is dead."""
@@ -297,10 +303,9 @@ class JobWatch:
         joined_key = f"{self.prefix.rsplit('/', 1)[0]}/join/next_member"
         joined = int(self.store.add(joined_key, 0)) if self.store.check([joined_key]) else 0
         for rank in range(self.world_size + joined):
-            key = proc_key(rank, self.prefix)
-            if rank not in self.watched and self.store.check([key]):
-                host, pid = parse_process(self.store.get(key).decode())
-                self.watched[rank] = _Watched(host, pid, beat_changed_at=now)
+            registered = registered_process(self.store, rank, self.prefix) if rank not in self.watched else None
+            if registered is not None:
+                self.watched[rank] = _Watched(*registered, beat_changed_at=now)
 
     def _how_ended(self, rank: int, watched: _Watched, now: float) -> Optional[str]:
         exited = exited_key(rank, self.prefix)

@@ -150,7 +150,6 @@ class ChurnConfig:
                                f"the fault-free arm of every faulted arm ({arm} is measured against "
                                f"{BASELINE[arm]})", f"add {BASELINE[arm]} to --churn-arms")
 
-
     def _check_cpu_sets(self) -> None:
         shown = "/".join(",".join(str(c) for c in cpus) for cpus in self.cpu_sets)
         usable = os.sched_getaffinity(0)
@@ -302,14 +301,18 @@ def tagged(tag: str) -> list[Proc]:
 
 
 def read_events(arm_dir: Path) -> list[dict[str, Any]]:
-    path = arm_dir / EVENTS
+    return json_lines(arm_dir / EVENTS)
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (none when it is missing), without a line cut by the final kill."""
     if not path.exists():
         return []
     rows = []
     for line in path.read_text().splitlines():
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by the final kill
+        except json.JSONDecodeError:
             continue
     return rows
 
@@ -468,11 +471,7 @@ def join_phases(started: list[dict[str, Any]], timing: Path) -> list[dict[str, A
     0's admission). The k-th joiner to be ready is matched with the k-th replacement started."""
     marks: dict[str, dict[str, float]] = {}
     for path in sorted(timing.glob("join-timing-*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                mark = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        for mark in json_lines(path):
             marks.setdefault(path.stem, {}).setdefault(mark["event"], mark["time"])
     joiners = sorted((m for m in marks.values() if "ready" in m), key=lambda m: m["ready"])
     stalls = _admission_stalls(timing / "join-timing-0.jsonl")
@@ -494,14 +493,8 @@ def join_phases(started: list[dict[str, Any]], timing: Path) -> list[dict[str, A
 
 
 def _admission_stalls(path: Path) -> list[tuple[float, float]]:
-    if not path.exists():
-        return []
     begins, spans = [], []
-    for line in path.read_text().splitlines():
-        try:
-            mark = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for mark in json_lines(path):
         if mark["event"] == "admit_start":
             begins.append(mark["time"])
         elif mark["event"] == "admit_end" and begins:
@@ -671,9 +664,10 @@ def churn_markdown(result: dict[str, Any]) -> str:
     missing = [arm for arm in result.get("arms_planned", []) if arm not in result["arms"]]
     if missing:
         lines.append(f"| not run (the run was cut short): {', '.join(missing)} | | | | | | | | |")
-    for arm, row in result["arms"].items():
-        for k, join in enumerate(row.get("joins", [])):
-            lines.append(("" if k or lines[-1] == "" else "\n") + f"- {arm}, replacement {k + 1}: " + join_line(join))
+    joins = [f"- {arm}, replacement {k + 1}: {join_line(join)}"
+             for arm, row in result["arms"].items() for k, join in enumerate(row.get("joins", []))]
+    if joins:
+        lines += ["", *joins]
     if result.get("crowded"):
         lines += ["", f"**Structure only**: {m['logical_cpus']} logical CPUs for {config['ranks']} ranks, a "
                       "replacement and the harness: these rates measure contention, not churn (the goal is not "

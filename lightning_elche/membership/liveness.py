@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
-from lightning_elche.job_store import heartbeat_key, parse_process, proc_key, process_alive
+from lightning_elche.job_store import heartbeat_key, process_alive, registered_process
 from lightning_elche.membership.stall import WITNESS_GAP_S, ProgressStamp, Stamp, stall_verdict
 
 log = logging.getLogger(__name__)
@@ -131,12 +131,10 @@ class GoneKnock:
         for peer in tuple(self._members()):
             if peer == self._member or peer in self._dead:
                 continue
-            proc = self._procs.get(peer)
+            proc = self._procs.get(peer) or registered_process(store, peer)
             if proc is None:
-                key = proc_key(peer)
-                if not store.check([key]):
-                    continue
-                proc = self._procs[peer] = parse_process(store.get(key).decode())
+                continue
+            self._procs[peer] = proc
             if process_alive(*proc) is False:
                 self._dead = self._dead | {peer}
 
@@ -244,8 +242,8 @@ class PeerSignals:
     def process_of(self, member: int) -> Optional[tuple[str, int]]:
         """``(host, pid)`` of a member, when it registered."""
         if member not in self._procs:
-            key = proc_key(member)
-            if not self.store.check([key]):
+            registered = registered_process(self.store, member)
+            if registered is None:
                 return None
-            self._procs[member] = parse_process(self.store.get(key).decode())
+            self._procs[member] = registered
         return self._procs[member]
