@@ -22,7 +22,9 @@ any interleaving of joins and losses. Each trial is drawn from ``random.Random(f
 Each trial checks (:func:`check_trial`): no process left; the fit finishes on the launch ranks and
 admitted joiners that were not lost (``test_join.check_grown``: identical parameters, every launch
 survivor saw the same joins and losses, the losses are the fired faults, every sample of every epoch
-exactly once in the consensus, a lost rank's batches counted as far as the members kept them), ranks
+exactly once in the consensus, a lost rank's batches counted as far as the members kept them, every
+admitted joiner trained unless it was admitted in the last epoch, whose pool may be dry before its first
+claim), ranks
 dense in the order the changes give, validation over the whole (padded) set on the final ranks, rank 0's exit code
 0 unless it was lost. Every joiner process ends in one documented outcome, asserted: admitted (exit 0
 with a result, or lost by its fault with a non-zero code), too late (exit 0 with "nothing to join":
@@ -284,6 +286,7 @@ def check_trial(job: JoinJob, trial: JoinTrial) -> list[str]:
         cohort_rc=None,
         joiner_rc=None,
         dropped=tuple(sorted(dropped)),
+        may_idle=tuple(m for c in first["changes"] if int(c["epoch"]) == trial.epochs - 1 for m in c["joined"]),
     )
     assert (job.cohort_rc == 0) == (0 not in fired), f"rank 0's exit code {job.cohort_rc}, lost: {0 in fired}"
     finishers = sorted(job.results)

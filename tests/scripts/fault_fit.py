@@ -660,19 +660,21 @@ def die_after_the_ack() -> None:
 
 def fail_in_admission(kind: str, stage: str) -> None:
     """``--joiner-fails-in-admission KIND:STAGE``: the joiner ``kill``s (SIGKILL) or ``stop``s (SIGSTOP)
-    itself at ``STAGE``: ``regrouped`` (the new group is up, before its state arrived)."""
+    itself at ``STAGE``: ``regrouped`` (the new group is up, before its state arrived) or ``rest`` (it
+    has its first state and the holders took the change; rank 0 sends the rest)."""
     from lightning_elche import growth
 
-    if kind not in ("kill", "stop") or stage != "regrouped":
+    if kind not in ("kill", "stop") or stage not in ("regrouped", "rest"):
         raise SystemExit(f"--joiner-fails-in-admission {kind}:{stage} is invalid: expected kill or stop, then "
-                         "regrouped")
-    take_first = growth.Growth._take_first
+                         "regrouped or rest")
+    name = "_take_first" if stage == "regrouped" else "_take_rest"
+    take = getattr(growth.Growth, name)
 
-    def fail_then_take_first(*args: Any, **kwargs: Any) -> Any:  # the group is up and settled
+    def fail_then_take(*args: Any, **kwargs: Any) -> Any:
         os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-        return take_first(*args, **kwargs)
+        return take(*args, **kwargs)
 
-    growth.Growth._take_first = fail_then_take_first  # type: ignore[method-assign]
+    setattr(growth.Growth, name, fail_then_take)
 
 
 def request_after_the_first_join() -> None:
@@ -949,7 +951,7 @@ if __name__ == "__main__":
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--joiner-dies", action="store_true")
     parser.add_argument("--joiner-dies-after-ack", action="store_true")
-    parser.add_argument("--joiner-fails-in-admission", default=None, help="KIND:STAGE (kill or stop; regrouped)")
+    parser.add_argument("--joiner-fails-in-admission", default=None, help="KIND:STAGE (kill or stop; regrouped or rest)")
     parser.add_argument("--request-after-first-join", action="store_true", help="a joiner asks once the first acked")
     parser.add_argument("--request-once-held", action="store_true", help="a joiner asks once rank 0 holds for it")
     parser.add_argument("--join-when-dry", action="store_true", help="the joiner's first iterator finds no work")
