@@ -951,7 +951,7 @@ if __name__ == "__main__":
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--joiner-dies", action="store_true")
     parser.add_argument("--joiner-dies-after-ack", action="store_true")
-    parser.add_argument("--joiner-fails-in-admission", default=None, help="KIND:STAGE (kill or stop; regrouped or rest)")
+    parser.add_argument("--joiner-fails-in-admission", default=None, help="KIND:STAGE (kill, stop; regrouped, rest)")
     parser.add_argument("--request-after-first-join", action="store_true", help="a joiner asks once the first acked")
     parser.add_argument("--request-once-held", action="store_true", help="a joiner asks once rank 0 holds for it")
     parser.add_argument("--join-when-dry", action="store_true", help="the joiner's first iterator finds no work")
