@@ -7,7 +7,8 @@
 #   phase B: cores 0-3 ddp_fault_free, 4-7 ddp_torchrun, the same schedule (a second bench run).
 #   rigs (only when PHASES names it): the two cpu4 runs of tools/device_cpu_rigs.sh (LAYOUT=pair) until
 #   RIGS_END (default 560) s after the start: the noise check of issue 25 item 4.
-# PHASES (default "gpu elche ddp") picks the parts; SKIP_PROBE=1 skips the import probe.
+# PHASES (default "gpu elche ddp") picks the parts; SKIP_PROBE=1 skips the import probe; SHM_VENV=1 also times
+# the import from a copy of the venv in /dev/shm, SHM_VENV=use then runs everything from that copy.
 # RATE (default 1: three faults per 180 s arm, one per minute per four ranks), SEED (default 0) and
 # DELAY (default 5 s) are those of tools/device_churn.sh. A replacement's start-up is timed
 # (ELCHE_JOIN_TIMING, set by the bench) and the import time of a rank is probed first.
@@ -26,10 +27,22 @@ churn() {  # churn OUT ARMS CPUS
   find "$1/cpu4-churn-runs" -name ckpt -type d -prune -exec rm -rf {} + 2>/dev/null
 }
 probe() {
-  date -u; nproc; pin 0 python3 -X importtime -c "import lightning_elche.bench.churn_fit" 2>&1 | sort -t'|' -k2 -n | tail -8
+  date -u; nproc; lscpu | grep -E "Model name|MHz" | head -3
+  python3 -c "import sys; print(sys.executable, sys.prefix)"
+  /usr/bin/time -f "%e s: python3 -c pass" python3 -c pass
+  python3 -c "import time; t = time.perf_counter(); sum(i * i for i in range(10**7)); print(f'{time.perf_counter() - t:.2f} s: 1e7 squares in pure Python')"
+  venv=$(python3 -c "import sys; print(sys.prefix)")
+  echo "filesystems: venv $(stat -f -c %T "$venv"), repo $(stat -f -c %T "$PWD"), /dev/shm $(stat -f -c %T /dev/shm); venv $(du -sh "$venv" 2>/dev/null | cut -f1)"
+  pin 0 python3 -X importtime -c "import lightning_elche.bench.churn_fit" 2>&1 | sort -t'|' -k2 -n | tail -8
   for i in 1 2; do /usr/bin/time -f "%e s: import of a churn rank (core 0)" taskset -c 0 python3 -c "import lightning_elche.bench.churn_fit"; done
+  if [[ -n "${SHM_VENV:-}" ]]; then  # the same venv copied to memory: is the import the filesystem's or the CPU's?
+    /usr/bin/time -f "%e s: copy of the venv to /dev/shm" cp -a "$venv" /dev/shm/venv
+    for i in 1 2; do /usr/bin/time -f "%e s: import of a churn rank from /dev/shm (core 0)" taskset -c 0 /dev/shm/venv/bin/python3 -c "import lightning_elche.bench.churn_fit"; done
+  fi
 }
 [[ -n "${SKIP_PROBE:-}" ]] || probe > "$out/startup.txt" 2>&1
+# SHM_VENV=use: every process of the run (ranks, replacements, restarts) imports from the copy in memory.
+[[ "${SHM_VENV:-}" == use && -x /dev/shm/venv/bin/python3 ]] && export PATH=/dev/shm/venv/bin:$PATH
 phases=" ${PHASES:-gpu elche ddp} "
 start=$(date +%s)
 [[ $phases == *" gpu "* ]] && { pin 12-15 bash tools/device_gpu_round.sh "$out/gpu" > "$out/gpu/summary.txt" 2>&1 & }
