@@ -36,13 +36,14 @@ probe() {
   pin 0 python3 -X importtime -c "import lightning_elche.bench.churn_fit" 2>&1 | sort -t'|' -k2 -n | tail -8
   for i in 1 2; do /usr/bin/time -f "%e s: import of a churn rank (core 0)" taskset -c 0 python3 -c "import lightning_elche.bench.churn_fit"; done
   if [[ -n "${SHM_VENV:-}" ]]; then  # the same venv copied to memory: is the import the filesystem's or the CPU's?
+    df -h /dev/shm | tail -1
     /usr/bin/time -f "%e s: copy of the venv to /dev/shm" cp -a "$venv" /dev/shm/venv
-    for i in 1 2; do /usr/bin/time -f "%e s: import of a churn rank from /dev/shm (core 0)" taskset -c 0 /dev/shm/venv/bin/python3 -c "import lightning_elche.bench.churn_fit"; done
+    for i in 1 2; do /usr/bin/time -f "%e s: import of a churn rank from /dev/shm (core 0)" taskset -c 0 /dev/shm/venv/bin/python3 -c "import lightning_elche.bench.churn_fit" && touch /dev/shm/venv.ok; done
   fi
 }
 [[ -n "${SKIP_PROBE:-}" ]] || probe > "$out/startup.txt" 2>&1
 # SHM_VENV=use: every process of the run (ranks, replacements, restarts) imports from the copy in memory.
-[[ "${SHM_VENV:-}" == use && -x /dev/shm/venv/bin/python3 ]] && export PATH=/dev/shm/venv/bin:$PATH
+[[ "${SHM_VENV:-}" == use && -e /dev/shm/venv.ok ]] && { export PATH=/dev/shm/venv/bin:$PATH; echo "the run imports from /dev/shm/venv" >> "$out/startup.txt"; }
 phases=" ${PHASES:-gpu elche ddp} "
 start=$(date +%s)
 [[ $phases == *" gpu "* ]] && { pin 12-15 bash tools/device_gpu_round.sh "$out/gpu" > "$out/gpu/summary.txt" 2>&1 & }
