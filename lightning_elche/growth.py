@@ -198,6 +198,7 @@ class Growth:
         self.survival: Optional[Survival] = None
         self.admit_at: Optional[int] = None
         self.knock: Optional[JoinKnock] = None
+        self._hurry = False
         self._over = False
         self._job: tuple[str, str] = ("", "")
         # The joiner's
@@ -249,9 +250,9 @@ class Growth:
 
     def attach(self, membership: Optional[Membership], rounds: Any, sampler: Callable[[], Any]) -> None:
         """Members, once the engine exists: rank 0 reads the waiting joiners into its round metadata,
-        every member looks for an admission after every round, and a joiner's request or a peer
-        dead on this host ends its window (:class:`JoinKnock`,
-        :class:`~lightning_elche.membership.liveness.GoneKnock`)."""
+        every member looks for an admission after every round, and a joiner's request, a peer
+        dead on this host or an admission named for the next round ends its window (:class:`JoinKnock`,
+        :class:`~lightning_elche.membership.liveness.GoneKnock`, :meth:`hurried`)."""
         engine = rounds.engine if rounds is not None else None
         if membership is None or engine is None or engine.failures is None or not self._job[0]:
             return
@@ -263,9 +264,14 @@ class Growth:
         engine.admission = lambda: (admitter.waiting(), admitter.requests_read()) if engine.rank == 0 else (0, 0)
         self.knock = knock = JoinKnock(membership.store)
         membership.heartbeat.add_watcher(knock.observe)
-        engine.knocks = (knock.take, membership.gone.take)  # GoneKnock reads the job's registry, as joins need
+        engine.knocks = (knock.take, membership.gone.take, self.hurried)  # GoneKnock: the job's registry
         rounds.after_each_round = lambda trainer, outcome: self.after_round(trainer, outcome, engine, rounds.session,
                                                                             sampler())
+
+    def hurried(self) -> bool:
+        """Once after a round that named the admission's round: the window before it ends now."""
+        hurry, self._hurry = self._hurry, False
+        return hurry
 
     def dispatch_ready(self, strategy: Any, sampler: Any, dataloader: DataLoader) -> None:
         """The training sampler exists: a joiner takes the cohort's epoch over; rank 0 publishes the
@@ -282,6 +288,7 @@ class Growth:
             return
         if self.knock is not None:
             self.knock.settle(outcome.reports[0].requests_read)
+        self._hurry = False
         waiting = outcome.reports[0].joiners
         engine.controller.keep_a_round_before_the_epoch_end(bool(waiting))
         if not waiting:
@@ -299,6 +306,11 @@ class Growth:
             # epoch's last round, and the next epoch's first round comes before its end (above).
             self.admit_at = outcome.index + (1 if outcome.ends_window_sequence else 2)
             engine.request_consensus(at_round=self.admit_at)
+            # The joiners are ready and wait for that round: the window before it ends after its first step,
+            # not at its plan (a new epoch's first window, a cpu_async window: seconds), unless a rank's
+            # drain of an equal split or a save would keep that round from admitting anyway.
+            self._hurry = bool(session is not None and not session.leaving and not session.pending_save
+                               and (outcome.ends_window_sequence or all_can_admit(outcome, engine.run_mode.dispatch)))
 
     def _admit_joiners(self, trainer: Trainer, count: int, engine: Any, session: Any, sampler: Any) -> None:
         assert self.admitter is not None and self.survival is not None

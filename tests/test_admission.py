@@ -296,3 +296,35 @@ def test_a_round_that_saw_joiners_answers_the_requests_its_members_saw_while_the
     store.add(key("requests"), 1)  # a later joiner still ends the next window
     knock.observe(store)
     assert knock.take()
+
+
+@pytest.mark.parametrize(("case", "hurries"), [("epoch_end", True), ("async_round", True), ("equal_split_drain", False),
+                                               ("pending_save", False), ("leaving", False)])
+def test_a_named_admission_round_ends_the_window_before_it_after_one_step(case: str, hurries: bool) -> None:
+    """Joiners ready at a round that cannot admit them (the epoch's last round, a cpu_async round)
+    are admitted at a named later round; the window before it ends after its first step instead of
+    running its plan (measured on the churn rig: a replacement ready in an epoch-end drain waited
+    7.8 s, a whole first window of the next epoch). Not where that round could not admit either: a
+    rank draining its equal split (every window would be one step until the epoch's end) or a save."""
+    from lightning_elche.growth import Growth
+
+    growth = Growth()
+    growth.admitter = SimpleNamespace()  # type: ignore[assignment]
+    engine = SimpleNamespace(controller=SimpleNamespace(keep_a_round_before_the_epoch_end=lambda keep: None),
+                             request_consensus=lambda at_round: None,
+                             run_mode=SimpleNamespace(dispatch=Dispatch.EQUAL if case == "equal_split_drain"
+                                                      else Dispatch.POOL))
+    draining = case in ("epoch_end", "equal_split_drain")
+    reports = [SimpleNamespace(joiners=1, requests_read=1, out_of_data=draining and (r == 1 or case == "epoch_end"),
+                               epoch_batches=4) for r in range(3)]
+    outcome = SimpleNamespace(reports=reports, index=7, ends_window_sequence=case == "epoch_end",
+                              consensus=case not in ("async_round",))
+    session = SimpleNamespace(leaving=case == "leaving", pending_save=case == "pending_save")
+    growth.after_round(None, outcome, engine, session, object())  # type: ignore[arg-type]
+    assert growth.admit_at == (8 if case == "epoch_end" else 9)
+    assert growth.hurried() is hurries, "the engine ends its window at the first step it asks (ElCheEngine.knocks)"
+    assert not growth.hurried(), "one window, not every window until the admission"
+    growth._hurry = True
+    growth.after_round(None, SimpleNamespace(reports=[SimpleNamespace(joiners=0, requests_read=1)]), engine, session,
+                       object())  # type: ignore[arg-type]
+    assert not growth.hurried(), "a round that names no admission leaves no hurry behind"
