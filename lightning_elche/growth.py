@@ -294,9 +294,9 @@ class Growth:
         if not waiting:
             self.admit_at = None
             return
-        admissible = (outcome.consensus and not outcome.ends_window_sequence and sampler is not None
-                      and all_can_admit(outcome, engine.run_mode.dispatch) and not session.leaving
-                      and not session.pending_save)
+        unhindered = session is not None and not session.leaving and not session.pending_save
+        admissible = (outcome.consensus and not outcome.ends_window_sequence and sampler is not None and unhindered
+                      and all_can_admit(outcome, engine.run_mode.dispatch))
         if admissible:
             self.admit_at = None
             engine.controller.keep_a_round_before_the_epoch_end(False)
@@ -309,8 +309,8 @@ class Growth:
             # The joiners are ready and wait for that round: the window before it ends after its first step,
             # not at its plan (a new epoch's first window, a cpu_async window: seconds), unless a rank's
             # drain of an equal split or a save would keep that round from admitting anyway.
-            self._hurry = bool(session is not None and not session.leaving and not session.pending_save
-                               and (outcome.ends_window_sequence or all_can_admit(outcome, engine.run_mode.dispatch)))
+            self._hurry = unhindered and (outcome.ends_window_sequence
+                                          or all_can_admit(outcome, engine.run_mode.dispatch))
 
     def _admit_joiners(self, trainer: Trainer, count: int, engine: Any, session: Any, sampler: Any) -> None:
         assert self.admitter is not None and self.survival is not None
