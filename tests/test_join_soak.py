@@ -33,7 +33,8 @@ dropped from its admission (exit 1 with its message: only when a launch member w
 dropped after the holders took it in is in a later change's losses, marked dropped).
 
 The full soak is marked ``faults``; ``ELCHE_SOAK_TRIALS`` (default 60), ``ELCHE_SOAK_FIRST`` and
-``ELCHE_SOAK_SEED`` set its size and draw, and with ``ELCHE_SOAK_REPORT=path`` every trial appends one
+``ELCHE_SOAK_SEED`` set its size and draw, ``ELCHE_SOAK_RANKS`` the launch ranks of every trial (as in
+``test_soak.py``), and with ``ELCHE_SOAK_REPORT=path`` every trial appends one
 JSON line there (``tools/soak_report.py`` totals them, joiners' outcomes included). CI runs two fixed
 3-rank trials (one join, one kill).
 
@@ -55,7 +56,7 @@ from typing import Any, Optional
 import pytest
 from fault_jobs import BATCH, MODES, fired_faults, padded_validation
 from test_join import JoinJob, check_grown, run_join_job
-from test_soak import EXITS, PER_RANK_BATCHES, soak_count
+from test_soak import EXITS, PER_RANK_BATCHES, RANKS, soak_count
 
 pytestmark = pytest.mark.distributed
 
@@ -177,7 +178,7 @@ def draw_join_trial(
 
 SEED = os.environ.get("ELCHE_SOAK_SEED", "0")
 FIRST = soak_count("ELCHE_SOAK_FIRST", 0, 0)
-SOAK = [draw_join_trial(SEED, k) for k in range(FIRST, FIRST + soak_count("ELCHE_SOAK_TRIALS", 60, 1))]
+SOAK = [draw_join_trial(SEED, k, ranks=RANKS) for k in range(FIRST, FIRST + soak_count("ELCHE_SOAK_TRIALS", 60, 1))]
 CI = [draw_join_trial("cijoin", k, ranks=3, joiners=1, losses=1, restart=False) for k in (11, 38)]
 """Two fixed 3-rank draws with one joiner and one SIGKILL in a cadence mode: ``cpu_cadence``, the
 joiner killed in epoch 1 after it joined; ``nccl_cadence``, launch rank 2 killed at its step 1 while

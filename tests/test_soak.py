@@ -26,8 +26,9 @@ neither).
 
 The full soak is marked ``faults``; ``ELCHE_SOAK_TRIALS`` (default 240), ``ELCHE_SOAK_FIRST``
 (default 0: the first trial's index, to split a soak over several runs) and ``ELCHE_SOAK_SEED``
-(default 0) set its size and draw, and with ``ELCHE_SOAK_REPORT=path`` every trial appends one
-JSON line there (``tools/soak_report.py`` totals them). CI runs a few fixed 3-rank trials.
+(default 0) set its size and draw, ``ELCHE_SOAK_RANKS`` (unset: drawn) fixes every trial's rank count
+(a soak at 8 or more ranks on a machine with the cores), and with ``ELCHE_SOAK_REPORT=path`` every
+trial appends one JSON line there (``tools/soak_report.py`` totals them). CI runs a few fixed 3-rank trials.
 
     ELCHE_SOAK_TRIALS=240 ELCHE_SOAK_SEED=0 ELCHE_SOAK_REPORT=soak.jsonl pytest -m faults tests/test_soak.py -n 8
 """
@@ -214,7 +215,11 @@ def soak_count(name: str, default: int, least: int) -> int:
 SEED = os.environ.get("ELCHE_SOAK_SEED", "0")
 FIRST = soak_count("ELCHE_SOAK_FIRST", 0, 0)
 """The first trial's index: a soak split over several runs draws trials FIRST .. FIRST + TRIALS - 1."""
-SOAK = [draw_trial(SEED, k) for k in range(FIRST, FIRST + soak_count("ELCHE_SOAK_TRIALS", 240, 1))]
+RANKS = soak_count("ELCHE_SOAK_RANKS", 0, 0) or None
+"""Every trial's rank count when set (at least 3; unset or 0: drawn from ``RANK_WEIGHTS``), to soak many ranks."""
+if RANKS is not None and RANKS < 3:
+    raise ValueError(f"ELCHE_SOAK_RANKS={RANKS} is invalid: expected 0 (drawn) or a rank count >= 3.")
+SOAK = [draw_trial(SEED, k, ranks=RANKS) for k in range(FIRST, FIRST + soak_count("ELCHE_SOAK_TRIALS", 240, 1))]
 CI = [draw_trial("ci8", k, ranks=3, stalls=False, validation=False, epoch_end=False) for k in range(2)]
 """A fixed draw that has a saving stop (an out-of-memory error at the first step, ``max_failure=1``)
 and a double fault in one window (SIGSTOP and an out-of-memory error)."""
