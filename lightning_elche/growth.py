@@ -294,7 +294,8 @@ class Growth:
         if not waiting:
             self.admit_at = None
             return
-        unhindered = session is not None and not session.leaving and not session.pending_save
+        saving = session is None or bool(session.pending_save)
+        unhindered = not saving and not session.leaving
         admissible = (outcome.consensus and not outcome.ends_window_sequence and sampler is not None and unhindered
                       and all_can_admit(outcome, engine.run_mode.dispatch))
         if admissible:
@@ -308,8 +309,10 @@ class Growth:
             engine.request_consensus(at_round=self.admit_at)
             # The joiners are ready and wait for that round: the window before it ends after its first step,
             # not at its plan (a new epoch's first window, a cpu_async window: seconds), unless a rank's
-            # drain of an equal split or a save would keep that round from admitting anyway.
-            self._hurry = unhindered and (outcome.ends_window_sequence
+            # drain of an equal split or a save would keep that round from admitting anyway. The session
+            # leaves the epoch after an epoch's last round (this round's doing, set before this listener
+            # runs): that does not hinder the next epoch's first round.
+            self._hurry = not saving and (outcome.ends_window_sequence
                                           or all_can_admit(outcome, engine.run_mode.dispatch))
 
     def _admit_joiners(self, trainer: Trainer, count: int, engine: Any, session: Any, sampler: Any) -> None:

@@ -34,6 +34,8 @@ from lightning_elche.membership.admission import (
 from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import PeerFailure, RanksLost
 from lightning_elche.membership.entry import entry_key, settle_entry
+from lightning_elche.rounds import StopRequest
+from lightning_elche.session import Session
 
 FACTS = FitFacts(mode="cpu_cadence", signature=123.0, dataset_len=480, batch_size=8, seed=0, shuffle=True,
                  drop_last=False)
@@ -299,13 +301,17 @@ def test_a_round_that_saw_joiners_answers_the_requests_its_members_saw_while_the
 
 
 @pytest.mark.parametrize(("case", "hurries"), [("epoch_end", True), ("async_round", True), ("equal_split_drain", False),
-                                               ("pending_save", False), ("leaving", False)])
+                                               ("pending_save", False)])
 def test_a_named_admission_round_ends_the_window_before_it_after_one_step(case: str, hurries: bool) -> None:
     """Joiners ready at a round that cannot admit them (the epoch's last round, a cpu_async round)
     are admitted at a named later round; the window before it ends after its first step instead of
     running its plan (measured on the churn rig: a replacement ready in an epoch-end drain waited
     7.8 s, a whole first window of the next epoch). Not where that round could not admit either: a
-    rank draining its equal split (every window would be one step until the epoch's end) or a save."""
+    rank draining its equal split (every window would be one step until the epoch's end) or a save.
+
+    The session is a real one, told of the round first as the round driver does: at an epoch's last
+    round it is leaving the epoch when the listener runs (a fake session that was not hid that the
+    epoch-end hurry never fired: a replacement ready 0.5 s before an epoch's end waited 10.2 s)."""
     from lightning_elche.growth import Growth
 
     growth = Growth()
@@ -317,11 +323,16 @@ def test_a_named_admission_round_ends_the_window_before_it_after_one_step(case: 
     draining = case in ("epoch_end", "equal_split_drain")
     reports = [SimpleNamespace(joiners=1, requests_read=1, out_of_data=draining and (r == 1 or case == "epoch_end"),
                                epoch_batches=4) for r in range(3)]
-    outcome = SimpleNamespace(reports=reports, index=7, ends_window_sequence=case == "epoch_end",
+    stop = StopRequest.SIGTERM if case == "pending_save" else StopRequest.NONE
+    outcome = SimpleNamespace(reports=reports, index=7, epoch_over=case == "epoch_end", stop_level=stop,
+                              budget_reached=False, ends_window_sequence=case in ("epoch_end", "pending_save"),
                               consensus=case not in ("async_round",))
-    session = SimpleNamespace(leaving=case == "leaving", pending_save=case == "pending_save")
+    session = Session(3)
+    session.start_batch(epoch=0, samples=8)
+    session.after_round(outcome, lambda: True)  # type: ignore[arg-type]
+    assert session.leaving is outcome.ends_window_sequence
     growth.after_round(None, outcome, engine, session, object())  # type: ignore[arg-type]
-    assert growth.admit_at == (8 if case == "epoch_end" else 9)
+    assert growth.admit_at == (8 if outcome.ends_window_sequence else 9)
     assert growth.hurried() is hurries, "the engine ends its window at the first step it asks (ElCheEngine.knocks)"
     assert not growth.hurried(), "one window, not every window until the admission"
     growth._hurry = True
