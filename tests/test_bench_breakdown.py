@@ -70,6 +70,27 @@ def test_loss_breakdown_charges_each_wait_to_its_cause_and_sums_to_one_minus_eff
     assert split["epoch0_first_window_wait_s"] == pytest.approx([0.2, 0.0])
 
 
+def test_the_in_arm_efficiency_reads_the_ranks_speeds_inside_the_arm_not_the_solo_fits():
+    """Solo fits measured on a machine twice as fast as during the arm halve the efficiency (the
+    arm computes slower than alone: part e) and leave the in-arm efficiency where it was: the ranks
+    computed at 100 and 50 samples/s in their windows, so only the waits, syncs and time outside the
+    rounds (0.15 + 0.6 + 0.1 + ...) count against it."""
+    split = metrics.loss_breakdown(_elche_records(), [100.0, 50.0])
+    assert split["in_arm_efficiency"] == pytest.approx(230.0 / (2.2 * 150.0))
+    fast_solos = metrics.loss_breakdown(_elche_records(), [200.0, 100.0])
+    assert fast_solos["efficiency"] == pytest.approx(split["efficiency"] / 2)
+    assert fast_solos["in_arm_efficiency"] == pytest.approx(split["in_arm_efficiency"])
+    slow_rank_1 = _elche_records()
+    for point in slow_rank_1[0]["rounds"][1:]:
+        point["compute_s"][1] *= 2  # rank 1 computed at 25 samples/s in the arm
+    assert metrics.loss_breakdown(slow_rank_1, [100.0, 50.0])["in_arm_efficiency"] == pytest.approx(
+        230.0 / (2.2 * (100.0 + 25.0)))
+    idle = _elche_records()
+    for point in idle[0]["rounds"]:
+        point["compute_s"][1] = 0.0  # no window compute measured: no in-arm speed to read
+    assert metrics.loss_breakdown(idle, [100.0, 50.0])["in_arm_efficiency"] is None
+
+
 def test_loss_breakdown_first_window_and_device_side_averaging():
     records = _elche_records()
     records[0]["rounds"][0]["calibrations"] = 0  # round 2 then closes a window planned uncalibrated

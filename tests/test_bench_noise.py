@@ -117,3 +117,28 @@ def test_the_warnings_go_to_stderr_for_every_setting(capsys):
     assert lines and err.splitlines() == lines
     assert err.startswith("[bench] warning (k1): the efficiency of `ddp` varies by 33.3 % between passes")
     assert warn_noise({**quiet, "setting": {"label": "k3"}}) == [] and capsys.readouterr().err == ""
+
+
+def test_each_elche_arm_gets_the_median_range_and_spread_of_its_in_arm_efficiency_beside_its_efficiency():
+    """The machine moved between passes (efficiency 0.80, 0.95, 0.88: a 17 % spread) while the ranks'
+    own speeds inside the arm kept the in-arm efficiency at 0.93-0.94: both are reported, side by side."""
+    from lightning_elche.bench.report import in_arm_table
+
+    def one(efficiency: float, in_arm: float) -> dict[str, Any]:
+        arm = {"kind": "elche", "samples_per_s": 100 * efficiency, "efficiency": efficiency,
+               "in_arm_efficiency": in_arm, "idle": [0.0, 0.0]}
+        return {"measured_slowdown": 4.0, "ideal_samples_per_s": 100.0, "speed_share": [0.8, 0.2],
+                "arms": {"ddp": {"kind": "ddp", "samples_per_s": 40.0, "efficiency": 0.4, "idle": [0.0, 0.0]},
+                         "cpu_async": arm}}
+
+    section = metrics.aggregate_passes([one(0.80, 0.93), one(0.95, 0.94), one(0.88, 0.935)])
+    row = section["arms"]["cpu_async"]
+    assert row["in_arm_efficiency"] == pytest.approx(0.935)
+    assert row["in_arm_efficiency_range"] == pytest.approx([0.93, 0.94])
+    assert row["in_arm_efficiency_spread"] == pytest.approx(0.01 / 0.935)
+    assert row["efficiency_spread"] == pytest.approx(0.15 / 0.88)
+    assert "in_arm_efficiency_spread" not in section["arms"]["ddp"]
+    lines = in_arm_table(section)
+    assert lines[2] == "| `cpu_async` | 0.88 [0.80, 0.95] | 17.0 % | 0.94 [0.93, 0.94] | 1.1 % |", lines
+    assert all("`ddp`" not in line for line in lines), "DDP's ranks have no window compute to read"
+    assert in_arm_table(metrics.aggregate_passes([_pass((100, 25), 25)])) == [], "no ElChe arm, no table"

@@ -209,7 +209,8 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
         out["round_s"] = mean_round_seconds(records, info["rounds"])
         # Only the nccl_* modes queue the parameter all-reduce on the device without the host waiting.
         device_reduce = records[0].get("device_type") == "cuda" and arm.startswith("nccl")
-        out["loss_breakdown"] = loss_breakdown(records, solo_rates, reduce_device_s if device_reduce else None)
+        out["loss_breakdown"] = split = loss_breakdown(records, solo_rates, reduce_device_s if device_reduce else None)
+        out["in_arm_efficiency"] = split.get("in_arm_efficiency") if split else None
     idle, how = idle_fractions(kind, records, solo_rates, records[0]["batch_size"])
     steady = [r["steps"] for r in records]  # each rank's batches from epoch 1 on (the meter's count)
     out.update({
@@ -320,8 +321,8 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
     }
 
 
-_AGGREGATED = ("samples_per_s", "efficiency", "speedup_vs_ddp", "syncs", "samples_per_sync", "bytes_per_sample",
-               "share_error")
+_AGGREGATED = ("samples_per_s", "efficiency", "in_arm_efficiency", "speedup_vs_ddp", "syncs", "samples_per_sync",
+               "bytes_per_sample", "share_error")
 
 
 SPREAD_WARNING = 0.05
@@ -409,12 +410,15 @@ def aggregate_passes(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
             merged[key] = _median(values)
             if len(passes) > 1:
                 merged[f"{key}_per_pass"] = values
-                if key in ("samples_per_s", "efficiency"):
+                if key in ("samples_per_s", "efficiency", "in_arm_efficiency"):
                     merged[f"{key}_range"] = _range(values)
         idle = [p["arms"][arm]["idle"] for p in passes if arm in p["arms"]]
         merged["idle"] = [_median(v[k] for v in idle) for k in range(len(idle[0]))]
         merged["efficiency_spread"] = efficiency_spread([p["arms"][arm].get("efficiency") for p in passes
                                                          if arm in p["arms"]])
+        if merged.get("kind") == "elche":
+            merged["in_arm_efficiency_spread"] = efficiency_spread([p["arms"][arm].get("in_arm_efficiency")
+                                                                    for p in passes if arm in p["arms"]])
         if merged.get("kind") == "solo":
             merged["rate_drift"] = relative_spread([p["arms"][arm]["samples_per_s"] for p in passes
                                                     if arm in p["arms"]])
@@ -644,9 +648,14 @@ def loss_breakdown(records: Sequence[dict[str, Any]], solo_rates: Sequence[float
         return sum(rate * s for rate, s in zip(solo_rates, seconds, strict=True)) / capacity
 
     trained = sum(r["samples"] for r in records)
+    # The same span against the speeds the ranks computed at inside this arm (their window compute,
+    # throttle included): no solo fit in it, so a machine that speeds up or slows down between the
+    # solos and the arm moves it far less; it leaves out (e), which only the solos can measure.
+    in_arm_capacity = span * sum(records[r]["samples"] / compute[r] for r in range(world)) if min(compute) > 0 else 0.0
     return {
         "span_s": span,
         "efficiency": trained / capacity,
+        "in_arm_efficiency": trained / in_arm_capacity if in_arm_capacity > 0 else None,
         "one_minus_efficiency": 1.0 - trained / capacity,
         "fractions": {name: share(parts[name]) for name in BREAKDOWN_PARTS},
         "rest_detail": {"compute_vs_solo": share(compute_vs_solo), "outside_rounds": share(outside)},

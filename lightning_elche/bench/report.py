@@ -154,6 +154,28 @@ def breakdown_table(section: dict[str, Any]) -> list[str]:
     return lines
 
 
+def in_arm_table(section: dict[str, Any]) -> list[str]:
+    """Each ElChe arm's efficiency and in-arm efficiency side by side, with their spreads over the
+    passes (empty for results recorded before the in-arm efficiency existed)."""
+    rows = {arm: row for arm, row in section["arms"].items() if row.get("kind") == "elche"
+            and row.get("in_arm_efficiency") is not None}
+    if not rows:
+        return []
+
+    def cell(row: dict[str, Any], key: str) -> str:
+        text, bounds = _num(row.get(key)), row.get(f"{key}_range")
+        return text + (f" [{_num(bounds[0])}, {_num(bounds[1])}]" if bounds else "")
+
+    def spread(value: Optional[float]) -> str:
+        return _num(None if value is None else 100 * value, 1, " %")
+
+    lines = ["| arm | efficiency | spread | in-arm efficiency | spread |", "|---|---:|---:|---:|---:|"]
+    for arm, row in rows.items():
+        lines.append(f"| `{arm}` | {cell(row, 'efficiency')} | {spread(row.get('efficiency_spread'))} | "
+                     f"{cell(row, 'in_arm_efficiency')} | {spread(row.get('in_arm_efficiency_spread'))} |")
+    return lines
+
+
 def _sizes(values: list[Optional[Any]]) -> str:
     return " / ".join("-" if v is None else str(v) for v in values)
 
@@ -205,6 +227,11 @@ def section_extras(section: dict[str, Any], world: int) -> list[str]:
     if memory:
         out += ["", "Memory of each fit (last pass; peaks per rank from `torch.cuda.max_memory_*`, reset before "
                 "the fit; the difference to DDP in f32 parameter copies):", "", *memory]
+    in_arm = in_arm_table(section)
+    if in_arm:
+        out += ["", "Each ElChe arm's efficiency against the speeds its ranks computed at inside the arm (no solo fit "
+                "in it: a machine whose speed moves between the solos and the arms moves it far less; it leaves out "
+                "(e) below, computing slower than alone; median over passes [min, max]):", "", *in_arm]
     split = breakdown_table(section)
     if split:
         out += ["", "Where each ElChe arm's lost efficiency goes (last pass; percent of the ideal, the parts sum to "
