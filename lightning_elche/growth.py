@@ -309,11 +309,12 @@ class Growth:
             engine.request_consensus(at_round=self.admit_at)
             # The joiners are ready and wait for that round: the window before it ends after its first step,
             # not at its plan (a new epoch's first window, a cpu_async window: seconds), unless a rank's
-            # drain of an equal split or a save would keep that round from admitting anyway. The session
-            # leaves the epoch after an epoch's last round (this round's doing, set before this listener
-            # runs): that does not hinder the next epoch's first round.
-            self._hurry = not saving and (outcome.ends_window_sequence
-                                          or all_can_admit(outcome, engine.run_mode.dispatch))
+            # drain of an equal split, a save or a stop would keep that round from admitting anyway. The
+            # session leaves the epoch after an epoch's last round (this round's doing, set before this
+            # listener runs): that does not hinder the next epoch's first round. A stop deferred until
+            # ``min_epochs`` ends every round's sequence until then: none of them admits, so no hurry.
+            self._hurry = not saving and (outcome.epoch_over if outcome.ends_window_sequence
+                                          else all_can_admit(outcome, engine.run_mode.dispatch))
 
     def _admit_joiners(self, trainer: Trainer, count: int, engine: Any, session: Any, sampler: Any) -> None:
         assert self.admitter is not None and self.survival is not None

@@ -301,13 +301,15 @@ def test_a_round_that_saw_joiners_answers_the_requests_its_members_saw_while_the
 
 
 @pytest.mark.parametrize(("case", "hurries"), [("epoch_end", True), ("async_round", True), ("equal_split_drain", False),
-                                               ("pending_save", False)])
+                                               ("pending_save", False), ("stop_before_min_epochs", False)])
 def test_a_named_admission_round_ends_the_window_before_it_after_one_step(case: str, hurries: bool) -> None:
     """Joiners ready at a round that cannot admit them (the epoch's last round, a cpu_async round)
     are admitted at a named later round; the window before it ends after its first step instead of
     running its plan (measured on the churn rig: a replacement ready in an epoch-end drain waited
     7.8 s, a whole first window of the next epoch). Not where that round could not admit either: a
-    rank draining its equal split (every window would be one step until the epoch's end) or a save.
+    rank draining its equal split (every window would be one step until the epoch's end), a save, or
+    a stop that ``min_epochs`` defers (every round ends the sequence and admits nobody until then: the
+    windows would be one step for epochs).
 
     The session is a real one, told of the round first as the round driver does: at an epoch's last
     round it is leaving the epoch when the listener runs (a fake session that was not hid that the
@@ -323,14 +325,16 @@ def test_a_named_admission_round_ends_the_window_before_it_after_one_step(case: 
     draining = case in ("epoch_end", "equal_split_drain")
     reports = [SimpleNamespace(joiners=1, requests_read=1, out_of_data=draining and (r == 1 or case == "epoch_end"),
                                epoch_batches=4) for r in range(3)]
-    stop = StopRequest.SIGTERM if case == "pending_save" else StopRequest.NONE
+    stop = {"pending_save": StopRequest.SIGTERM, "stop_before_min_epochs": StopRequest.GRACEFUL}.get(case,
+                                                                                                   StopRequest.NONE)
     outcome = SimpleNamespace(reports=reports, index=7, epoch_over=case == "epoch_end", stop_level=stop,
-                              budget_reached=False, ends_window_sequence=case in ("epoch_end", "pending_save"),
-                              consensus=case not in ("async_round",))
+                              budget_reached=False, consensus=case not in ("async_round",),
+                              ends_window_sequence=case in ("epoch_end", "pending_save", "stop_before_min_epochs"))
     session = Session(3)
     session.start_batch(epoch=0, samples=8)
-    session.after_round(outcome, lambda: True)  # type: ignore[arg-type]
-    assert session.leaving is outcome.ends_window_sequence
+    deferred = case == "stop_before_min_epochs"
+    session.after_round(outcome, lambda: not deferred)  # type: ignore[arg-type]
+    assert session.leaving is (outcome.ends_window_sequence and not deferred)
     growth.after_round(None, outcome, engine, session, object())  # type: ignore[arg-type]
     assert growth.admit_at == (8 if outcome.ends_window_sequence else 9)
     assert growth.hurried() is hurries, "the engine ends its window at the first step it asks (ElCheEngine.knocks)"
