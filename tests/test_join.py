@@ -578,3 +578,31 @@ def test_a_joiner_ready_in_a_long_window_is_admitted_within_steps_not_at_its_end
     assert join["epoch"] == hold["epoch"] == 0, (hold, join)
     print(f"{mode}: admitted {join['global_step'] - hold['at_step']} steps after the hold")
     assert join["global_step"] - hold["at_step"] <= 20, (hold, join)
+
+
+def _steps_in_epoch(out: Path, rank: int, epoch: int) -> int:
+    rows = (out / f"steps-rank{rank}.jsonl").read_text().splitlines()
+    return sum(json.loads(row)["epoch"] == epoch for row in rows)
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", *(pytest.param(m, marks=pytest.mark.faults)
+                                                   for m in ("nccl_cadence", "cpu_async"))])
+def test_a_joiner_read_into_an_epochs_last_round_is_admitted_after_one_step_of_the_next(tmp_path: Path,
+                                                                                       mode: str) -> None:
+    # Rank 0 holds at its last batch of epoch 0 until rank 1 waits in the epoch's last round, then the
+    # joiner asks: that round reads the request and cannot admit it (nobody trains further in the
+    # epoch), so it names the next epoch's first round, and the window before it (planned for tens of
+    # steps: anchor 40) ends after one step on every member. Until b777c81 it ran its plan: the session
+    # was already leaving the epoch when the growth listener ran, which read that as a hindrance.
+    job = run_join_job(tmp_path, mode, joiner_extra=("--request-once-held", *LONG_WINDOWS), holds=("end0:1",),
+                       cohort_extra=LONG_WINDOWS, timeout_s=300)
+    check_joined(job)
+    hold = json.loads((tmp_path / "holds-rank0.jsonl").read_text().splitlines()[0])
+    assert hold["epoch"] == 0 and hold["requests"] >= 1, hold
+    for rank in (0, 1):
+        join = job.results[rank]["changes"][0]
+        assert join["joined"] == [JOINER] and join["epoch"] == 1, (rank, join)
+        # The change is taken inside the round at the end of the window's first batch, before Lightning
+        # counts that batch's step: 0 here; the window's plan was 35-39 steps on b777c81's parent.
+        before = join["global_step"] - _steps_in_epoch(tmp_path, rank, 0)
+        assert before <= 1, f"rank {rank} took {before} steps of epoch 1 before the admission round's batch"

@@ -539,17 +539,30 @@ class RecordChanges(pl.Callback):
 class HoldForJoiner(pl.Callback):
     """Launch rank 0, once: at its first batch from its optimizer step ``step`` on at which the fit
     has at least ``world`` ranks, wait until ``count`` joiners have asked to join (a loaded test
-    machine may take longer to start a joiner than the fit takes to end)."""
+    machine may take longer to start a joiner than the fit takes to end).
 
-    def __init__(self, step: int, count: int = 1, world: int = 0) -> None:
-        self.step, self.count, self.world = step, count, world
+    ``epoch_end``: instead, at the start of its last batch of epoch ``epoch_end`` (the pool dry),
+    first wait ``EPOCH_END_SETTLE_S`` for the other ranks to train what they claimed and wait in the
+    epoch's last round, then let the joiners ask (``--request-once-held``): their requests reach
+    that round, which cannot admit them."""
+
+    def __init__(self, step: int, count: int = 1, world: int = 0, epoch_end: Optional[int] = None) -> None:
+        self.step, self.count, self.world, self.epoch_end = step, count, world, epoch_end
         self.held = False
+
+    def _due(self, trainer: pl.Trainer) -> bool:
+        if self.epoch_end is not None:
+            return (trainer.current_epoch == self.epoch_end
+                    and bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch))
+        return trainer.global_step >= self.step and trainer.world_size >= self.world
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self.held or trainer.global_step < self.step or trainer.world_size < self.world:
+        if self.held or not self._due(trainer):
             return
         self.held = True
+        if self.epoch_end is not None:
+            time.sleep(EPOCH_END_SETTLE_S)
         store, deadline = trainer.strategy.job_store, time.monotonic() + 180.0
         store.set(HOLDING_KEY, str(trainer.current_epoch))
         # Waiting here is not a stall: the peers judge this rank by its progress after its first round.
@@ -566,6 +579,7 @@ class HoldForJoiner(pl.Callback):
 
 
 HOLDING_KEY = "lightning_elche/test/rank0-holds"
+EPOCH_END_SETTLE_S = 3.0
 
 
 def request_once_held() -> None:
@@ -868,7 +882,10 @@ def main(args: argparse.Namespace) -> None:
     if ORIGINAL_RANK == 0 and not os.environ.get("ELCHE_JOIN"):
         for hold in args.hold_for_joiner:
             step, count, world = (hold.split(":") + ["1", "0"])[:3]
-            callbacks.append(HoldForJoiner(int(step), int(count), int(world)))
+            if step.startswith("end"):  # endE: rank 0's last batch of epoch E
+                callbacks.append(HoldForJoiner(0, int(count), epoch_end=int(step.removeprefix("end"))))
+            else:
+                callbacks.append(HoldForJoiner(int(step), int(count), int(world)))
     for fault in args.fault:
         kind, rank, step, *epoch = fault.split(":")
         if kind not in KINDS:
@@ -960,7 +977,8 @@ if __name__ == "__main__":
                         help="RANK:POINT (admitted, entered, side_group, taking, applied; rank 0: offered, "
                         "sending, rest)")
     parser.add_argument("--hold-for-joiner", action="append", default=[],
-                        help="STEP[:COUNT[:WORLD]]: launch rank 0 waits there for COUNT join requests")
+                        help="STEP[:COUNT[:WORLD]]: launch rank 0 waits there for COUNT join requests "
+                        "(STEP endE: at its last batch of epoch E, once the others wait in the epoch's last round)")
     parser.add_argument("--params", type=float, default=0, help="an MLP of about this many parameters")
     parser.add_argument("--digits", action="store_true", help="the digits workload (held-out accuracy in the result)")
     parser.add_argument("--seed", type=int, default=0)
