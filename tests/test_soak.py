@@ -288,6 +288,21 @@ def test_a_few_random_faults(tmp_path: Path, trial: Trial) -> None:
     run_trial(tmp_path, trial)
 
 
+LOST_WHILE_SAVING = Trial("fixed", 0, "cpu_cadence", 3, 2, (), 1, ("loop:0:1:sanity",), ("stop:2:checkpoint_save:0",))
+"""Draw 14.015 at 3 ranks: rank 0 spins in the sanity check, which reaches ``max_failure=1``; while the
+survivors save the consensus, rank 2 stops. Until the fix the save's barrier failed on every survivor
+and the fit ended in a cascade of CollectiveMismatch errors without a checkpoint."""
+
+
+@pytest.mark.timeout(420)
+def test_a_rank_lost_while_the_survivors_save_at_max_failure_in_an_evaluation(tmp_path: Path) -> None:
+    run_trial(tmp_path, LOST_WHILE_SAVING)
+    saved = any(tmp_path.rglob("last-ranks-lost.ckpt"))
+    assert saved, "the survivors left no checkpoint"
+    log = (tmp_path / "job.log").read_text()
+    assert "lost rank 0" in log and "rank 2 (" in log and "1 survivor(s) saved" in log, log[-3000:]
+
+
 @pytest.mark.faults
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("trial", SOAK, ids=lambda trial: trial.name)
