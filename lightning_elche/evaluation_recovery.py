@@ -83,9 +83,11 @@ class EvaluationRecovery:
             RanksLost: the others declared this rank lost, or the change reached ``max_failure``
                 (after the survivors saved the consensus).
         """
-        change = self._take(error) if isinstance(error, CollectiveMismatch) else None
-        if change is None:
+        engine = self.engine()
+        changes = engine.failures if engine is not None else None
+        if not isinstance(error, CollectiveMismatch) or error.lost is None or changes is None:
             return False
+        change = changes.after_failed_round(error.lost)
         work = self.dispatch()
         if work is not None and work.returned_batches > 0:
             raise RuntimeError(
@@ -106,31 +108,14 @@ class EvaluationRecovery:
             RanksLost: always, once saved."""
         started = time.perf_counter()
         path = stop_checkpoint_path(self.trainer, RANKS_LOST_CHECKPOINT_NAME)
-        reasons, survivors = dict(change.reasons), change.world_size_after
-        while True:
-            try:
-                self.trainer.save_checkpoint(path)
-                break
-            except CollectiveMismatch as error:
-                # Another rank lost in the save's collectives. Inside an evaluation they hand the loss
-                # back here (outside one the collective's recovery saves in its place): the rest agree
-                # on it, regroup, and save again; each pass loses a rank, so this ends.
-                later = self._take(error)
-                if later is None:
-                    raise
-                reasons.update(later.reasons)
-                survivors = later.world_size_after
-        lost = ", ".join(f"rank {r} ({why})" for r, why in reasons.items())
+        # The evaluation will not run again: a rank lost in the save's collectives is the collectives'
+        # own recovery's to survive, which saves again among the rest (nested here) as in training.
+        self.evaluating = -1
+        self.trainer.save_checkpoint(path)
+        losses = getattr(self.trainer.strategy, "lost_ranks", None) or [change]  # every loss of the fit
+        lost = ", ".join(f"rank {r} ({why})" for loss in losses for r, why in loss.reasons.items())
         raise RanksLost(
             f"ElCheStrategy: max_failure={self.max_failure!r} reached {where}: lost {lost} (original "
-            f"ranks). The {survivors} survivor(s) saved the consensus checkpoint {path} in "
+            f"ranks). The {change.world_size_after} survivor(s) saved the consensus checkpoint {path} in "
             f"{time.perf_counter() - started:.2f} s; resume with Trainer.fit(ckpt_path=...)."
         )
-
-    def _take(self, error: CollectiveMismatch) -> Optional[Change]:
-        """The change that carries the fit past the loss ``error`` names (None: not a loss to survive)."""
-        engine = self.engine()
-        changes = engine.failures if engine is not None else None
-        if error.lost is None or changes is None:
-            return None
-        return changes.after_failed_round(error.lost)
