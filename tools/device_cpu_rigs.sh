@@ -17,28 +17,26 @@ date -u > /tmp/rig-logs/date
 # LAYOUT=pair: only the two cpu4 runs, on halves of the machine (0-7 and 8-15), nothing else.
 # LAYOUT=alone: the two cpu4 runs one after the other on cores 0-7, nothing else on the machine but,
 # with GPU_ROUND=1, tools/device_gpu_round.sh on cores 12-15 during the first; PASSES (default 1) each.
-cores_a=0-3; cores_b=4-7
-[[ "${LAYOUT:-}" == pair ]] && { cores_a=0-7; cores_b=8-15; }
+cpu4() {  # cpu4 RUN CORES PASSES
+  pin "$2" python3 -m lightning_elche.bench --rig cpu4 "${common[@]}" --rank-slowdowns 1,2,3,4.5 --throughput-seeds "$3" \
+    --out "$out/$1" > "/tmp/rig-logs/cpu4-$1.log" 2>&1
+}
+gpu=/tmp/rig-logs/gpu
 if [[ "${LAYOUT:-}" == alone ]]; then
-  gpu=/tmp/rig-logs/gpu; mkdir -p "$gpu"; rmdir "$out/c"
+  mkdir -p "$gpu"; rmdir "$out/c"
   [[ -n "${GPU_ROUND:-}" ]] && { pin 12-15 bash tools/device_gpu_round.sh "$gpu" > "$gpu/summary.txt" 2>&1 & }
-  for run in a b; do
-    pin 0-7 python3 -m lightning_elche.bench --rig cpu4 "${common[@]}" --rank-slowdowns 1,2,3,4.5 \
-      --throughput-seeds "${PASSES:-1}" --out "$out/$run" > "/tmp/rig-logs/cpu4-$run.log" 2>&1
-  done
-  wait
-  tar -czf "$out/logs.tar.gz" -C /tmp rig-logs
-  for f in "$out"/a/cpu4.md "$out"/b/cpu4.md; do [[ -f "$f" ]] && { echo "== $f"; grep -E "efficiency|share error|slowdown|warning" "$f" | head -12; }; done
-  tail -n 3 /tmp/rig-logs/*.log; tail -n 30 "$gpu/summary.txt" 2>/dev/null
-  exit 0
+  cpu4 a 0-7 "${PASSES:-1}"
+  cpu4 b 0-7 "${PASSES:-1}"
+elif [[ "${LAYOUT:-}" == pair ]]; then
+  cpu4 a 0-7 3 & cpu4 b 8-15 3 &
+else
+  cpu4 a 0-3 3 & cpu4 b 4-7 3 &
+  pin 8-15 python3 -m lightning_elche.bench --rig cpu8 "${common[@]}" \
+    --rank-slowdowns 1,2,3,4.5,1,2,3,4.5 --throughput-seeds 2 --out "$out/c" > /tmp/rig-logs/cpu8-c.log 2>&1 &
 fi
-pin "$cores_a" python3 -m lightning_elche.bench --rig cpu4 "${common[@]}" --rank-slowdowns 1,2,3,4.5 --throughput-seeds 3 \
-  --out "$out/a" > /tmp/rig-logs/cpu4-a.log 2>&1 &
-pin "$cores_b" python3 -m lightning_elche.bench --rig cpu4 "${common[@]}" --rank-slowdowns 1,2,3,4.5 --throughput-seeds 3 \
-  --out "$out/b" > /tmp/rig-logs/cpu4-b.log 2>&1 &
-[[ "${LAYOUT:-}" == pair ]] || pin 8-15 python3 -m lightning_elche.bench --rig cpu8 "${common[@]}" \
-  --rank-slowdowns 1,2,3,4.5,1,2,3,4.5 --throughput-seeds 2 --out "$out/c" > /tmp/rig-logs/cpu8-c.log 2>&1 &
 wait
 tar -czf "$out/logs.tar.gz" -C /tmp rig-logs
 for f in "$out"/a/cpu4.md "$out"/b/cpu4.md "$out"/c/cpu8.md; do [[ -f "$f" ]] || continue; echo "== $f"; grep -E "efficiency|share error|slowdown|warning" "$f" | head -12; done
 tail -n 3 /tmp/rig-logs/*.log
+[[ -f "$gpu/summary.txt" ]] && tail -n 30 "$gpu/summary.txt"
+exit 0
