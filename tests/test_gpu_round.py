@@ -111,7 +111,8 @@ def test_the_fused_drift_matches_the_multi_tensor_path_and_a_failed_round_restor
 
 def test_the_one_launch_drift_sums_every_block_of_every_dtype_round_after_round(tmp_path):
     """Blocks of two dtypes (two launches sharing one ticket counter), more blocks than the last
-    program sums in one pass, and rounds back to back: the counter must be back at 0 after every
+    program sums in one pass, rounds back to back, tensors whose offsets allow 16-byte loads and
+    tensors whose offsets or pre-round copies do not: the counter must be back at 0 after every
     round and the measurement must equal float64 norms of the same values."""
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
@@ -123,7 +124,10 @@ def test_the_one_launch_drift_sums_every_block_of_every_dtype_round_after_round(
         assert len(plane.layout.joint) == 2
         for round_index in range(4):
             for p in model.parameters():
-                p.grad = torch.randn_like(p)
+                if round_index % 2:  # gradients one element past a 16-byte boundary: 4-byte loads
+                    p.grad = torch.randn(p.numel() + 1, device="cuda", dtype=p.dtype)[1:].view_as(p)
+                else:
+                    p.grad = torch.randn_like(p)
             before = [p.detach().double().clone() for p in model.parameters()]
             factor = 0.5 + 0.1 * round_index
 

@@ -23,8 +23,11 @@ divergence norms and the launches, at the benchmark's two model sizes:
   full; with peers it runs while this rank waits for the slowest one.
 
 Each size is measured with the fused drift measurement launched after the reduce (CUDA, Triton;
-the default), ``-queued`` with the same kernel queued behind the reduce on a side stream
-(``CollectivePlane.queued``), and ``-multi-tensor`` with PyTorch's multi-tensor kernels.
+the default), ``-narrow-loads`` with that kernel's loads 4 bytes wide (``FusedDrift.vector_bytes``,
+as before its alignment hints), ``-queued`` with the fused kernel queued behind the reduce on a
+side stream (``CollectivePlane.queued``), and ``-multi-tensor`` with PyTorch's multi-tensor
+kernels. ``drift_kernel_us`` and ``drift_read_tb_per_s``: the drift kernel's device time and the
+bandwidth of its two reads (the pre-round values and the consensus).
 
     python tools/averaging_overhead.py --out overhead.json
 """
@@ -118,6 +121,10 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
     plane.fused = variant != "multi-tensor"
     plane.queued = variant == "queued"
+    if variant == "narrow-loads":
+        plane._pre_round()
+        assert plane._drift is not None, "the fused drift needs CUDA and Triton"
+        plane._drift.vector_bytes = 4
     weights = round_weights([1], 1.0)
     grads = [torch.empty_like(p) for p in params]
 
@@ -156,6 +163,7 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     bare_round_ms, wall_bare_round_ms = timed(bare_round, lambda: None, iters)
     per_round, names, spent = kernels(average, after_a_step, 20)
     bare_kernels, bare_names, _ = kernels(bare, lambda: None, 20)
+    drift_us = sum(us for name, us in spent.items() if "drift" in name)  # the Triton kernel's name
     plane.watch = PollingWatch()  # type: ignore[assignment]
     for _ in range(5):
         after_a_step()
@@ -179,6 +187,8 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
         "watched_own_ms": watched_ms - bare_ms,
         "wall_watched_own_ms": wall_watched_ms - wall_bare_ms,
         "own_kernel_us": sum(us for name, us in spent.items() if name not in bare_names),
+        "drift_kernel_us": drift_us,
+        "drift_read_tb_per_s": 2 * numel * 4 / drift_us / 1e6 if drift_us else None,
         "kernel_us": spent,
         "kernels_per_round": per_round,
         "kernels_of_the_bare_collective": bare_kernels,
@@ -200,7 +210,7 @@ def main() -> None:
         try:
             result: dict[str, object] = {
                 f"{name}{'' if variant == 'fused' else '-' + variant}": measure(mb, args.iters, args.tensors, variant)
-                for name, mb in SIZES_MB.items() for variant in ("fused", "queued", "multi-tensor")
+                for name, mb in SIZES_MB.items() for variant in ("fused", "narrow-loads", "queued", "multi-tensor")
             }
         finally:
             dist.destroy_process_group()

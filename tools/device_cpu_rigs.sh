@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The N-rank CPU rigs on the 16-core device machine (issue 25, items 3-4): two runs of cpu4 on
 # cores 0-3 and 4-7 (the same commit twice, side by side: the noise check) and one cpu8 on cores
-# 8-15, at the full budget, speeds spread 4.5x, interleaved passes with solos before and after
-# the arms; the bench skips a pass that would end after DEADLINE s (default 470).
+# 8-15, at the full budget, speeds spread 4.5x, PASSES (default 1) interleaved passes each with
+# solos before and after the arms; the bench skips a pass that would end after DEADLINE s
+# (default 470).
 # Usage: tools/device_cpu_rigs.sh OUT. Writes seven files: a/cpu4.{md,json}, b/cpu4.{md,json},
 # c/cpu8.{md,json} and logs.tar.gz. COMMIT is stamped into the reports (the copied tree has no git).
 set -u
@@ -30,9 +31,9 @@ if [[ "${LAYOUT:-}" == alone ]]; then
 elif [[ "${LAYOUT:-}" == pair ]]; then
   cpu4 a 0-7 3 & cpu4 b 8-15 3 &
 else
-  cpu4 a 0-3 3 & cpu4 b 4-7 3 &
+  cpu4 a 0-3 "${PASSES:-1}" & cpu4 b 4-7 "${PASSES:-1}" &
   pin 8-15 python3 -m lightning_elche.bench --rig cpu8 "${common[@]}" \
-    --rank-slowdowns 1,2,3,4.5,1,2,3,4.5 --throughput-seeds 2 --out "$out/c" > /tmp/rig-logs/cpu8-c.log 2>&1 &
+    --rank-slowdowns 1,2,3,4.5,1,2,3,4.5 --throughput-seeds "${PASSES:-1}" --out "$out/c" > /tmp/rig-logs/cpu8-c.log 2>&1 &
 fi
 wait
 tar -czf "$out/logs.tar.gz" -C /tmp rig-logs

@@ -40,23 +40,36 @@ FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Triton compiles these sources itself: a parameter may carry no annotation but ``tl.constexpr``
 # (it resolves every other one as a global of the kernel, and fails).
-def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
+def _drift_source(live_ptr, offsets_ptr, saved_offsets_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
                   block_start_ptr, partial_ptr, first_block, tickets_ptr, out_ptr, total_blocks,
-                  BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr, VECTOR: tl.constexpr):
     """One program: one block of one tensor; its three partial sums of squares. The program that
     finishes last (of every launch of the round: they share the ticket counter) sums the partials
     of all, in float64 and in block order (the result does not depend on which program is last),
-    takes the square roots and resets the counter for the next round."""
+    takes the square roots and resets the counter for the next round.
+
+    The pre-round copy is addressed from ``live_ptr`` (its distance in elements), so that both loads
+    derive from the launch's one specialized pointer: where a tensor's offsets and size are whole
+    multiples of ``VECTOR`` elements (16 bytes), the hints below let the compiler load 16 bytes per
+    instruction; a loaded address alone carries no alignment, and every load was 4 bytes wide."""
     block = tl.program_id(0)
     tensor = tl.load(block_tensor_ptr + block)
     start = tl.load(block_start_ptr + block)
     size = tl.load(sizes_ptr + tensor)
     offset = tl.load(offsets_ptr + tensor)
-    saved = tl.load(saved_addresses_ptr + tensor).to(tl.pointer_type(live_ptr.dtype.element_ty))
-    index = start + tl.arange(0, BLOCK)
-    mask = index < size
-    pre = tl.load(saved + index, mask=mask, other=0.0).to(tl.float32)
-    consensus = tl.load(live_ptr + offset + index, mask=mask, other=0.0).to(tl.float32)
+    saved = tl.load(saved_offsets_ptr + tensor)
+    if (offset % VECTOR == 0) & (saved % VECTOR == 0) & (size % VECTOR == 0):
+        # Rounded down to what they already are: the products carry their divisibility to the
+        # compiler. (``tl.multiple_of`` would mark the loads themselves, and the branch below too.)
+        index = (start // BLOCK) * BLOCK + tl.arange(0, BLOCK)
+        mask = index < (size // VECTOR) * VECTOR
+        pre = tl.load(live_ptr + (saved // VECTOR) * VECTOR + index, mask=mask, other=0.0).to(tl.float32)
+        consensus = tl.load(live_ptr + (offset // VECTOR) * VECTOR + index, mask=mask, other=0.0).to(tl.float32)
+    else:
+        index = start + tl.arange(0, BLOCK)
+        mask = index < size
+        pre = tl.load(live_ptr + saved + index, mask=mask, other=0.0).to(tl.float32)
+        consensus = tl.load(live_ptr + offset + index, mask=mask, other=0.0).to(tl.float32)
     delta = pre - consensus
     out = partial_ptr + 3 * (first_block + block)
     tl.store(out, tl.sum(delta * delta, axis=0))
@@ -102,6 +115,10 @@ class FusedDrift:
         current: each parameter's live view (slices of ``joint``), in :class:`PreRoundValues` order.
     """
 
+    vector_bytes = 16
+    """Widest load the kernel is compiled for, where a tensor's offsets allow it (4: every load one
+    f32 value wide, as before the hints; ``tools/averaging_overhead.py`` measures both)."""
+
     def __init__(self, joint: Sequence[Tensor], current: Sequence[Tensor]) -> None:
         device = current[0].device
         self._groups: list[tuple[Tensor, list[int], Tensor, Tensor, Tensor, Tensor, int, int]] = []
@@ -127,16 +144,19 @@ class FusedDrift:
         self._tickets = torch.zeros(1, dtype=torch.int32, device=device)  # programs finished this round
         self._tables: dict[int, tuple[list[int], Tensor]] = {}
 
-    def _address_table(self, group: int, addresses: list[int]) -> Tensor:
-        """The device copy of a group's pre-round addresses. The allocator usually hands a step's
-        gradients the same blocks every step, so the table is mostly the last round's; a new one
-        goes up from pinned memory without the host waiting for the device (a pageable copy
-        would wait for every kernel queued before it)."""
+    def _address_table(self, group: int, flat: Tensor, addresses: list[int]) -> Tensor:
+        """The device copy of a group's pre-round addresses, as distances in elements from the
+        group's flat buffer. The allocator usually hands a step's gradients the same blocks every
+        step, so the table is mostly the last round's; a new one goes up from pinned memory
+        without the host waiting for the device (a pageable copy would wait for every kernel
+        queued before it)."""
         cached = self._tables.get(group)
         if cached is not None and cached[0] == addresses:
             return cached[1]
         device = self._partials.device
-        host = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda")
+        base, width = flat.data_ptr(), flat.element_size()
+        distances = [(address - base) // width for address in addresses]
+        host = torch.tensor(distances, dtype=torch.int64, pin_memory=device.type == "cuda")
         table = host.to(device, non_blocking=True)
         self._tables[group] = (addresses, table)
         return table
@@ -149,10 +169,12 @@ class FusedDrift:
             out = torch.empty(3, dtype=torch.float64, device=self._partials.device)
         whole = len(self._groups) == 1 and len(self._groups[0][1]) == len(addresses)
         for group, (flat, members, offsets, sizes, block_tensor, block_start, first, count) in enumerate(self._groups):
-            saved = self._address_table(group, list(addresses) if whole else [addresses[i] for i in members])
+            saved = self._address_table(group, flat, list(addresses) if whole else [addresses[i] for i in members])
             _drift_kernel[(count,)](flat, offsets, saved, sizes, block_tensor, block_start, self._partials,
                                     first, self._tickets, out, self._blocks,
-                                    BLOCK=BLOCK, FINISH_BLOCK=FINISH_BLOCK, num_warps=8)
+                                    BLOCK=BLOCK, FINISH_BLOCK=FINISH_BLOCK,
+                                    VECTOR=max(1, self.vector_bytes // flat.element_size()),
+                                    num_warps=8)
         return out
 
 
