@@ -23,8 +23,9 @@ divergence norms and the launches, at the benchmark's two model sizes:
   full; with peers it runs while this rank waits for the slowest one.
 
 Each size is measured with the fused drift measurement launched after the reduce (CUDA, Triton;
-the default), ``-narrow-loads`` with that kernel's loads 4 bytes wide (``FusedDrift.vector_bytes``,
-as before its alignment hints), ``-queued`` with the fused kernel queued behind the reduce on a
+the default), ``-program-per-block`` with that kernel launched as before
+``FusedDrift.programs_per_sm`` (a program per block of 4,096 values instead of a few looping
+programs per SM), ``-queued`` with the fused kernel queued behind the reduce on a
 side stream (``CollectivePlane.queued``), and ``-multi-tensor`` with PyTorch's multi-tensor
 kernels. ``drift_kernel_us`` and ``drift_read_tb_per_s``: the drift kernel's device time and the
 bandwidth of its two reads (the pre-round values and the consensus).
@@ -121,10 +122,10 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
     plane.fused = variant != "multi-tensor"
     plane.queued = variant == "queued"
-    if variant == "narrow-loads":
+    if variant == "program-per-block":
         plane._pre_round()
         assert plane._drift is not None, "the fused drift needs CUDA and Triton"
-        plane._drift.vector_bytes = 4
+        plane._drift.programs_per_sm = 10**9
     weights = round_weights([1], 1.0)
     grads = [torch.empty_like(p) for p in params]
 
@@ -210,7 +211,7 @@ def main() -> None:
         try:
             result: dict[str, object] = {
                 f"{name}{'' if variant == 'fused' else '-' + variant}": measure(mb, args.iters, args.tensors, variant)
-                for name, mb in SIZES_MB.items() for variant in ("fused", "narrow-loads", "queued", "multi-tensor")
+                for name, mb in SIZES_MB.items() for variant in ("fused", "program-per-block", "queued", "multi-tensor")
             }
         finally:
             dist.destroy_process_group()
