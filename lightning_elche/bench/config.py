@@ -272,23 +272,30 @@ _GPU_BUDGETS = {
 
 
 N_RANK_FULL_SECONDS = 45.0
-"""A ``full`` throughput fit's length on an N-rank rig. Its slowest rank trains a tenth of the
+"""A ``full`` throughput fit's length on an N-rank CPU rig. Its slowest rank trains a tenth of the
 batches at a 4.5x spread: in 20 s that was 14-26 batches, so a 5 % share error was under one
 claim from the pool, and two runs of one commit differed by a round's worth of efficiency
 (``docs/benchmarks.md``, *cpu4 twice*)."""
+N_RANK_FULL_EPOCH_SCALE = 2
+"""A ``full`` epoch on an N-rank CPU rig holds this many times the 2-rank preset's samples per
+rank (8,192 samples on ``cpu4``, about 18 s; CIFAR-10's epoch is 50,000). At an epoch's end the
+fast ranks wait for the slow ones' last batches (the epoch-end drain, reported on its own), a cost
+per epoch: epochs of 9 s made it 2-7 % of the fit (``docs/benchmarks.md``)."""
 
 
 def budget_for(rig: Rig, name: str) -> Budget:
     """The preset of ``name`` for the rig's accelerator. The presets are sized for 2 ranks; on an
     N-rank rig ``quick`` and ``full`` keep the throughput samples per rank (an epoch lasts as long
     on each rank), while ``tiny`` (a structural check) keeps the total, so its epochs get shorter;
-    ``full`` throughput fits on the N-rank CPU rigs last :data:`N_RANK_FULL_SECONDS`."""
+    ``full`` throughput fits on the N-rank CPU rigs last :data:`N_RANK_FULL_SECONDS` and their
+    epochs are :data:`N_RANK_FULL_EPOCH_SCALE` times as long."""
     table = _GPU_BUDGETS if rig.accelerator == "cuda" else _CPU_BUDGETS
     budget = table[name]
     if rig.world_size != 2 and name != "tiny":
         budget = replace(budget, tp_samples=budget.tp_samples * rig.world_size // 2)
     if rig.world_size != 2 and name == "full" and rig.accelerator == "cpu":
-        budget = replace(budget, tp_seconds=max(budget.tp_seconds, N_RANK_FULL_SECONDS))
+        budget = replace(budget, tp_seconds=max(budget.tp_seconds, N_RANK_FULL_SECONDS),
+                         tp_samples=budget.tp_samples * N_RANK_FULL_EPOCH_SCALE)
     return budget
 
 
