@@ -139,14 +139,14 @@ class FusedDrift:
             self._groups.append((flat, members, table(offsets), table(sizes), table(block_tensor),
                                  table(block_start), len(block_tensor)))
         self._blocks = sum(group[-1] for group in self._groups)
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self._partials = torch.empty(0, dtype=torch.float32, device=device)
         self._tickets = torch.zeros(1, dtype=torch.int32, device=device)  # programs finished this round
         self._tables: dict[int, tuple[list[int], Tensor]] = {}
 
     def _grids(self) -> list[int]:
         """Programs of each group's launch; the partial sums' buffer sized for them all."""
-        sms = torch.cuda.get_device_properties(self._device).multi_processor_count if self._device.type == "cuda" else 1
-        limit = max(1, self.programs_per_sm * sms)
+        limit = max(1, self.programs_per_sm * self._sms)
         grids = [min(group[-1], limit) for group in self._groups]
         if self._partials.numel() < 3 * sum(grids):
             self._partials = torch.empty(3 * sum(grids), dtype=torch.float32, device=self._device)
