@@ -1,6 +1,6 @@
 """The one-launch drift kernel run by Triton's interpreter on the CPU (where Triton is installed):
-its arithmetic, programs looping over several blocks or a block each, and the ticket counter,
-against float64 norms. Its speed is the GPU's to show (``tests/test_gpu_round.py``,
+its arithmetic over blocks of several tensors and dtypes, and the ticket counter, against float64
+norms. Its speed is the GPU's to show (``tests/test_gpu_round.py``,
 ``tools/averaging_overhead.py``)."""
 
 from __future__ import annotations
@@ -21,14 +21,12 @@ SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         # 4096-value blocks, partial last blocks, tensors of one value; every other round the
-        # pre-round copies sit one element off; on the CPU a launch has 4 programs (one
-        # "multiprocessor"), or a program per block.
+        # pre-round copies sit one element off.
         for sizes in ([4096 * 3, 12, 8 * 4096 + 16], [10, 4096 * 2 + 5, 7, 16, 4100], [1]):
             flat = torch.randn(sum(sizes)).to(dtype)
             views = list(torch.split(flat, sizes))
             drift = FusedDrift([flat], views)
             for round_index in range(4):
-                drift.programs_per_sm = 4 if round_index < 2 else 10**6
                 pre = []
                 for view in views:
                     room = torch.empty(view.numel() + 1, dtype=dtype)

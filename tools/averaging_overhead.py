@@ -23,11 +23,9 @@ divergence norms and the launches, at the benchmark's two model sizes:
   full; with peers it runs while this rank waits for the slowest one.
 
 Each size is measured with the fused drift measurement launched after the reduce (CUDA, Triton;
-the default), ``-program-per-block`` with that kernel launched as before
-``FusedDrift.programs_per_sm`` (a program per block of 4,096 values instead of a few looping
-programs per SM), ``-queued`` with the fused kernel queued behind the reduce on a
-side stream (``CollectivePlane.queued``), and ``-multi-tensor`` with PyTorch's multi-tensor
-kernels. ``drift_kernel_us`` and ``drift_read_tb_per_s``: the drift kernel's device time and the
+the default), ``-queued`` with the same kernel queued behind the reduce on a side stream
+(``CollectivePlane.queued``), and ``-multi-tensor`` with PyTorch's multi-tensor kernels.
+``drift_kernel_us`` and ``drift_read_tb_per_s``: the drift kernel's device time and the
 bandwidth of its two reads (the pre-round values and the consensus).
 
     python tools/averaging_overhead.py --out overhead.json
@@ -122,10 +120,6 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
     plane.fused = variant != "multi-tensor"
     plane.queued = variant == "queued"
-    if variant == "program-per-block":
-        plane._pre_round()
-        assert plane._drift is not None, "the fused drift needs CUDA and Triton"
-        plane._drift.programs_per_sm = 10**9
     weights = round_weights([1], 1.0)
     grads = [torch.empty_like(p) for p in params]
 
@@ -211,7 +205,7 @@ def main() -> None:
         try:
             result: dict[str, object] = {
                 f"{name}{'' if variant == 'fused' else '-' + variant}": measure(mb, args.iters, args.tensors, variant)
-                for name, mb in SIZES_MB.items() for variant in ("fused", "program-per-block", "queued", "multi-tensor")
+                for name, mb in SIZES_MB.items() for variant in ("fused", "queued", "multi-tensor")
             }
         finally:
             dist.destroy_process_group()

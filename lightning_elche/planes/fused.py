@@ -41,56 +41,44 @@ FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Triton compiles these sources itself: a parameter may carry no annotation but ``tl.constexpr``
 # (it resolves every other one as a global of the kernel, and fails).
 def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
-                  block_start_ptr, partial_ptr, first_slot, blocks, tickets_ptr, out_ptr, total_slots,
+                  block_start_ptr, partial_ptr, first_block, tickets_ptr, out_ptr, total_blocks,
                   BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr):
-    """One program: every ``num_programs``-th block of the launch (each a run of one tensor),
-    summed in registers, then its three partial sums of squares. The program that finishes last
-    (of every launch of the round: they share the ticket counter) sums the partials of all, in
-    float64 and in program order (the result does not depend on which program is last), takes the
-    square roots and resets the counter for the next round.
-
-    A program per block spent as long on its reduction and ticket as on its 32 kB of loads (2.2-2.5
-    TB/s on an H100); a few programs per SM that loop keep the loads streaming."""
-    program = tl.program_id(0)
-    squares = tl.zeros((BLOCK,), dtype=tl.float32)
-    norms = tl.zeros((BLOCK,), dtype=tl.float32)
-    after = tl.zeros((BLOCK,), dtype=tl.float32)
-    for block in range(program, blocks, tl.num_programs(0)):
-        tensor = tl.load(block_tensor_ptr + block)
-        start = tl.load(block_start_ptr + block)
-        size = tl.load(sizes_ptr + tensor)
-        offset = tl.load(offsets_ptr + tensor)
-        saved = tl.load(saved_addresses_ptr + tensor).to(tl.pointer_type(live_ptr.dtype.element_ty))
-        index = start + tl.arange(0, BLOCK)
-        mask = index < size
-        pre = tl.load(saved + index, mask=mask, other=0.0).to(tl.float32)
-        consensus = tl.load(live_ptr + offset + index, mask=mask, other=0.0).to(tl.float32)
-        delta = pre - consensus
-        squares += delta * delta
-        norms += pre * pre
-        after += consensus * consensus
-    out = partial_ptr + 3 * (first_slot + program)
-    tl.store(out, tl.sum(squares, axis=0))
-    tl.store(out + 1, tl.sum(norms, axis=0))
-    tl.store(out + 2, tl.sum(after, axis=0))
+    """One program: one block of one tensor; its three partial sums of squares. The program that
+    finishes last (of every launch of the round: they share the ticket counter) sums the partials
+    of all, in float64 and in block order (the result does not depend on which program is last),
+    takes the square roots and resets the counter for the next round."""
+    block = tl.program_id(0)
+    tensor = tl.load(block_tensor_ptr + block)
+    start = tl.load(block_start_ptr + block)
+    size = tl.load(sizes_ptr + tensor)
+    offset = tl.load(offsets_ptr + tensor)
+    saved = tl.load(saved_addresses_ptr + tensor).to(tl.pointer_type(live_ptr.dtype.element_ty))
+    index = start + tl.arange(0, BLOCK)
+    mask = index < size
+    pre = tl.load(saved + index, mask=mask, other=0.0).to(tl.float32)
+    consensus = tl.load(live_ptr + offset + index, mask=mask, other=0.0).to(tl.float32)
+    delta = pre - consensus
+    out = partial_ptr + 3 * (first_block + block)
+    tl.store(out, tl.sum(delta * delta, axis=0))
+    tl.store(out + 1, tl.sum(pre * pre, axis=0))
+    tl.store(out + 2, tl.sum(consensus * consensus, axis=0))
     # Every thread's partial stores come before the ticket; its release orders them for the
     # program that draws the last ticket, whose acquire makes them visible to its loads.
     tl.debug_barrier()
     ticket = tl.atomic_add(tickets_ptr, 1, sem="acq_rel")
-    if ticket == total_slots - 1:
-        total_squares = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
-        total_norms = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
-        total_after = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
-        for first in range(0, total_slots, FINISH_BLOCK):
+    if ticket == total_blocks - 1:
+        squares = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
+        norms = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
+        after = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
+        for first in range(0, total_blocks, FINISH_BLOCK):
             rows = first + tl.arange(0, FINISH_BLOCK)
-            valid = rows < total_slots
-            row = partial_ptr + 3 * rows
-            total_squares += tl.load(row, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float64)
-            total_norms += tl.load(row + 1, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float64)
-            total_after += tl.load(row + 2, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float64)
-        tl.store(out_ptr, tl.sqrt(tl.sum(total_squares, axis=0)))
-        tl.store(out_ptr + 1, tl.sqrt(tl.sum(total_norms, axis=0)))
-        tl.store(out_ptr + 2, tl.sqrt(tl.sum(total_after, axis=0)))
+            valid = rows < total_blocks
+            squares += tl.load(partial_ptr + 3 * rows, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float64)
+            norms += tl.load(partial_ptr + 3 * rows + 1, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float64)
+            after += tl.load(partial_ptr + 3 * rows + 2, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float64)
+        tl.store(out_ptr, tl.sqrt(tl.sum(squares, axis=0)))
+        tl.store(out_ptr + 1, tl.sqrt(tl.sum(norms, axis=0)))
+        tl.store(out_ptr + 2, tl.sqrt(tl.sum(after, axis=0)))
         tl.store(tickets_ptr, 0)
 
 
@@ -114,15 +102,10 @@ class FusedDrift:
         current: each parameter's live view (slices of ``joint``), in :class:`PreRoundValues` order.
     """
 
-    programs_per_sm = 4
-    """Programs of a launch per multiprocessor (each loops over its share of the blocks); a larger
-    value than a launch has blocks gives each block its own program."""
-
     def __init__(self, joint: Sequence[Tensor], current: Sequence[Tensor]) -> None:
         device = current[0].device
-        self._device = device
-        # flat, members, offsets, sizes, block -> tensor, block -> start, blocks
-        self._groups: list[tuple[Tensor, list[int], Tensor, Tensor, Tensor, Tensor, int]] = []
+        self._groups: list[tuple[Tensor, list[int], Tensor, Tensor, Tensor, Tensor, int, int]] = []
+        blocks = 0
         for flat in joint:
             members = [i for i, view in enumerate(current)
                        if view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()]
@@ -137,20 +120,12 @@ class FusedDrift:
                 return torch.tensor(values, dtype=torch.int64, device=device)
 
             self._groups.append((flat, members, table(offsets), table(sizes), table(block_tensor),
-                                 table(block_start), len(block_tensor)))
-        self._blocks = sum(group[-1] for group in self._groups)
-        self._sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        self._partials = torch.empty(0, dtype=torch.float32, device=device)
+                                 table(block_start), blocks, len(block_tensor)))
+            blocks += len(block_tensor)
+        self._blocks = blocks
+        self._partials = torch.empty(3 * max(blocks, 1), dtype=torch.float32, device=device)
         self._tickets = torch.zeros(1, dtype=torch.int32, device=device)  # programs finished this round
         self._tables: dict[int, tuple[list[int], Tensor]] = {}
-
-    def _grids(self) -> list[int]:
-        """Programs of each group's launch; the partial sums' buffer sized for them all."""
-        limit = max(1, self.programs_per_sm * self._sms)
-        grids = [min(group[-1], limit) for group in self._groups]
-        if self._partials.numel() < 3 * sum(grids):
-            self._partials = torch.empty(3 * sum(grids), dtype=torch.float32, device=self._device)
-        return grids
 
     def _address_table(self, group: int, addresses: list[int]) -> Tensor:
         """The device copy of a group's pre-round addresses. The allocator usually hands a step's
@@ -160,7 +135,7 @@ class FusedDrift:
         cached = self._tables.get(group)
         if cached is not None and cached[0] == addresses:
             return cached[1]
-        device = self._device
+        device = self._partials.device
         host = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda")
         table = host.to(device, non_blocking=True)
         self._tables[group] = (addresses, table)
@@ -171,17 +146,13 @@ class FusedDrift:
         whose pre-round values are at ``addresses`` (one tensor per live view, in its order,
         with its dtype and strides), written into ``out`` if given."""
         if out is None:
-            out = torch.empty(3, dtype=torch.float64, device=self._device)
+            out = torch.empty(3, dtype=torch.float64, device=self._partials.device)
         whole = len(self._groups) == 1 and len(self._groups[0][1]) == len(addresses)
-        grids = self._grids()
-        first, total = 0, sum(grids)
-        for group, ((flat, members, offsets, sizes, block_tensor, block_start, blocks), grid) in enumerate(
-                zip(self._groups, grids, strict=True)):
+        for group, (flat, members, offsets, sizes, block_tensor, block_start, first, count) in enumerate(self._groups):
             saved = self._address_table(group, list(addresses) if whole else [addresses[i] for i in members])
-            _drift_kernel[(grid,)](flat, offsets, saved, sizes, block_tensor, block_start, self._partials,
-                                   first, blocks, self._tickets, out, total,
-                                   BLOCK=BLOCK, FINISH_BLOCK=FINISH_BLOCK, num_warps=8)
-            first += grid
+            _drift_kernel[(count,)](flat, offsets, saved, sizes, block_tensor, block_start, self._partials,
+                                    first, self._tickets, out, self._blocks,
+                                    BLOCK=BLOCK, FINISH_BLOCK=FINISH_BLOCK, num_warps=8)
         return out
 
 
