@@ -207,6 +207,10 @@ def test_n_rank_budgets_keep_the_samples_per_rank_and_2_rank_budgets_are_unchang
     assert _config(["--rig", "cpu8", "--budget", "quick"]).budget.tp_samples == 4096
     assert _config(["--rig", "gpu8-hetero", "--budget", "full"]).budget.tp_samples == 4 * 32768
     assert _config(["--rig", "cpu4", "--budget", "tiny"]).budget.tp_samples == 1024  # tiny keeps the total
+    # full on the N-rank CPU rigs: longer fits of longer epochs (the drain is paid per epoch)
+    full_cpu2, full_cpu4 = (_config(["--rig", rig, "--budget", "full"]).budget for rig in ("cpu2", "cpu4"))
+    assert (full_cpu2.tp_samples, full_cpu2.tp_seconds) == (2048, 20.0)
+    assert (full_cpu4.tp_samples, full_cpu4.tp_seconds) == (8192, 45.0)
     plan = build_plan(_config(["--rig", "cpu4", "--budget", "tiny"]))
     assert [g.jobs[0].setting.label for g in plan if g.section == THROUGHPUT] == ["spread", "k1"]
 
@@ -435,10 +439,14 @@ def test_cpu4_tiny_end_to_end_reports_every_arm_for_four_ranks(tmp_path):
     out = tmp_path / "bench"
     status, output = run_command(
         [sys.executable, "-m", "lightning_elche.bench", "--rig", "cpu4", "--budget", "tiny", "--only-headline",
-         "--conv-arms", "ddp", "--micro-iters", "2", "--no-plots", "--out", str(out)], tmp_path, 320)
+         "--conv-arms", "ddp", "--micro-iters", "2", "--no-plots", "--commit", "abc1234", "--out", str(out)],
+        tmp_path, 320)
     assert status == 0, output[-4000:]
     result = json.loads((out / "cpu4.json").read_text())
     assert result["rig"] == "cpu4" and result["world_size"] == 4
+    # A copied tree on a device machine stamps its results with the commit it is told.
+    assert (result["commit"], result["commit_dirty"]) == ("abc1234", False)
+    assert "- commit: `abc1234`" in (out / "cpu4.md").read_text()
     modes, _ = available_elche_modes()
     arms = result["arms"]
     solos = {"solo_rank0", "solo_rank1", "solo_rank2", "solo_rank3"}

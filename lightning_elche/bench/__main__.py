@@ -51,6 +51,15 @@ def git_commit() -> tuple[str, bool]:
         return "unknown", False
 
 
+def run_stamp(rig: str, commit: Optional[str], argv: list[str]) -> dict[str, Any]:
+    """What a result says produced it: the rig, the commit (``--commit`` where given, else git's),
+    the date and the command line."""
+    commit, dirty = (commit, False) if commit else git_commit()
+    return {"rig": rig, "commit": commit, "commit_dirty": dirty,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", "-m", "lightning_elche.bench", *argv])}
+
+
 def launch(config: BenchConfig, plan: list[Group], run_dir: str, t0: float) -> int:
     """Run every rank process to the end; returns 0, ``EXIT_THROTTLE`` or a failure status.
 
@@ -281,10 +290,8 @@ def churn_main(args: Any, argv: list[str]) -> int:
     except ValueError as error:
         print(f"[bench] {error}", file=sys.stderr)
         return 2
-    commit, dirty = (args.commit, False) if args.commit else git_commit()
-    command = shlex.join(["python", "-m", "lightning_elche.bench", *argv])
-    stamp = {"rig": args.rig, "commit": commit, "commit_dirty": dirty,
-             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command}
+    stamp = run_stamp(args.rig, args.commit, argv)
+    command = stamp["command"]
     print(f"[bench] {command}: churn arms {', '.join(config.arms)}, {config.seconds:g} s each", flush=True)
     t0 = time.time()
     result = run_churn(config, Path(args.out), f"{args.rig}-churn", stamp)
@@ -317,10 +324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     plan = build_plan(config)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["python", "-m", "lightning_elche.bench", *argv])
-    commit, dirty = git_commit()
-    stamp = {"rig": config.rig.name, "commit": commit, "commit_dirty": dirty,
-             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command}
+    stamp = run_stamp(config.rig.name, args.commit, argv)
+    command = stamp["command"]
     print(f"[bench] {command}: {sum(len(g.jobs) for g in plan)} fits in {len(plan)} groups; "
           f"ElChe modes {', '.join(modes)} (not built: {', '.join(skipped) or 'none'})", flush=True)
     t0 = time.time()
