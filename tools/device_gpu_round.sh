@@ -5,7 +5,7 @@
 # Usage: tools/device_gpu_round.sh OUT. Writes at most 8 files (the device tool's limit).
 set -u
 out=${1:?OUT}
-export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 RUN_GPU_TESTS=1
+export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 RUN_GPU_TESTS=1 ELCHE_BENCH_COMMIT=${COMMIT:-}  # the copied tree has no git of its own
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$out/machine.txt" 2>&1
 python3 tools/averaging_overhead.py --iters 100 --out "$out/averaging-overhead.json" > "$out/overhead.log" 2>&1
