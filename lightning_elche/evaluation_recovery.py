@@ -32,7 +32,7 @@ from lightning.pytorch import Trainer
 
 from lightning_elche.checked_collectives import CollectiveMismatch
 from lightning_elche.engine import ElCheEngine
-from lightning_elche.membership.change import Change, RanksLost
+from lightning_elche.membership.change import Change, RanksLost, lost_ranks_text
 from lightning_elche.stop_checkpoint import RANKS_LOST_CHECKPOINT_NAME, stop_checkpoint_path
 
 
@@ -53,14 +53,17 @@ class EvaluationRecovery:
             exists or where lost ranks are not survived).
         dispatch: the training dispatch (None before it exists).
         max_failure: the knob, for the message when the change reaches it.
+        losses: every change of the fit that lost ranks, for that message (None: only the last).
     """
 
     def __init__(self, trainer: Trainer, engine: Callable[[], Optional[ElCheEngine]],
-                 dispatch: Callable[[], Optional[EpochWork]], max_failure: Any = None) -> None:
+                 dispatch: Callable[[], Optional[EpochWork]], max_failure: Any = None,
+                 losses: Optional[Callable[[], list[Change]]] = None) -> None:
         self.trainer = trainer
         self.engine = engine
         self.dispatch = dispatch
         self.max_failure = max_failure
+        self.losses = losses
         self.redone: list[Change] = []
         """The changes each evaluation was run again after, in order."""
         self.evaluating = -1
@@ -112,10 +115,9 @@ class EvaluationRecovery:
         # own recovery's to survive, which saves again among the rest (nested here) as in training.
         self.evaluating = -1
         self.trainer.save_checkpoint(path)
-        losses = getattr(self.trainer.strategy, "lost_ranks", None) or [change]  # every loss of the fit
-        lost = ", ".join(f"rank {r} ({why})" for loss in losses for r, why in loss.reasons.items())
+        losses = (self.losses() if self.losses is not None else []) or [change]
         raise RanksLost(
-            f"ElCheStrategy: max_failure={self.max_failure!r} reached {where}: lost {lost} (original "
-            f"ranks). The {change.world_size_after} survivor(s) saved the consensus checkpoint {path} in "
+            f"ElCheStrategy: max_failure={self.max_failure!r} reached {where}: lost {lost_ranks_text(losses)} "
+            f"(original ranks). The {change.world_size_after} survivor(s) saved the consensus checkpoint {path} in "
             f"{time.perf_counter() - started:.2f} s; resume with Trainer.fit(ckpt_path=...)."
         )

@@ -33,7 +33,7 @@ from lightning_elche.loop_glue import (
     slurm_requeue_signal,
 )
 from lightning_elche.membership.agreement import Membership, RoundProgress
-from lightning_elche.membership.change import RanksLost
+from lightning_elche.membership.change import RanksLost, lost_ranks_text
 from lightning_elche.membership.stall import ProgressStamp, expect_own_window
 from lightning_elche.rounds import StopRequest
 from lightning_elche.session import RoundAction, Session
@@ -325,9 +325,8 @@ class RoundDriver:
         seconds = time.perf_counter() - started
         if request is StopRequest.RANKS_LOST:
             assert membership is not None
-            lost = ", ".join(f"rank {r} ({why})" for change in membership.losses for r, why in change.reasons.items())
             raise RanksLost(
-                f"ElCheStrategy: max_failure={max_failure!r} reached: lost {lost} "
+                f"ElCheStrategy: max_failure={max_failure!r} reached: lost {lost_ranks_text(membership.losses)} "
                 f"(original ranks). The {membership.world_size} survivor(s) saved the consensus checkpoint "
                 f"{path} in {seconds:.2f} s; resume with Trainer.fit(ckpt_path=...)."
             )

@@ -357,7 +357,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         assert self.lightning_module is not None
         self._patches.check_gathered_collections(self.lightning_module, self._checked_gather)
         self._evaluations = EvaluationRecovery(trainer, lambda: self._engine, lambda: self._sampler,
-                                               self.elche.max_failure)
+                                               self.elche.max_failure, lambda: self.lost_ranks)
         self._patches.redo_evaluation_after_losses(trainer, self._evaluations)  # a rank lost while validating
         self._collectives.recover = CollectiveRecovery(trainer, lambda: self._engine, self._evaluations,
                                                        self._saves).recovered  # anywhere else: run it again

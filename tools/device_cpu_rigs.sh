@@ -15,7 +15,7 @@ common=(--budget full --seeds 0 --only-headline --tp-arms ddp,nccl_cadence,cpu_c
 pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
 mkdir -p "$out/a" "$out/b" "$out/c" /tmp/rig-logs
 date -u > /tmp/rig-logs/date
-# LAYOUT=pair: only the two cpu4 runs, on halves of the machine (0-7 and 8-15), nothing else.
+# LAYOUT=pair: only the two cpu4 runs, on halves of the machine (0-7 and 8-15), nothing else; PASSES (default 3) each.
 # LAYOUT=alone: the two cpu4 runs one after the other on cores 0-7, nothing else on the machine but,
 # with GPU_ROUND=1, tools/device_gpu_round.sh on cores 12-15 during the first; PASSES (default 1) each.
 cpu4() {  # cpu4 RUN CORES PASSES
@@ -29,7 +29,7 @@ if [[ "${LAYOUT:-}" == alone ]]; then
   cpu4 a 0-7 "${PASSES:-1}"
   cpu4 b 0-7 "${PASSES:-1}"
 elif [[ "${LAYOUT:-}" == pair ]]; then
-  cpu4 a 0-7 3 & cpu4 b 8-15 3 &
+  cpu4 a 0-7 "${PASSES:-3}" & cpu4 b 8-15 "${PASSES:-3}" &
 else
   cpu4 a 0-3 "${PASSES:-1}" & cpu4 b 4-7 "${PASSES:-1}" &
   pin 8-15 python3 -m lightning_elche.bench --rig cpu8 "${common[@]}" \

@@ -234,6 +234,11 @@ _MAX_FAILURE_ALLOWED = (
 )
 
 
+def lost_ranks_text(changes: Sequence[Change]) -> str:
+    """The ranks ``changes`` lost and why, as a ``RanksLost`` message names them."""
+    return ", ".join(f"rank {r} ({why})" for change in changes for r, why in change.reasons.items())
+
+
 def check_max_failure(value: Any, subject: Optional[str] = None) -> MaxFailure:
     """``max_failure`` as flodl reads it: None, an int >= 1, or a float fraction in (0, 1].
     ``subject`` names the knob and its value in an error (default ``ElCheStrategy(max_failure=v)``)."""
