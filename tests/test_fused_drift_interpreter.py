@@ -42,8 +42,56 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_the_drift_kernel_matches_float64_norms_in_tritons_interpreter():
+# The round in parts (``CollectivePlane.chunk_bytes``): the parts cover each joint buffer once, in
+# order; the copy kernel copies every value to its pre-round place; the measurement launched part
+# by part equals float64 norms and leaves the ticket counter at 0.
+PARTS = """import torch
+from lightning_elche.planes.fused import FusedDrift
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for sizes in ([4096 * 3, 12, 8 * 4096 + 16, 5], [10, 4096 * 2 + 5, 7, 16, 4100], [1]):
+        room = torch.randn(sum(sizes) + 7).to(dtype)
+        flat = room[3:3 + sum(sizes)]  # a joint buffer at an offset of its storage
+        views = list(torch.split(flat, sizes))
+        extra = torch.randn(33).to(dtype)  # a joint buffer without measured parameters
+        drift = FusedDrift([flat, extra], views)
+        for chunk_bytes in (1, 4096 * 4, 4096 * 16, 1 << 30):
+            plan = drift.chunks(chunk_bytes)
+            covered = torch.cat([c.view for c in plan if c.view.data_ptr() != extra.data_ptr()] )
+            assert covered.data_ptr() != 0 and torch.equal(covered, flat), "the parts cover the buffer once, in order"
+            assert sum(c.blocks for c in plan) == drift._blocks
+            pre = []
+            for view in views:
+                space = torch.full((view.numel() + 1,), float("nan")).to(dtype)
+                pre.append(space[1:])
+            tables = drift.tables([t.data_ptr() for t in pre])
+            out = torch.empty(3, dtype=torch.float64)
+            expected_pre = flat.double().clone()
+            for c in plan:
+                drift.copy(c, tables)
+            assert all(torch.equal(p, v) for p, v in zip(pre, views)), "the copy kernel copies every value"
+            with torch.no_grad():
+                flat.mul_(0.5)  # the consensus
+            for c in plan:
+                drift.measure(c, tables, out)
+            after = flat.double()
+            expected = torch.stack([(expected_pre - after).norm(), expected_pre.norm(), after.norm()])
+            assert torch.allclose(out, expected, rtol=1e-6), (dtype, sizes, chunk_bytes, out, expected)
+            assert drift._tickets.item() == 0
+print("checked")
+"""
+
+
+def interpret(script: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("checked")
+
+
+def test_the_drift_kernel_matches_float64_norms_in_tritons_interpreter():
+    interpret(SCRIPT)
+
+
+def test_the_round_in_parts_copies_every_value_and_measures_part_by_part_in_tritons_interpreter():
+    interpret(PARTS)

@@ -16,6 +16,7 @@ from lightning_elche.membership.change import PeerFailure
 from lightning_elche.planes import collective as collective_plane
 from lightning_elche.planes.collective import CollectivePlane
 from lightning_elche.planes.fused import QueuedDrift, fused_drift_available
+from lightning_elche.rounds import META_SIZE, Meta
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -147,6 +148,86 @@ def test_the_one_launch_drift_sums_every_block_of_every_dtype_round_after_round(
             assert divergence.tolist() == pytest.approx(expected, rel=1e-5)
             assert plane._drift is not None and plane._drift._blocks > 1024
             assert plane._drift._tickets.item() == 0
+        plane.close()
+    finally:
+        dist.destroy_process_group()
+
+
+class LaunchFailure(PeerFailure):
+    pass
+
+
+@pytest.mark.parametrize("chunk_bytes", [64 * 1024, 1 << 30], ids=["many-parts", "one-part"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_round_in_parts_averages_measures_and_restores_like_the_whole_round(tmp_path, dtype, chunk_bytes):
+    """``chunk_bytes``: each part copied aside, reduced (the real one-rank NCCL PreMulSum) and
+    measured on the side stream behind its reduce. The consensus, the measurement and a failed
+    round's restore must equal the whole round's, with a reduce that fails when it is launched
+    (the later parts' copies must still be queued) and one that fails after writing garbage."""
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        model, x = stepped_model(dtype)
+        plane = CollectivePlane(AveragedLayout(model), 0, 1, torch.device("cuda", 0))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step(model, x, optimizer)
+        before = [p.detach().clone() for p in model.parameters()]
+        grads = [p.grad.clone() for p in model.parameters()]
+        norm = torch.cat([b.float().flatten() for b in before]).norm().item()
+        measured = {}
+        for parts in (chunk_bytes, None):
+            plane.chunk_bytes = parts
+            with torch.no_grad():
+                for p, b, g in zip(model.parameters(), before, grads, strict=True):
+                    p.copy_(b)
+                    p.grad = g.clone()
+            divergence = plane.average(round_weights([1, 1], 1.0))  # this rank's factor 1/2, alone
+            assert divergence is not None
+            assert all(torch.equal(p, b * 0.5) for p, b in zip(model.parameters(), before, strict=True))
+            assert all(p.grad is None for p in model.parameters())
+            measured[parts] = divergence.tolist()
+        pieces = plane._drift.chunks(chunk_bytes)  # type: ignore[union-attr]
+        assert (len(pieces) > 8) == (chunk_bytes < 1 << 20), len(pieces)
+        assert measured[chunk_bytes] == pytest.approx([norm / 2, norm, norm / 2], rel=1e-5)
+        assert measured[chunk_bytes] == pytest.approx(measured[None], rel=1e-6)
+        assert plane._drift._tickets.item() == 0  # type: ignore[union-attr]
+
+        plane.chunk_bytes = chunk_bytes
+        real_all_reduce = dist.all_reduce
+        for failure in ("at-launch", "garbage"):
+            step(model, x, optimizer)
+            before = [p.detach().clone() for p in model.parameters()]
+            calls = []
+
+            def failing(tensor: torch.Tensor, failure: str = failure, calls: list[int] = calls, **kwargs: Any) -> Any:
+                calls.append(tensor.numel())
+                if failure == "at-launch" and len(calls) == min(2, len(pieces)):
+                    raise LaunchFailure("peer lost as the second part's reduce is launched")
+                if failure == "garbage":
+                    tensor.fill_(float("nan"))
+                    return Failed()
+                return real_all_reduce(tensor, **kwargs)
+
+            abandoned = len(QueuedDrift._abandoned)
+            with mock.patch.object(collective_plane.dist, "all_reduce", failing), pytest.raises(PeerFailure):
+                plane.average(round_weights([1, 1], 1.0))
+            assert len(QueuedDrift._abandoned) == abandoned + 1 and plane._drift_stream is None
+            divergence = plane.average(round_weights([1], 1.0))  # the survivor alone: factor 1
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), failure
+            assert divergence is not None and divergence[0].item() == 0.0
+            norm = torch.cat([b.float().flatten() for b in before]).norm().item()
+            assert divergence[1].item() == pytest.approx(norm, rel=1e-5)
+
+        # A whole round as the engine runs it: nothing is copied beside the exchange, every part after.
+        step(model, x, optimizer)
+        before = [p.detach().clone() for p in model.parameters()]
+        local = torch.zeros(META_SIZE, dtype=torch.float64, device="cuda")
+        local[Meta.STEPS], local[Meta.FINITE] = 3.0, 1.0
+        plane.start(local)
+        result = plane.collect()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        assert result.divergence is not None and result.divergence[0].item() == 0.0
         plane.close()
     finally:
         dist.destroy_process_group()

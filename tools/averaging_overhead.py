@@ -24,7 +24,10 @@ divergence norms and the launches, at the benchmark's two model sizes:
 
 Each size is measured with the fused drift measurement launched after the reduce (CUDA, Triton;
 the default), ``-queued`` with the same kernel queued behind the reduce on a side stream
-(``CollectivePlane.queued``), and ``-multi-tensor`` with PyTorch's multi-tensor kernels.
+(``CollectivePlane.queued``), ``-chunks-<n>MB`` with the round reduced in parts of about n MB,
+each copied aside just before its reduce and measured right after it (``CollectivePlane.chunk_bytes``;
+its own time is against the same bare collective: one reduce of the whole buffer), and
+``-multi-tensor`` with PyTorch's multi-tensor kernels.
 ``drift_kernel_us`` and ``drift_read_tb_per_s``: the drift kernel's device time and the
 bandwidth of its two reads (the pre-round values and the consensus).
 
@@ -50,6 +53,7 @@ from lightning_elche.planes.collective import CollectivePlane
 from lightning_elche.rounds import META_SIZE, Meta
 
 SIZES_MB = {"resnet20x4": 17.31, "char-medium": 77.24}  # the benchmark's flat parameter bytes
+VARIANTS = ("fused", "chunks-4MB", "chunks-8MB", "chunks-16MB", "queued", "multi-tensor")
 
 
 def timed(op: Callable[[], object], prepare: Callable[[], None], iters: int) -> tuple[float, float]:
@@ -120,6 +124,8 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
     plane.fused = variant != "multi-tensor"
     plane.queued = variant == "queued"
+    if variant.startswith("chunks-"):
+        plane.chunk_bytes = int(float(variant.removeprefix("chunks-").removesuffix("MB")) * 1e6)
     weights = round_weights([1], 1.0)
     grads = [torch.empty_like(p) for p in params]
 
@@ -190,6 +196,8 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
         "kernel_names": names,
         "fused_drift": plane._drift is not None and plane.fused,
         "queued_drift": plane._drift_stream is not None,
+        "chunk_bytes": plane.chunk_bytes,
+        "reduces_per_round": sum(n for name, n in names.items() if "nccl" in name.lower()),
     }
 
 
@@ -205,7 +213,7 @@ def main() -> None:
         try:
             result: dict[str, object] = {
                 f"{name}{'' if variant == 'fused' else '-' + variant}": measure(mb, args.iters, args.tensors, variant)
-                for name, mb in SIZES_MB.items() for variant in ("fused", "queued", "multi-tensor")
+                for name, mb in SIZES_MB.items() for variant in VARIANTS
             }
         finally:
             dist.destroy_process_group()

@@ -86,6 +86,10 @@ class CollectivePlane(AveragingPlane):
         Off: on one H100 (2026-12-06, ``docs/benchmarks.md``) it did not shorten the round a fit
         runs, whose host polls the reduce (465 against 310 µs at 17 MB), on a host loaded by
         other runs; ``tools/averaging_overhead.py`` measures both."""
+        self.chunk_bytes: Optional[int] = None
+        """Reduce the parameters in parts of about this many bytes, each part copied aside just
+        before its reduce and measured on a side stream right after it (NCCL with the fused
+        measurement; ``None``: one reduce per buffer, copied beside the metadata exchange)."""
         self._drift_stream: Optional[Any] = None  # where the drift waits for the reduce (CUDA)
         self._failed = False  # the last round's collectives did not finish: its values need restoring
         self._premul_backend: Optional[bool] = None
@@ -160,6 +164,8 @@ class CollectivePlane(AveragingPlane):
         if self._failed or not self.layout.joint:
             return
         pre = self._pre_round()
+        if self._pipelined(self._drift):
+            return  # each part is copied right before its reduce
         if not pre.saved:
             pre.save(borrow_only=True)
 
@@ -181,16 +187,23 @@ class CollectivePlane(AveragingPlane):
         params, buffers, joint = self.params, self.buffers, self.layout.joint
         pre = self._pre_round()
         drift = self._drift if self.fused else None
+        pipelined = drift is not None and bool(pre.params) and self._pipelined(drift)
         if self._failed:
             pre.restore()  # the failed round's partial sums are in the live tensors
         elif not pre.saved:
-            pre.save()
+            pre.save(copy_params=not pipelined)
         self._failed = True  # until every collective is done (a PeerFailure leaves it set)
         param_factor, buffer_factor = weights.param_factors[self.rank], weights.buffer_factors[self.rank]
         if buffers and param_factor > 0.0 and buffer_factor != param_factor:
             # Buffers are averaged equally over the movers, parameters by work: one collective
             # per dtype reduces both, so the buffers carry the ratio of the two weights.
             torch._foreach_mul_(buffers.flats, buffer_factor / param_factor)
+        if pipelined:
+            assert drift is not None
+            measured = self._average_in_chunks(drift, pre, param_factor)
+            if outer is not None:
+                outer.step(params.flats)
+            return measured
         works = self.sum_scaled(joint, param_factor, wait=False)
         # The multi-tensor path takes the pre-round norms beside the reduce; the fused one reads
         # every value once after it, launched while the reduce runs where it can be.
@@ -218,6 +231,34 @@ class CollectivePlane(AveragingPlane):
         pre.release()
         if outer is not None:
             outer.step(params.flats)
+        return divergence
+
+    def _pipelined(self, drift: Optional[FusedDrift]) -> bool:
+        return self.chunk_bytes is not None and self.fused and drift is not None and self._premul
+
+    def _average_in_chunks(self, drift: FusedDrift, pre: PreRoundValues, factor: float) -> Tensor:
+        """The round part by part (:meth:`QueuedDrift.pipeline`); this rank's measurement."""
+        assert self.chunk_bytes is not None
+        if self._drift_stream is None:
+            self._drift_stream = torch.cuda.Stream(device=self.layout.joint[0].device)
+        queued = QueuedDrift(drift, self._drift_stream)
+        op = dist._make_nccl_premul_sum(factor)
+        try:
+            works = queued.pipeline(drift.chunks(self.chunk_bytes), pre.addresses,
+                                    lambda view: dist.all_reduce(view, op=op, group=self.group, async_op=True))
+            for work in works:
+                self._await(work, self._host_blocking)
+        except BaseException:
+            self._abandon(queued)
+            raise
+        self._failed = False
+        if queued.measured:
+            divergence = queued.result()
+        else:  # the side stream was left half-measured: measure again after the reduces
+            self._abandon(queued)
+            assert self._drift is not None
+            divergence = self._drift(pre.addresses)
+        pre.release()
         return divergence
 
     def _drift_behind(self, works: list[Any], drift: FusedDrift, addresses: list[int]) -> Optional[QueuedDrift]:

@@ -18,7 +18,8 @@ multi-tensor path (:func:`~lightning_elche.averaging.divergence_norms`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -41,13 +42,14 @@ FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Triton compiles these sources itself: a parameter may carry no annotation but ``tl.constexpr``
 # (it resolves every other one as a global of the kernel, and fails).
 def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
-                  block_start_ptr, partial_ptr, first_block, tickets_ptr, out_ptr, total_blocks,
+                  block_start_ptr, partial_ptr, first_block, tickets_ptr, out_ptr, total_blocks, block_base,
                   BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr):
-    """One program: one block of one tensor; its three partial sums of squares. The program that
-    finishes last (of every launch of the round: they share the ticket counter) sums the partials
-    of all, in float64 and in block order (the result does not depend on which program is last),
-    takes the square roots and resets the counter for the next round."""
-    block = tl.program_id(0)
+    """One program: one block of one tensor (``block_base`` onwards: a launch may cover part of a
+    group); its three partial sums of squares. The program that finishes last (of every launch of
+    the round: they share the ticket counter) sums the partials of all, in float64 and in block
+    order (the result does not depend on which program is last), takes the square roots and
+    resets the counter for the next round."""
+    block = block_base + tl.program_id(0)
     tensor = tl.load(block_tensor_ptr + block)
     start = tl.load(block_start_ptr + block)
     size = tl.load(sizes_ptr + tensor)
@@ -82,8 +84,24 @@ def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_t
         tl.store(tickets_ptr, 0)
 
 
+def _copy_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
+                 block_start_ptr, block_base, BLOCK: tl.constexpr):
+    """One program: one block of one tensor copied from the live parameters to its pre-round place."""
+    block = block_base + tl.program_id(0)
+    tensor = tl.load(block_tensor_ptr + block)
+    start = tl.load(block_start_ptr + block)
+    size = tl.load(sizes_ptr + tensor)
+    offset = tl.load(offsets_ptr + tensor)
+    saved = tl.load(saved_addresses_ptr + tensor).to(tl.pointer_type(live_ptr.dtype.element_ty))
+    index = start + tl.arange(0, BLOCK)
+    mask = index < size
+    tl.store(saved + index, tl.load(live_ptr + offset + index, mask=mask), mask=mask)
+
+
 if HAVE_TRITON:
-    _drift_kernel = triton.jit(_drift_source)
+    # A chunk's first block changes from launch to launch: one compiled kernel for every value.
+    _drift_kernel = triton.jit(_drift_source, do_not_specialize=["block_base"])
+    _copy_kernel = triton.jit(_copy_source, do_not_specialize=["block_base"])
 
 
 def fused_drift_available(joint: Sequence[Tensor]) -> bool:
@@ -91,6 +109,32 @@ def fused_drift_available(joint: Sequence[Tensor]) -> bool:
     return HAVE_TRITON and bool(joint) and all(
         flat.is_cuda and flat.dtype in FUSED_DTYPES for flat in joint
     )
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The parameters of one joint buffer (one dtype) and their block tables."""
+
+    flat: Tensor
+    members: list[int]  # indices into the live views
+    offsets: Tensor
+    sizes: Tensor
+    block_tensor: Tensor
+    block_start: Tensor
+    first: int  # this group's first block among every group's
+    count: int
+    block_positions: list[int]  # where each block starts in ``flat`` (host), to cut chunks at
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A contiguous part of one joint buffer reduced by a collective of its own, and the blocks of
+    the measurement inside it (``group`` None: no measured parameter lives there)."""
+
+    view: Tensor
+    group: Optional[int]
+    first_block: int
+    blocks: int
 
 
 class FusedDrift:
@@ -104,7 +148,8 @@ class FusedDrift:
 
     def __init__(self, joint: Sequence[Tensor], current: Sequence[Tensor]) -> None:
         device = current[0].device
-        self._groups: list[tuple[Tensor, list[int], Tensor, Tensor, Tensor, Tensor, int, int]] = []
+        self._joint = list(joint)
+        self._groups: list[_Group] = []
         blocks = 0
         for flat in joint:
             members = [i for i, view in enumerate(current)
@@ -119,13 +164,16 @@ class FusedDrift:
             def table(values: list[int]) -> Tensor:
                 return torch.tensor(values, dtype=torch.int64, device=device)
 
-            self._groups.append((flat, members, table(offsets), table(sizes), table(block_tensor),
-                                 table(block_start), blocks, len(block_tensor)))
+            self._groups.append(_Group(
+                flat, members, table(offsets), table(sizes), table(block_tensor), table(block_start), blocks,
+                len(block_tensor), [offsets[t] + start for t, start in zip(block_tensor, block_start, strict=True)],
+            ))
             blocks += len(block_tensor)
         self._blocks = blocks
         self._partials = torch.empty(3 * max(blocks, 1), dtype=torch.float32, device=device)
         self._tickets = torch.zeros(1, dtype=torch.int32, device=device)  # programs finished this round
         self._tables: dict[int, tuple[list[int], Tensor]] = {}
+        self._plans: dict[int, list[Chunk]] = {}
 
     def _address_table(self, group: int, addresses: list[int]) -> Tensor:
         """The device copy of a group's pre-round addresses. The allocator usually hands a step's
@@ -141,19 +189,73 @@ class FusedDrift:
         self._tables[group] = (addresses, table)
         return table
 
+    def tables(self, addresses: Sequence[int]) -> list[Tensor]:
+        """Each group's device table of the pre-round addresses (one per live view, in its order)."""
+        whole = len(self._groups) == 1 and len(self._groups[0].members) == len(addresses)
+        return [self._address_table(index, list(addresses) if whole else [addresses[i] for i in group.members])
+                for index, group in enumerate(self._groups)]
+
     def __call__(self, addresses: Sequence[int], out: Optional[Tensor] = None) -> Tensor:
         """``[||pre - consensus||, ||pre||, ||consensus||]`` (float64, on the device) of the round
         whose pre-round values are at ``addresses`` (one tensor per live view, in its order,
         with its dtype and strides), written into ``out`` if given."""
         if out is None:
             out = torch.empty(3, dtype=torch.float64, device=self._partials.device)
-        whole = len(self._groups) == 1 and len(self._groups[0][1]) == len(addresses)
-        for group, (flat, members, offsets, sizes, block_tensor, block_start, first, count) in enumerate(self._groups):
-            saved = self._address_table(group, list(addresses) if whole else [addresses[i] for i in members])
-            _drift_kernel[(count,)](flat, offsets, saved, sizes, block_tensor, block_start, self._partials,
-                                    first, self._tickets, out, self._blocks,
-                                    BLOCK=BLOCK, FINISH_BLOCK=FINISH_BLOCK, num_warps=8)
+        tables = self.tables(addresses)
+        for index, group in enumerate(self._groups):
+            self._launch_drift(group, tables[index], 0, group.count, out)
         return out
+
+    def chunks(self, chunk_bytes: int) -> list[Chunk]:
+        """The joint buffers cut into parts of about ``chunk_bytes`` at block boundaries (a buffer
+        whose blocks are not in address order stays whole), covering every value once, in order."""
+        plan = self._plans.get(chunk_bytes)
+        if plan is None:
+            plan = self._plans[chunk_bytes] = self._cut(chunk_bytes)
+        return plan
+
+    def _cut(self, chunk_bytes: int) -> list[Chunk]:
+        plan: list[Chunk] = []
+        by_flat = {id(group.flat): (index, group) for index, group in enumerate(self._groups)}
+        for flat in self._joint:
+            found = by_flat.get(id(flat))
+            if found is None:
+                plan.append(Chunk(flat, None, 0, 0))
+                continue
+            index, group = found
+            positions = group.block_positions
+            target = max(chunk_bytes // flat.element_size(), BLOCK)
+            cuts = [0]
+            if positions == sorted(positions):
+                begin = 0
+                for block, position in enumerate(positions):
+                    if block > cuts[-1] and position - begin >= target:
+                        cuts.append(block)
+                        begin = position
+            bounds = [0] + [positions[block] for block in cuts[1:]] + [flat.numel()]
+            cuts.append(group.count)
+            for part in range(len(cuts) - 1):
+                plan.append(Chunk(flat[bounds[part]:bounds[part + 1]], index, cuts[part], cuts[part + 1] - cuts[part]))
+        return plan
+
+    def copy(self, chunk: Chunk, tables: Sequence[Tensor]) -> None:
+        """Queue the copy of a chunk's live values to their pre-round places (current stream)."""
+        if chunk.group is None or not chunk.blocks:
+            return
+        group = self._groups[chunk.group]
+        _copy_kernel[(chunk.blocks,)](group.flat, group.offsets, tables[chunk.group], group.sizes,
+                                      group.block_tensor, group.block_start, chunk.first_block,
+                                      BLOCK=BLOCK, num_warps=8)
+
+    def measure(self, chunk: Chunk, tables: Sequence[Tensor], out: Tensor) -> None:
+        """Queue a chunk's part of the measurement (current stream); the round's last part writes ``out``."""
+        if chunk.group is not None and chunk.blocks:
+            self._launch_drift(self._groups[chunk.group], tables[chunk.group], chunk.first_block, chunk.blocks, out)
+
+    def _launch_drift(self, group: _Group, saved: Tensor, block_base: int, blocks: int, out: Tensor) -> None:
+        _drift_kernel[(blocks,)](group.flat, group.offsets, saved, group.sizes, group.block_tensor,
+                                 group.block_start, self._partials, group.first, self._tickets, out,
+                                 self._blocks, block_base, BLOCK=BLOCK, FINISH_BLOCK=FINISH_BLOCK, num_warps=8)
 
 
 def drift_or_none(joint: Sequence[Tensor], current: Sequence[Tensor]) -> Optional[Any]:
@@ -184,6 +286,8 @@ class QueuedDrift:
     def __init__(self, drift: FusedDrift, stream: Any) -> None:
         self.drift, self.stream = drift, stream
         self._out: Optional[Tensor] = None
+        self.measured = True
+        """Whether every part of the measurement was queued (:meth:`pipeline`)."""
 
     def launch(self, works: Sequence[Any], addresses: Sequence[int]) -> None:
         """Queue the measurement behind ``works`` (NCCL's ``wait()`` orders the current stream
@@ -196,6 +300,42 @@ class QueuedDrift:
             for work in works:
                 work.wait()
             self.drift(addresses, self._out)
+
+    def pipeline(self, chunks: Sequence[Chunk], addresses: Sequence[int], reduce: Callable[[Tensor], Any]) -> list[Any]:
+        """Run the round chunk by chunk; the reduces' works. Each chunk's pre-round copy goes on the
+        training stream just before its reduce, and its part of the measurement on the side stream
+        behind that reduce, so that copies and measurements run beside the neighbouring chunks'
+        reduces and find a chunk's values still in the device's cache. Every chunk's copy is queued
+        even when a reduce fails to launch: a failed round restores every parameter from them.
+        :attr:`measured` is False where the side stream could not be ordered behind a reduce."""
+        training = torch.cuda.current_stream(self.stream.device)
+        self._out = torch.empty(3, dtype=torch.float64, device=self.stream.device)
+        tables = self.drift.tables(addresses)
+        self.stream.wait_stream(training)
+        works: list[Any] = []
+        copied = 0
+        try:
+            for chunk in chunks:
+                self.drift.copy(chunk, tables)
+                copied += 1
+                work = reduce(chunk.view)
+                works.append(work)
+                if self.measured:
+                    self.measured = self._measure_behind(work, chunk, tables)
+        finally:
+            for chunk in chunks[copied:]:
+                self.drift.copy(chunk, tables)
+        return works
+
+    def _measure_behind(self, work: Any, chunk: Chunk, tables: Sequence[Tensor]) -> bool:
+        assert self._out is not None
+        try:
+            with torch.cuda.stream(self.stream):
+                work.wait()
+                self.drift.measure(chunk, tables, self._out)
+        except Exception:  # a collective that had already failed: the watched wait reports it
+            return False
+        return True
 
     def result(self) -> Tensor:
         """The measurement; the training stream waits for it (and so for the reduce)."""

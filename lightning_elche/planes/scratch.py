@@ -73,13 +73,14 @@ class PreRoundValues:
         return self._saved
 
     @torch.no_grad()
-    def save(self, borrow_only: bool = False) -> bool:
+    def save(self, borrow_only: bool = False, copy_params: bool = True) -> bool:
         """Copy the live values aside (into the parameters' gradients where they can hold them);
         whether they were saved.
 
         ``borrow_only``: save only if every parameter has a usable gradient, and else leave it for a
         later :meth:`save` (a save ahead of the round must not allocate tensors of its own for a
-        round that may average nothing)."""
+        round that may average nothing). ``copy_params`` False: only choose where the parameters
+        go (:attr:`addresses`); the caller queues their copy before anything writes the live values."""
         grads = [param.grad for param in self._params]
         if not self._all_usable(grads):
             if borrow_only:
@@ -94,7 +95,7 @@ class PreRoundValues:
             else:
                 self.params, self._borrowed, self.own_bytes = grads, self._params, 0  # type: ignore[assignment]
                 self.addresses = addresses
-        if self.params:
+        if self.params and copy_params:
             torch._foreach_copy_(self.params, self.current)
         if self._buffer_twins:
             torch._foreach_copy_(self._buffer_twins, self.layout.buffers.flats)
