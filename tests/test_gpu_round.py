@@ -184,12 +184,15 @@ def test_the_round_in_parts_averages_measures_and_restores_like_the_whole_round(
                     p.grad = g.clone()
             divergence = plane.average(round_weights([1, 1], 1.0))  # this rank's factor 1/2, alone
             assert divergence is not None
-            assert all(torch.equal(p, b * 0.5) for p, b in zip(model.parameters(), before, strict=True))
+            # NCCL's PreMulSum of bf16 need not round as a bf16 halving does.
+            exact = {"rtol": 0.0, "atol": 0.0} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-6}
+            assert all(torch.allclose(p, b * 0.5, **exact) for p, b in zip(model.parameters(), before, strict=True))
             assert all(p.grad is None for p in model.parameters())
             measured[parts] = divergence.tolist()
         pieces = plane._drift.chunks(chunk_bytes)  # type: ignore[union-attr]
         assert (len(pieces) > 8) == (chunk_bytes < 1 << 20), len(pieces)
-        assert measured[chunk_bytes] == pytest.approx([norm / 2, norm, norm / 2], rel=1e-5)
+        halved = [norm / 2, norm, norm / 2]
+        assert measured[chunk_bytes] == pytest.approx(halved, rel=1e-5 if dtype == torch.float32 else 1e-2)
         assert measured[chunk_bytes] == pytest.approx(measured[None], rel=1e-6)
         assert plane._drift._tickets.item() == 0  # type: ignore[union-attr]
 

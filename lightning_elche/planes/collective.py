@@ -187,7 +187,7 @@ class CollectivePlane(AveragingPlane):
         params, buffers, joint = self.params, self.buffers, self.layout.joint
         pre = self._pre_round()
         drift = self._drift if self.fused else None
-        pipelined = drift is not None and bool(pre.params) and self._pipelined(drift)
+        pipelined = bool(pre.current) and self._pipelined(drift)
         if self._failed:
             pre.restore()  # the failed round's partial sums are in the live tensors
         elif not pre.saved:
