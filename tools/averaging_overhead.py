@@ -206,14 +206,19 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--tensors", type=int, default=60, help="parameter tensors per model")
     parser.add_argument("--out", default="averaging_overhead.json")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants {','.join(unknown)} is invalid: expected some of {', '.join(VARIANTS)}")
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'pg')}", rank=0, world_size=1,
                                 device_id=torch.device("cuda", 0))
         try:
             result: dict[str, object] = {
                 f"{name}{'' if variant == 'fused' else '-' + variant}": measure(mb, args.iters, args.tensors, variant)
-                for name, mb in SIZES_MB.items() for variant in VARIANTS
+                for name, mb in SIZES_MB.items() for variant in variants
             }
         finally:
             dist.destroy_process_group()
