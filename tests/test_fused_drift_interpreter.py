@@ -82,9 +82,10 @@ print("checked")
 """
 
 
-def interpret(script: str) -> None:
+def interpret(script: str, *args: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, *(args or ("-c", script))], env=env, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("checked")
 
@@ -95,3 +96,7 @@ def test_the_drift_kernel_matches_float64_norms_in_tritons_interpreter():
 
 def test_the_round_in_parts_copies_every_value_and_measures_part_by_part_in_tritons_interpreter():
     interpret(PARTS)
+
+
+def test_the_planes_round_in_parts_restores_and_measures_like_the_whole_round_in_tritons_interpreter():
+    interpret("", os.path.join(os.path.dirname(__file__), "pipelined_round_check.py"))
