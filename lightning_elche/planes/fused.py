@@ -41,6 +41,16 @@ FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Triton compiles these sources itself: a parameter may carry no annotation but ``tl.constexpr``
 # (it resolves every other one as a global of the kernel, and fails).
+def _block_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
+                  block_start_ptr, block):
+    """Where block ``block`` of the tables lives: its tensor's pre-round and live values (base
+    pointers), the block's first index in that tensor and the tensor's size."""
+    tensor = tl.load(block_tensor_ptr + block)
+    saved = tl.load(saved_addresses_ptr + tensor).to(tl.pointer_type(live_ptr.dtype.element_ty))
+    live = live_ptr + tl.load(offsets_ptr + tensor)
+    return saved, live, tl.load(block_start_ptr + block), tl.load(sizes_ptr + tensor)
+
+
 def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
                   block_start_ptr, partial_ptr, first_block, tickets_ptr, out_ptr, total_blocks, block_base,
                   BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr):
@@ -50,15 +60,12 @@ def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_t
     order (the result does not depend on which program is last), takes the square roots and
     resets the counter for the next round."""
     block = block_base + tl.program_id(0)
-    tensor = tl.load(block_tensor_ptr + block)
-    start = tl.load(block_start_ptr + block)
-    size = tl.load(sizes_ptr + tensor)
-    offset = tl.load(offsets_ptr + tensor)
-    saved = tl.load(saved_addresses_ptr + tensor).to(tl.pointer_type(live_ptr.dtype.element_ty))
+    saved, live, start, size = _block(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,
+                                      block_start_ptr, block)
     index = start + tl.arange(0, BLOCK)
     mask = index < size
     pre = tl.load(saved + index, mask=mask, other=0.0).to(tl.float32)
-    consensus = tl.load(live_ptr + offset + index, mask=mask, other=0.0).to(tl.float32)
+    consensus = tl.load(live + index, mask=mask, other=0.0).to(tl.float32)
     delta = pre - consensus
     out = partial_ptr + 3 * (first_block + block)
     tl.store(out, tl.sum(delta * delta, axis=0))
@@ -87,18 +94,15 @@ def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_t
 def _copy_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
                  block_start_ptr, block_base, BLOCK: tl.constexpr):
     """One program: one block of one tensor copied from the live parameters to its pre-round place."""
-    block = block_base + tl.program_id(0)
-    tensor = tl.load(block_tensor_ptr + block)
-    start = tl.load(block_start_ptr + block)
-    size = tl.load(sizes_ptr + tensor)
-    offset = tl.load(offsets_ptr + tensor)
-    saved = tl.load(saved_addresses_ptr + tensor).to(tl.pointer_type(live_ptr.dtype.element_ty))
+    saved, live, start, size = _block(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,
+                                      block_start_ptr, block_base + tl.program_id(0))
     index = start + tl.arange(0, BLOCK)
     mask = index < size
-    tl.store(saved + index, tl.load(live_ptr + offset + index, mask=mask), mask=mask)
+    tl.store(saved + index, tl.load(live + index, mask=mask), mask=mask)
 
 
 if HAVE_TRITON:
+    _block = triton.jit(_block_source)
     # A chunk's first block changes from launch to launch: one compiled kernel for every value.
     _drift_kernel = triton.jit(_drift_source, do_not_specialize=["block_base"])
     _copy_kernel = triton.jit(_copy_source, do_not_specialize=["block_base"])
