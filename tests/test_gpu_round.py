@@ -170,9 +170,11 @@ class LaunchFailure(PeerFailure):
     pass
 
 
+@pytest.mark.parametrize("copy_in_parts", [True, False], ids=["copied-in-parts", "copied-whole"])
 @pytest.mark.parametrize("chunk_bytes", [64 * 1024, 1 << 30], ids=["many-parts", "one-part"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_round_in_parts_averages_measures_and_restores_like_the_whole_round(one_rank_nccl, dtype, chunk_bytes):
+def test_the_round_in_parts_averages_measures_and_restores_like_the_whole_round(one_rank_nccl, dtype, chunk_bytes,
+                                                                                copy_in_parts):
     """``chunk_bytes``: each part copied aside, reduced (the real one-rank NCCL PreMulSum) and
     measured on the side stream behind its reduce. The consensus, the measurement and a failed
     round's restore must equal the whole round's, with a reduce that fails when it is launched
@@ -180,6 +182,7 @@ def test_the_round_in_parts_averages_measures_and_restores_like_the_whole_round(
     stepped = SteppedRound(dtype)
     model, x, plane, optimizer, norm = stepped.model, stepped.x, stepped.plane, stepped.optimizer, stepped.norm
     before = stepped.before
+    plane.copy_in_parts = copy_in_parts
     measured = {}
     for parts in (chunk_bytes, None):
         plane.chunk_bytes = parts

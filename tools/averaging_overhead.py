@@ -26,7 +26,8 @@ Each size is measured with the fused drift measurement launched after the reduce
 the default), ``-queued`` with the same kernel queued behind the reduce on a side stream
 (``CollectivePlane.queued``), ``-chunks-<n>MB`` with the round reduced in parts of about n MB,
 each copied aside just before its reduce and measured right after it (``CollectivePlane.chunk_bytes``;
-its own time is against the same bare collective: one reduce of the whole buffer), and
+its own time is against the same bare collective: one reduce of the whole buffer),
+``-chunks-8MB-whole-copy`` the same with the whole model copied first (``copy_in_parts`` False), and
 ``-multi-tensor`` with PyTorch's multi-tensor kernels.
 ``drift_kernel_us`` and ``drift_read_tb_per_s``: the drift kernel's device time and the
 bandwidth of its two reads (the pre-round values and the consensus).
@@ -53,7 +54,7 @@ from lightning_elche.planes.collective import CollectivePlane
 from lightning_elche.rounds import META_SIZE, Meta
 
 SIZES_MB = {"resnet20x4": 17.31, "char-medium": 77.24}  # the benchmark's flat parameter bytes
-VARIANTS = ("fused", "chunks-4MB", "chunks-8MB", "chunks-16MB", "queued", "multi-tensor")
+VARIANTS = ("fused", "chunks-4MB", "chunks-8MB", "chunks-16MB", "chunks-8MB-whole-copy", "queued", "multi-tensor")
 
 
 def timed(op: Callable[[], object], prepare: Callable[[], None], iters: int) -> tuple[float, float]:
@@ -125,7 +126,9 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     plane.fused = variant != "multi-tensor"
     plane.queued = variant == "queued"
     if variant.startswith("chunks-"):
-        plane.chunk_bytes = int(float(variant.removeprefix("chunks-").removesuffix("MB")) * 1e6)
+        size, _, copy = variant.removeprefix("chunks-").partition("-")
+        plane.chunk_bytes = int(float(size.removesuffix("MB")) * 1e6)
+        plane.copy_in_parts = copy != "whole-copy"
     weights = round_weights([1], 1.0)
     grads = [torch.empty_like(p) for p in params]
 
@@ -197,6 +200,7 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
         "fused_drift": plane._drift is not None and plane.fused,
         "queued_drift": plane._drift_stream is not None,
         "chunk_bytes": plane.chunk_bytes,
+        "copy_in_parts": plane.copy_in_parts,
         "reduces_per_round": sum(n for name, n in names.items() if "nccl" in name.lower()),
     }
 

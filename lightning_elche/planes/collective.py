@@ -90,6 +90,10 @@ class CollectivePlane(AveragingPlane):
         """Reduce the parameters in parts of about this many bytes, each part copied aside just
         before its reduce and measured on a side stream right after it (NCCL with the fused
         measurement; ``None``: one reduce per buffer, copied beside the metadata exchange)."""
+        self.copy_in_parts = True
+        """With :attr:`chunk_bytes`: copy each part aside just before its reduce (False: the whole
+        model beside the metadata exchange, as without parts; only the reduces and measurements go
+        part by part)."""
         self._drift_stream: Optional[Any] = None  # where the drift waits for the reduce (CUDA)
         self._failed = False  # the last round's collectives did not finish: its values need restoring
         self._premul_backend: Optional[bool] = None
@@ -164,7 +168,7 @@ class CollectivePlane(AveragingPlane):
         if self._failed or not self.layout.joint:
             return
         pre = self._pre_round()
-        if self._pipelined(self._drift):
+        if self.copy_in_parts and self._pipelined(self._drift):
             return  # each part is copied right before its reduce
         if not pre.saved:
             pre.save(borrow_only=True)
@@ -188,10 +192,12 @@ class CollectivePlane(AveragingPlane):
         pre = self._pre_round()
         drift = self._drift if self.fused else None
         pipelined = bool(pre.current) and self._pipelined(drift)
+        copy_in_parts = False  # the live values are aside already (saved, or restored from there)
         if self._failed:
             pre.restore()  # the failed round's partial sums are in the live tensors
         elif not pre.saved:
-            pre.save(copy_params=not pipelined)
+            copy_in_parts = pipelined and self.copy_in_parts
+            pre.save(copy_params=not copy_in_parts)
         self._failed = True  # until every collective is done (a PeerFailure leaves it set)
         param_factor, buffer_factor = weights.param_factors[self.rank], weights.buffer_factors[self.rank]
         if buffers and param_factor > 0.0 and buffer_factor != param_factor:
@@ -200,7 +206,7 @@ class CollectivePlane(AveragingPlane):
             torch._foreach_mul_(buffers.flats, buffer_factor / param_factor)
         if pipelined:
             assert drift is not None
-            measured = self._average_in_chunks(drift, pre, param_factor)
+            measured = self._average_in_chunks(drift, pre, param_factor, copy_in_parts)
             if outer is not None:
                 outer.step(params.flats)
             return measured
@@ -236,7 +242,7 @@ class CollectivePlane(AveragingPlane):
     def _pipelined(self, drift: Optional[FusedDrift]) -> bool:
         return self.chunk_bytes is not None and self.fused and drift is not None and self._premul
 
-    def _average_in_chunks(self, drift: FusedDrift, pre: PreRoundValues, factor: float) -> Tensor:
+    def _average_in_chunks(self, drift: FusedDrift, pre: PreRoundValues, factor: float, copy: bool) -> Tensor:
         """The round part by part (:meth:`QueuedDrift.pipeline`); this rank's measurement."""
         assert self.chunk_bytes is not None
         if self._drift_stream is None:
@@ -244,7 +250,7 @@ class CollectivePlane(AveragingPlane):
         queued = QueuedDrift(drift, self._drift_stream)
         op = dist._make_nccl_premul_sum(factor)
         try:
-            works = queued.pipeline(drift.chunks(self.chunk_bytes), pre.addresses,
+            works = queued.pipeline(drift.chunks(self.chunk_bytes), pre.addresses, copy,
                                     lambda view: dist.all_reduce(view, op=op, group=self.group, async_op=True))
             for work in works:
                 self._await(work, self._host_blocking)

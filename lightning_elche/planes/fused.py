@@ -305,23 +305,26 @@ class QueuedDrift:
                 work.wait()
             self.drift(addresses, self._out)
 
-    def pipeline(self, chunks: Sequence[Chunk], addresses: Sequence[int], reduce: Callable[[Tensor], Any]) -> list[Any]:
-        """Run the round chunk by chunk; the reduces' works. Each chunk's pre-round copy goes on the
-        training stream just before its reduce, and its part of the measurement on the side stream
-        behind that reduce, so that copies and measurements run beside the neighbouring chunks'
-        reduces and find a chunk's values still in the device's cache. Every chunk's copy is queued
-        even when a reduce fails to launch: a failed round restores every parameter from them.
-        :attr:`measured` is False where the side stream could not be ordered behind a reduce."""
+    def pipeline(self, chunks: Sequence[Chunk], addresses: Sequence[int], copy: bool,
+                 reduce: Callable[[Tensor], Any]) -> list[Any]:
+        """Run the round chunk by chunk; the reduces' works. With ``copy``, each chunk's pre-round
+        copy goes on the training stream just before its reduce (else the values are aside
+        already); its part of the measurement goes on the side stream behind that reduce, so that
+        copies and measurements run beside the neighbouring chunks' reduces and find a chunk's
+        values still in the device's cache. Every chunk's copy is queued even when a reduce fails
+        to launch: a failed round restores every parameter from them. :attr:`measured` is False
+        where the side stream could not be ordered behind a reduce."""
         training = torch.cuda.current_stream(self.stream.device)
         self._out = torch.empty(3, dtype=torch.float64, device=self.stream.device)
         tables = self.drift.tables(addresses)
         self.stream.wait_stream(training)
         works: list[Any] = []
-        copied = 0
+        copied = 0 if copy else len(chunks)
         try:
             for chunk in chunks:
-                self.drift.copy(chunk, tables)
-                copied += 1
+                if copy:
+                    self.drift.copy(chunk, tables)
+                    copied += 1
                 work = reduce(chunk.view)
                 works.append(work)
                 if self.measured:
