@@ -14,7 +14,7 @@ import pytest
 
 # Triton 3.6's interpreter cannot run the kernel (a loaded scalar as a loop bound; its compiler
 # can, and the device compiles it with 3.6); 3.7, 3.8 and 3.9 run these checks.
-pytest.importorskip("triton", minversion="3.7", reason="Triton's interpreter runs these kernels from 3.7 on")
+pytest.importorskip("triton", minversion="3.7", reason="needs Triton 3.7 or later (its interpreter)")
 
 SCRIPT = textwrap.dedent("""
     import torch
