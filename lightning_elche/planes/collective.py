@@ -188,16 +188,16 @@ class CollectivePlane(AveragingPlane):
             if self._pre is not None and self._pre.saved and not self._failed:
                 self._pre.release()  # saved beside the exchange for a round that averages nothing
             return None
-        params, buffers, joint = self.params, self.buffers, self.layout.joint
+        params, buffers = self.params, self.buffers
         pre = self._pre_round()
         drift = self._drift if self.fused else None
-        pipelined = bool(pre.current) and self._pipelined(drift)
-        copy_in_parts = False  # the live values are aside already (saved, or restored from there)
+        pipelined = self._pipelined(drift)
+        copy_parts = False  # the live values are aside already (saved, or restored from there)
         if self._failed:
             pre.restore()  # the failed round's partial sums are in the live tensors
         elif not pre.saved:
-            copy_in_parts = pipelined and self.copy_in_parts
-            pre.save(copy_params=not copy_in_parts)
+            copy_parts = pipelined and self.copy_in_parts
+            pre.save(copy_params=not copy_parts)
         self._failed = True  # until every collective is done (a PeerFailure leaves it set)
         param_factor, buffer_factor = weights.param_factors[self.rank], weights.buffer_factors[self.rank]
         if buffers and param_factor > 0.0 and buffer_factor != param_factor:
@@ -206,11 +206,17 @@ class CollectivePlane(AveragingPlane):
             torch._foreach_mul_(buffers.flats, buffer_factor / param_factor)
         if pipelined:
             assert drift is not None
-            measured = self._average_in_chunks(drift, pre, param_factor, copy_in_parts)
-            if outer is not None:
-                outer.step(params.flats)
-            return measured
-        works = self.sum_scaled(joint, param_factor, wait=False)
+            divergence: Optional[Tensor] = self._reduce_in_parts(drift, pre, param_factor, copy_parts)
+        else:
+            divergence = self._reduce_whole(drift, pre, param_factor)
+        pre.release()
+        if outer is not None:
+            outer.step(params.flats)
+        return divergence
+
+    def _reduce_whole(self, drift: Optional[FusedDrift], pre: PreRoundValues, factor: float) -> Optional[Tensor]:
+        """One reduce per joint buffer, then the measurement; this rank's (None: no parameters)."""
+        works = self.sum_scaled(self.layout.joint, factor, wait=False)
         # The multi-tensor path takes the pre-round norms beside the reduce; the fused one reads
         # every value once after it, launched while the reduce runs where it can be.
         pre_norms = torch._foreach_norm(pre.params) if pre.params and drift is None else None
@@ -227,27 +233,20 @@ class CollectivePlane(AveragingPlane):
             raise
         self._failed = False
         if not pre.params:
-            divergence = None
-        elif queued is not None:
-            divergence = queued.result()
-        elif drift is not None:
-            divergence = drift(pre.addresses)
-        else:
-            divergence = divergence_norms(pre.params, pre.current, pre_norms)
-        pre.release()
-        if outer is not None:
-            outer.step(params.flats)
-        return divergence
+            return None
+        if queued is not None:
+            return queued.result()
+        if drift is not None:
+            return drift(pre.addresses)
+        return divergence_norms(pre.params, pre.current, pre_norms)
 
     def _pipelined(self, drift: Optional[FusedDrift]) -> bool:
         return self.chunk_bytes is not None and self.fused and drift is not None and self._premul
 
-    def _average_in_chunks(self, drift: FusedDrift, pre: PreRoundValues, factor: float, copy: bool) -> Tensor:
+    def _reduce_in_parts(self, drift: FusedDrift, pre: PreRoundValues, factor: float, copy: bool) -> Tensor:
         """The round part by part (:meth:`QueuedDrift.pipeline`); this rank's measurement."""
         assert self.chunk_bytes is not None
-        if self._drift_stream is None:
-            self._drift_stream = torch.cuda.Stream(device=self.layout.joint[0].device)
-        queued = QueuedDrift(drift, self._drift_stream)
+        queued = QueuedDrift(drift, self._side_stream())
         op = dist._make_nccl_premul_sum(factor)
         try:
             works = queued.pipeline(drift.chunks(self.chunk_bytes), pre.addresses, copy,
@@ -259,22 +258,23 @@ class CollectivePlane(AveragingPlane):
             raise
         self._failed = False
         if queued.measured:
-            divergence = queued.result()
-        else:  # the side stream was left half-measured: measure again after the reduces
-            self._abandon(queued)
-            assert self._drift is not None
-            divergence = self._drift(pre.addresses)
-        pre.release()
-        return divergence
+            return queued.result()
+        self._abandon(queued)  # the side stream was left half-measured: measure again after the reduces
+        assert self._drift is not None
+        return self._drift(pre.addresses)
+
+    def _side_stream(self) -> Any:
+        """Where the measurement waits for the reduce (CUDA), kept from round to round."""
+        if self._drift_stream is None:
+            self._drift_stream = torch.cuda.Stream(device=self.layout.joint[0].device)
+        return self._drift_stream
 
     def _drift_behind(self, works: list[Any], drift: FusedDrift, addresses: list[int]) -> Optional[QueuedDrift]:
         """The fused drift queued behind the reduce on a side stream (NCCL, whose works order
         streams without the host waiting); None on a host-blocking transport."""
         if self._host_blocking:
             return None
-        if self._drift_stream is None:
-            self._drift_stream = torch.cuda.Stream(device=self.layout.joint[0].device)
-        queued = queue_drift(drift, self._drift_stream, works, addresses)
+        queued = queue_drift(drift, self._side_stream(), works, addresses)
         if queued is None:
             self._abandon_side_stream()
         return queued
