@@ -209,10 +209,26 @@ def test_n_rank_budgets_keep_the_samples_per_rank_and_2_rank_budgets_are_unchang
     assert _config(["--rig", "cpu4", "--budget", "tiny"]).budget.tp_samples == 1024  # tiny keeps the total
     # full on the N-rank CPU rigs: longer fits of longer epochs (the drain is paid per epoch)
     full_cpu2, full_cpu4 = (_config(["--rig", rig, "--budget", "full"]).budget for rig in ("cpu2", "cpu4"))
-    assert (full_cpu2.tp_samples, full_cpu2.tp_seconds) == (2048, 20.0)
-    assert (full_cpu4.tp_samples, full_cpu4.tp_seconds) == (8192, 45.0)
+    assert (full_cpu2.tp_samples, full_cpu2.tp_seconds, full_cpu2.solo_seconds) == (2048, 20.0, 20.0)
+    assert (full_cpu4.tp_samples, full_cpu4.tp_seconds, full_cpu4.solo_seconds) == (8192, 60.0, 25.0)
+    # --tp-seconds sets every throughput fit; --tp-solo-seconds the solos alone
+    assert _config(["--rig", "cpu4", "--budget", "full", "--tp-seconds", "30"]).budget.solo_seconds == 30.0
+    both = _config(["--rig", "cpu2", "--budget", "full", "--tp-seconds", "30", "--tp-solo-seconds", "12"]).budget
+    assert (both.tp_seconds, both.solo_seconds) == (30.0, 12.0)
     plan = build_plan(_config(["--rig", "cpu4", "--budget", "tiny"]))
     assert [g.jobs[0].setting.label for g in plan if g.section == THROUGHPUT] == ["spread", "k1"]
+
+
+def test_solo_fits_stop_after_the_solo_seconds_and_the_arms_after_the_fit_seconds():
+    from types import SimpleNamespace
+
+    from lightning_elche.bench.worker import _fit_limits
+
+    config = _config(["--rig", "cpu4", "--budget", "full", "--tp-arms", "ddp,cpu_async"])
+    ctx: Any = SimpleNamespace(config=config)
+    stops = {job.arm: _fit_limits(ctx, job)[1] for group in build_plan(config) if group.section == THROUGHPUT
+             for job in group.jobs}
+    assert stops == {SOLO_PAIR: 25.0, "ddp": 60.0, "cpu_async": 60.0}
 
 
 def test_n_rank_setting_errors_name_the_knob():

@@ -224,6 +224,8 @@ class Budget:
         tp_seconds: a throughput fit stops at the first epoch end after this many seconds
             (and after at least two epochs: epoch 0 is excluded from the measurement).
         tp_max_epochs: hard epoch limit of a throughput fit.
+        tp_solo_seconds: as ``tp_seconds`` for the solo fits (``None``: ``tp_seconds``). A solo's
+            epochs are a rank's share of the data, so a shorter fit still measures several.
         conv_epochs: epochs of each convergence fit (the same for every arm).
         conv_seeds: convergence seeds (median and spread are reported).
         conv_batch: per-device batch size (convergence section).
@@ -253,6 +255,12 @@ class Budget:
     char_model: Optional[str] = None
     churn_seconds: float = 45.0
     """``--churn``: measured wall time of each churn arm (``--churn-seconds``)."""
+    tp_solo_seconds: Optional[float] = None
+
+    @property
+    def solo_seconds(self) -> float:
+        """Stop-after seconds of a throughput solo fit."""
+        return self.tp_seconds if self.tp_solo_seconds is None else self.tp_solo_seconds
 
 
 _CPU_BUDGETS = {
@@ -271,11 +279,16 @@ _GPU_BUDGETS = {
 }
 
 
-N_RANK_FULL_SECONDS = 45.0
-"""A ``full`` throughput fit's length on an N-rank CPU rig. Its slowest rank trains a tenth of the
-batches at a 4.5x spread: in 20 s that was 14-26 batches, so a 5 % share error was under one
-claim from the pool, and two runs of one commit differed by a round's worth of efficiency
-(``docs/benchmarks.md``, *cpu4 twice*)."""
+N_RANK_FULL_SECONDS = 60.0
+"""A ``full`` multi-rank throughput fit's length on an N-rank CPU rig. Its slowest rank trains a
+tenth of the batches at a 4.5x spread: in 20 s that was 14-26 batches, so a 5 % share error was
+under one claim from the pool, and two runs of one commit differed by a round's worth of efficiency
+(``docs/benchmarks.md``, *cpu4 twice*). With 18 s epochs a 45 s fit measured only two epochs
+(epoch 0 is left out); 60 s measures three."""
+N_RANK_FULL_SOLO_SECONDS = 25.0
+"""A ``full`` solo fit's length on an N-rank CPU rig: a solo's epochs are its rank's share of the
+data (about 7 s), so 25 s measures three of them, and the two solo brackets of a pass leave the
+time for the longer multi-rank fits inside one device call."""
 N_RANK_FULL_EPOCH_SCALE = 2
 """A ``full`` epoch on an N-rank CPU rig holds this many times the 2-rank preset's samples per
 rank (8,192 samples on ``cpu4``, about 18 s; CIFAR-10's epoch is 50,000). At an epoch's end the
@@ -287,14 +300,16 @@ def budget_for(rig: Rig, name: str) -> Budget:
     """The preset of ``name`` for the rig's accelerator. The presets are sized for 2 ranks; on an
     N-rank rig ``quick`` and ``full`` keep the throughput samples per rank (an epoch lasts as long
     on each rank), while ``tiny`` (a structural check) keeps the total, so its epochs get shorter;
-    ``full`` throughput fits on the N-rank CPU rigs last :data:`N_RANK_FULL_SECONDS` and their
-    epochs are :data:`N_RANK_FULL_EPOCH_SCALE` times as long."""
+    ``full`` throughput fits on the N-rank CPU rigs last :data:`N_RANK_FULL_SECONDS` (solos
+    :data:`N_RANK_FULL_SOLO_SECONDS`) and their epochs are :data:`N_RANK_FULL_EPOCH_SCALE` times as
+    long."""
     table = _GPU_BUDGETS if rig.accelerator == "cuda" else _CPU_BUDGETS
     budget = table[name]
     if rig.world_size != 2 and name != "tiny":
         budget = replace(budget, tp_samples=budget.tp_samples * rig.world_size // 2)
     if rig.world_size != 2 and name == "full" and rig.accelerator == "cpu":
         budget = replace(budget, tp_seconds=max(budget.tp_seconds, N_RANK_FULL_SECONDS),
+                         tp_solo_seconds=N_RANK_FULL_SOLO_SECONDS,
                          tp_samples=budget.tp_samples * N_RANK_FULL_EPOCH_SCALE)
     return budget
 
@@ -361,7 +376,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rank-slowdowns", default=None,
                         help="N-rank CPU rigs: comma-separated k of each rank, replacing the rig's headline spread "
                              "(default 1,1.5,2,3, repeated for cpu8)")
-    parser.add_argument("--tp-seconds", type=float, default=None, help="length of a throughput fit")
+    parser.add_argument("--tp-seconds", type=float, default=None,
+                        help="length of a throughput fit (solos too, unless --tp-solo-seconds is given)")
+    parser.add_argument("--tp-solo-seconds", type=float, default=None,
+                        help="length of a throughput solo fit (default: the budget's, else --tp-seconds)")
     parser.add_argument("--tp-epoch-samples", type=int, default=None,
                         help="training samples per throughput epoch over all ranks (default: the budget's; "
                              "gpu2-*: 262144 makes an ElChe epoch last >= 10 s on 2 H200s, docs/benchmarks.md)")
@@ -431,7 +449,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error(f"--seeds={args.seeds} must be >= 0 (0: no convergence section)")
     if args.local_sgd_period < 1 or args.local_sgd_warmup < 0:
         parser.error("--local-sgd-period must be >= 1 and --local-sgd-warmup >= 0")
-    for name in ("tp_seconds", "deadline_s"):
+    for name in ("tp_seconds", "tp_solo_seconds", "deadline_s"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name.replace('_', '-')} must be a positive number")
@@ -499,8 +517,11 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
     for name in ("tp_batch", "conv_batch", "char_model", "micro_iters"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
-    if args.tp_seconds is not None:
+    if args.tp_seconds is not None:  # every throughput fit, solos too, unless --tp-solo-seconds says otherwise
         overrides["tp_seconds"] = args.tp_seconds
+        overrides["tp_solo_seconds"] = None
+    if args.tp_solo_seconds is not None:
+        overrides["tp_solo_seconds"] = args.tp_solo_seconds
     if args.conv_epochs is not None:
         overrides["conv_epochs"] = args.conv_epochs
     if args.only_headline:

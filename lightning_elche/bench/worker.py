@@ -354,7 +354,8 @@ def _fit_limits(ctx: RankContext, job: Job) -> tuple[int, float, bool]:
     """(max_epochs, stop-after seconds, evaluate) of a job."""
     budget = ctx.config.budget
     if job.section == THROUGHPUT:
-        return budget.tp_max_epochs, budget.tp_seconds, False
+        stop_after = budget.solo_seconds if job.arm == SOLO_PAIR else budget.tp_seconds
+        return budget.tp_max_epochs, stop_after, False
     return budget.conv_epochs, budget.conv_max_seconds, True
 
 
