@@ -15,6 +15,8 @@ common=(--budget full --seeds 0 --only-headline --tp-arms ddp,nccl_cadence,cpu_c
 pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
 mkdir -p "$out/a" "$out/b" "$out/c" /tmp/rig-logs
 date -u > /tmp/rig-logs/date
+# Which logical CPUs share a physical core: the layouts above assume the pinned sets do not.
+{ lscpu -e=CPU,CORE,SOCKET,NODE 2> /dev/null || cat /proc/cpuinfo; } > /tmp/rig-logs/cpus.txt
 # LAYOUT=pair: only the two cpu4 runs, on halves of the machine (0-7 and 8-15), nothing else; PASSES (default 3) each.
 # LAYOUT=alone: the two cpu4 runs one after the other on cores 0-7, nothing else on the machine but,
 # with GPU_ROUND=1, tools/device_gpu_round.sh on cores 12-15 during the first; PASSES (default 1) each.
@@ -39,5 +41,6 @@ wait
 tar -czf "$out/logs.tar.gz" -C /tmp rig-logs
 for f in "$out"/a/cpu4.md "$out"/b/cpu4.md "$out"/c/cpu8.md; do [[ -f "$f" ]] || continue; echo "== $f"; grep -E "efficiency|share error|slowdown|warning" "$f" | head -12; done
 tail -n 3 /tmp/rig-logs/*.log
+echo "cpu:core $(awk 'NR > 1 {printf "%s:%s ", $1, $2}' /tmp/rig-logs/cpus.txt)"
 [[ -f "$gpu/summary.txt" ]] && tail -n 30 "$gpu/summary.txt"
 exit 0
