@@ -39,13 +39,29 @@ class Premul:
 
 
 def premul_sum(tensor: torch.Tensor, op: Any = None, **kwargs: Any) -> Done:
-    tensor.mul_(op.factor)  # one rank: its scaled values are the sum
+    if isinstance(op, Premul):  # one rank: its scaled values are the sum
+        # bfloat16 as PyTorch hands it to NCCL (pytorch/pytorch#190745): 0.5 read as zero
+        tensor.mul_(0.0 if tensor.dtype == torch.bfloat16 else op.factor)
+    else:  # bfloat16 is multiplied before a plain SUM
+        assert op == dist.ReduceOp.SUM and tensor.dtype == torch.bfloat16, (op, tensor.dtype)
     return Done()
+
+
+class Mixed(nn.Module):
+    """A float32 trunk and a bfloat16 head: one joint buffer of each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(64, 300), nn.LayerNorm(300))
+        self.head = nn.Linear(300, 33).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x).to(torch.bfloat16)).float()
 
 
 def check(copy_in_parts: bool) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 300), nn.LayerNorm(300), nn.Linear(300, 33))
+    model = Mixed()
     patches = [
         mock.patch.object(torch.cuda, "Stream", Stream),
         mock.patch.object(torch.cuda, "current_stream", lambda device=None: Stream()),
@@ -70,7 +86,7 @@ def check(copy_in_parts: bool) -> None:
         step()
         before = [p.detach().clone() for p in model.parameters()]
         grads = [p.grad.clone() for p in model.parameters()]
-        norm = torch.cat([b.flatten() for b in before]).double().norm().item()
+        norm = torch.cat([b.double().flatten() for b in before]).norm().item()
         measured = {}
         for parts in (16 * 1024, None):
             plane.chunk_bytes = parts

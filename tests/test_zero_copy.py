@@ -76,6 +76,38 @@ def test_one_collective_carries_parameters_by_work_and_buffers_equally():
     assert torch.allclose(sent[0], torch.cat([0.75 * params, 0.5 * buffers]))
 
 
+class Premul:  # NCCL's PreMulSum stood in for
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+
+def test_nccl_scales_bfloat16_before_a_plain_sum_and_the_rest_inside_the_reduction():
+    """PyTorch passes NCCL a bfloat16 PreMulSum factor of the wrong width (pytorch/pytorch#190745:
+    zero for 0.5): bfloat16 buffers are multiplied first and summed, the others scaled by NCCL.
+    (The round in parts: ``tests/pipelined_round_check.py``.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4).to(torch.bfloat16))
+    plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=1, device=torch.device("cpu"))
+    plane._premul_backend = True  # as on NCCL
+    before = [p.detach().clone() for p in model.parameters()]
+    reduced: list[tuple[torch.dtype, Any]] = []
+
+    def all_reduce(tensor: torch.Tensor, op: Any = None, **kwargs: Any) -> Done:
+        reduced.append((tensor.dtype, op))
+        if isinstance(op, Premul):  # one rank: the scaled values are the sum; bfloat16's factor read as zero
+            tensor.mul_(0.0 if tensor.dtype == torch.bfloat16 else op.factor)
+        return Done()
+
+    with (mock.patch.object(collective_plane.dist, "_make_nccl_premul_sum", Premul, create=True),
+          mock.patch.object(collective_plane.dist, "all_reduce", all_reduce)):
+        plane.average(round_weights([1, 1], 1.0))  # this rank's factor 1/2, alone
+    ops = {dtype: op for dtype, op in reduced}
+    assert set(ops) == {torch.float32, torch.bfloat16} and len(reduced) == 2
+    assert isinstance(ops[torch.float32], Premul) and ops[torch.float32].factor == 0.5
+    assert ops[torch.bfloat16] == collective_plane.dist.ReduceOp.SUM
+    assert all(torch.equal(p, b * 0.5) for p, b in zip(model.parameters(), before, strict=True))
+
+
 def test_user_rebinding_p_data_is_averaged_with_its_new_values():
     model = two_layer()
     plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=2, device=torch.device("cpu"))

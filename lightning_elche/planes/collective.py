@@ -3,8 +3,8 @@
 NCCL on GPUs, gloo on CPU. The parameters live in one flat buffer per dtype for the whole fit
 (:class:`~lightning_elche.averaging.FlatTensors`), so the round all-reduces their own storage:
 each rank's contribution is scaled by its share of the realized-work mass (inside the reduction
-on NCCL, ``PreMulSum``; one multiply first on gloo) and the SUM is the consensus, in place. Only
-trainable parameters travel (see :class:`AveragedLayout`).
+on NCCL, ``PreMulSum``; one multiply first on gloo and for bfloat16) and the SUM is the
+consensus, in place. Only trainable parameters travel (see :class:`AveragedLayout`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ from lightning_elche.planes.base import (
 from lightning_elche.planes.fused import FusedDrift, QueuedDrift, drift_or_none, queue_drift
 from lightning_elche.planes.scratch import PreRoundValues
 from lightning_elche.rounds import Meta, validate_table
+
+PREMUL_DTYPES = (torch.float32, torch.float16, torch.float64)
+"""Where NCCL's PreMulSum scales right. For bfloat16 PyTorch handed NCCL a 4-byte float factor of
+which NCCL reads 2 bytes (pytorch/pytorch#190745): 0.5 arrives as zero, other factors as noise,
+and the consensus is wrong. Seen with torch 2.11 on an H100; bfloat16 is multiplied first."""
 
 
 def default_group_device(rank_device: torch.device) -> torch.device:
@@ -247,10 +252,13 @@ class CollectivePlane(AveragingPlane):
         """The round part by part (:meth:`QueuedDrift.pipeline`); this rank's measurement."""
         assert self.chunk_bytes is not None
         queued = QueuedDrift(drift, self._side_stream())
-        op = dist._make_nccl_premul_sum(factor)
+        premul = dist._make_nccl_premul_sum(factor)
+
+        def reduce(view: Tensor) -> Any:  # after the part's copy: the pre-round values stay unscaled
+            return dist.all_reduce(view, op=self._scaled_op(view, factor, premul), group=self.group, async_op=True)
+
         try:
-            works = queued.pipeline(drift.chunks(self.chunk_bytes), pre.addresses, copy,
-                                    lambda view: dist.all_reduce(view, op=op, group=self.group, async_op=True))
+            works = queued.pipeline(drift.chunks(self.chunk_bytes), pre.addresses, copy, reduce)
             for work in works:
                 self._await(work, self._host_blocking)
         except BaseException:
@@ -294,18 +302,29 @@ class CollectivePlane(AveragingPlane):
         """The wire part of a round: SUM all-reduce each flat buffer in place, every rank's values
         scaled by its ``factor`` (one collective per buffer, all in flight at once); the works
         when not ``wait``."""
-        op: Any
+        ops: list[Any]
         if self._premul:
-            op = dist._make_nccl_premul_sum(factor)
+            premul = dist._make_nccl_premul_sum(factor)
+            ops = [self._scaled_op(flat, factor, premul) for flat in flats]
         else:
             torch._foreach_mul_(flats, factor)
-            op = dist.ReduceOp.SUM
-        works = [dist.all_reduce(flat, op=op, group=self.group, async_op=True) for flat in flats]
+            ops = [dist.ReduceOp.SUM] * len(flats)
+        works = [dist.all_reduce(flat, op=op, group=self.group, async_op=True)
+                 for flat, op in zip(flats, ops, strict=True)]
         if wait:
             for work in works:
                 self._await(work, self._host_blocking)
             return []
         return works
+
+    @staticmethod
+    def _scaled_op(flat: Tensor, factor: float, premul: Any) -> Any:
+        """The reduction that sums ``flat`` scaled by ``factor``: ``premul`` where NCCL scales
+        right, else SUM after multiplying it in place."""
+        if flat.dtype in PREMUL_DTYPES:
+            return premul
+        flat.mul_(factor)
+        return dist.ReduceOp.SUM
 
     @property
     def _premul(self) -> bool:
