@@ -190,6 +190,10 @@ def test_n_rank_rigs_give_every_rank_a_throttle_and_share_solos_within_a_speed_c
     assert cpu4.settings[0].solo_ranks(4) == [0, 1, 2, 3]
     homogeneous = cpu4.settings[1]
     assert not homogeneous.throttled and homogeneous.solo_ranks(4) == [0]
+    # A CPU rig's ranks share one machine: each runs its own solo, all at once (a GPU rig: one per class).
+    assert cpu8.solo_per_rank and RIGS["cpu2"].solo_per_rank and not RIGS["gpu8-hetero"].solo_per_rank
+    assert spread.representatives(8, per_rank=True) == list(range(8))
+    assert homogeneous.solo_ranks(4, per_rank=True) == [0, 1, 2, 3]
     gpu4, gpu8 = RIGS["gpu4-hetero"], RIGS["gpu8-hetero"]
     assert (gpu4.world_size, gpu8.world_size, gpu8.accelerator, gpu8.backend) == (4, 8, "cuda", "nccl")
     assert [gpu4.settings[0].rank_throttle(r)[1] for r in range(4)] == [None, 96, 64, 32]
@@ -448,14 +452,15 @@ def test_throttle_that_does_not_bite_stops_the_run(tmp_path):
 @pytest.mark.extended
 @pytest.mark.timeout(330)
 def test_cpu4_tiny_end_to_end_reports_every_arm_for_four_ranks(tmp_path):
-    """4 CPU ranks with the spread k = 1, 1.5, 2, 3: every throughput arm, one solo per speed class,
-    4 per-rank columns. Convergence only for DDP (the cpu2 run covers every arm there), so it is
+    """4 CPU ranks with k = 1, 1.5, 1.5, 3: every throughput arm, a solo of every rank (ranks 1 and 2
+    share a speed class but not a core), 4 per-rank columns. Convergence only for DDP (the cpu2 run covers every arm there), so it is
     the throughput section and the microbenchmark at 4 ranks that this run checks (about a minute
     on 2 idle cores; minutes when the machine is shared)."""
     out = tmp_path / "bench"
     status, output = run_command(
         [sys.executable, "-m", "lightning_elche.bench", "--rig", "cpu4", "--budget", "tiny", "--only-headline",
-         "--conv-arms", "ddp", "--micro-iters", "2", "--no-plots", "--commit", "abc1234", "--out", str(out)],
+         "--rank-slowdowns", "1,1.5,1.5,3", "--conv-arms", "ddp", "--micro-iters", "2", "--no-plots",
+         "--commit", "abc1234", "--out", str(out)],
         tmp_path, 320)
     assert status == 0, output[-4000:]
     result = json.loads((out / "cpu4.json").read_text())

@@ -164,7 +164,7 @@ def throughput_sections(config: BenchConfig, plan: list[Group], records: dict[st
     reduce_device_s = max(r[THROUGHPUT]["flat_all_reduce_s"] for r in records["micro"]) if "micro" in records else None
     for setting in config.settings:
         groups = [g for g in plan if g.section == THROUGHPUT and g.jobs[0].setting == setting and _ran(g, records)]
-        representatives = setting.representatives(config.rig.world_size)
+        representatives = setting.representatives(config.rig.world_size, config.rig.solo_per_rank)
         passes = [metrics.throughput_pass([(job.arm, job.job_id) for job in g.jobs], records, representatives,
                                           reduce_device_s)
                   for g in groups]

@@ -97,16 +97,18 @@ class Setting:
         """Some rank has a memory limit or a micro-batch setting."""
         return any(f is not None for f in self.rank_memory) or any(m is not None for m in self.rank_micro_batch)
 
-    def representatives(self, world: int) -> list[int]:
-        """Per rank, the first rank with the same throttle, memory limit and micro-batch setting (the
-        one whose solo fit measures it)."""
+    def representatives(self, world: int, per_rank: bool = False) -> list[int]:
+        """Per rank, the rank whose solo fit measures it: the first rank with the same throttle,
+        memory limit and micro-batch setting, or itself if ``per_rank``."""
+        if per_rank:
+            return list(range(world))
         first: dict[tuple[object, ...], int] = {}
         return [first.setdefault((*self.rank_throttle(rank), self.memory_fraction(rank), self.micro_batch(rank)), rank)
                 for rank in range(world)]
 
-    def solo_ranks(self, world: int) -> list[int]:
-        """The ranks that run a solo fit: one per speed class."""
-        return sorted(set(self.representatives(world)))
+    def solo_ranks(self, world: int, per_rank: bool = False) -> list[int]:
+        """The ranks that run a solo fit: one per speed class, or every rank if ``per_rank``."""
+        return sorted(set(self.representatives(world, per_rank)))
 
     def describe(self) -> str:
         limits = describe_limits(self.rank_memory, self.rank_micro_batch)
@@ -143,6 +145,14 @@ class Rig:
     def __post_init__(self) -> None:
         for setting in self.settings:
             setting.check_world(self.world_size)
+
+    @property
+    def solo_per_rank(self) -> bool:
+        """Every rank runs its own solo fit, all at once. On a CPU rig the ranks share one machine:
+        the solos then load it as the multi-rank arms do, and a rank whose cores are slower than its
+        class's first rank's is measured, not assumed (one solo per class left ``cpu8``'s ranks 4-7
+        unmeasured and the machine half as busy as in the arms; their batch shares read 6-10 % off)."""
+        return self.accelerator == "cpu"
 
 
 CPU_SPREAD = (1.0, 1.5, 2.0, 3.0)

@@ -492,7 +492,7 @@ def _release() -> None:
 
 def run_job(ctx: RankContext, job: Job) -> None:
     if job.arm == SOLO_PAIR:
-        if ctx.rank in job.setting.solo_ranks(ctx.world):  # one solo per speed class
+        if ctx.rank in job.setting.solo_ranks(ctx.world, ctx.config.rig.solo_per_rank):
             write_record(ctx.run_dir, job.job_id, ctx.rank, run_solo(ctx, job, as_rank=ctx.rank))
     elif job.arm == SOLO_RANK0:
         if ctx.rank == 0:
@@ -506,7 +506,7 @@ def run_job(ctx: RankContext, job: Job) -> None:
 def throttle_ok(ctx: RankContext, job: Job) -> tuple[bool, dict[str, Any]]:
     """Every rank reads every solo record of ``job`` and reaches the same verdict: rank 0's device
     must be at least ``min_slowdown`` times faster than the slowest other speed class."""
-    solo_ranks = job.setting.solo_ranks(ctx.world)
+    solo_ranks = job.setting.solo_ranks(ctx.world, ctx.config.rig.solo_per_rank)
     rates = [solo_rate(read_record(ctx.run_dir, job.job_id, r)) for r in solo_ranks]
     slowest = min(rates[1:]) if len(rates) > 1 else rates[0]
     measured = rates[0] / slowest if slowest > 0 else float("inf")
