@@ -492,4 +492,6 @@ def test_cpu4_tiny_end_to_end_reports_every_arm_for_four_ranks(tmp_path):
     assert set(result["convergence"]["arms"]) == {"solo_rank0", "ddp"}
     table = (out / "cpu4.md").read_text()
     assert "| idle r0 / r1 / r2 / r3 | batch share r0 / r1 / r2 / r3 |" in table
+    solo_line = next(line for line in table.splitlines() if line.startswith("Solo rates (the ranks each measures)"))
+    assert all(f"(rank {r})" in solo_line for r in range(4)) and "ranks" not in solo_line.split(":", 1)[1], solo_line
     assert "## All-reduce microbenchmark (4 ranks, no throttle)" in table and "| `cpu_async` |" in table

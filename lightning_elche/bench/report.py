@@ -244,15 +244,15 @@ def _rank_list(ranks: list[int]) -> str:
 
 
 def balance_lines(section: dict[str, Any]) -> list[str]:
-    """N-rank rigs: each speed class's solo rate, the speed shares, and how far each arm's batch
-    shares from epoch 1 on are from them."""
+    """N-rank rigs: each solo fit's rate with the ranks it measures, the speed shares, and how far
+    each arm's batch shares from epoch 1 on are from them."""
     solos = [f"`{arm}` {_rate(row['samples_per_s'])}/s ({_rank_list(row.get('ranks', []))})"
              for arm, row in section["arms"].items() if row.get("kind") == "solo"]
     errors = [f"`{arm}` {_num(None if row.get('share_error') is None else 100 * row['share_error'], 0, ' %')}"
               for arm, row in section["arms"].items() if row.get("kind") != "solo"]
     rounds = [f"`{arm}` {_num(None if row.get('round_s') is None else 1000 * row['round_s'], 1, ' ms')}"
               for arm, row in section["arms"].items() if row.get("kind") == "elche"]
-    lines = [f"Solo rate of each speed class: {'; '.join(solos)}.",
+    lines = [f"Solo rates (the ranks each measures): {'; '.join(solos)}.",
              f"Speed share per rank (the balanced batch share): {_pair(section.get('speed_share'))}.",
              f"Largest deviation of a rank's batch share (epoch 1 on) from its speed share: {', '.join(errors)}."]
     if rounds:
@@ -263,7 +263,8 @@ def balance_lines(section: dict[str, Any]) -> list[str]:
 def slowdown_line(section: dict[str, Any], world: int) -> str:
     if world == 2:
         return f"Measured solo slowdown of rank 1: {_num(section['measured_slowdown'])}x."
-    return f"Measured solo slowdown of the slowest speed class against rank 0: {_num(section['measured_slowdown'])}x."
+    slowdown = _num(section['measured_slowdown'])
+    return f"Measured solo slowdown of the slowest other solo fit against rank 0: {slowdown}x."
 
 
 def noise_lines(section: dict[str, Any]) -> list[str]:
@@ -279,7 +280,7 @@ def noise_lines(section: dict[str, Any]) -> list[str]:
         slow = ", ".join(f"{_num(b.get('measured_slowdown_opening'))}x / {_num(b.get('measured_slowdown_closing'))}x"
                          for b in brackets)
         lines.append(f"Solo fits before and after the arms of each pass (A-B-A; the ideal is their mean): measured "
-                     f"slowdown before / after {slow}; solo rate drift per speed class {drift}.")
+                     f"slowdown before / after {slow}; solo rate drift per solo fit {drift}.")
     if passes > 1:
         ranges = section.get("measured_slowdown_range_per_pass") or [None] * passes
         per_pass = ", ".join(
@@ -381,7 +382,7 @@ def arm_description(arm: str) -> str:
         return ARM_DESCRIPTIONS[arm]
     if arm.startswith("solo_rank"):
         return f"rank {arm.removeprefix('solo_rank')}'s device alone, with its throttle (single-process fit); " \
-               "measures every rank of its speed class"
+               "measures the ranks listed with it (CPU rigs: itself; GPU rigs: its speed class)"
     return arm
 
 
