@@ -453,9 +453,9 @@ def test_throttle_that_does_not_bite_stops_the_run(tmp_path):
 @pytest.mark.timeout(330)
 def test_cpu4_tiny_end_to_end_reports_every_arm_for_four_ranks(tmp_path):
     """4 CPU ranks with k = 1, 1.5, 1.5, 3: every throughput arm, a solo of every rank (ranks 1 and 2
-    share a speed class but not a core), 4 per-rank columns. Convergence only for DDP (the cpu2 run covers every arm there), so it is
-    the throughput section and the microbenchmark at 4 ranks that this run checks (about a minute
-    on 2 idle cores; minutes when the machine is shared)."""
+    share a speed class but not a core), 4 per-rank columns. Convergence only for DDP (the cpu2 run
+    covers every arm there), so it is the throughput section and the microbenchmark at 4 ranks that
+    this run checks (about a minute on 2 idle cores; minutes when the machine is shared)."""
     out = tmp_path / "bench"
     status, output = run_command(
         [sys.executable, "-m", "lightning_elche.bench", "--rig", "cpu4", "--budget", "tiny", "--only-headline",
