@@ -13,6 +13,8 @@ divergence norms and the launches, at the benchmark's two model sizes:
 * ``kernels_per_round``: device kernels one ``average()`` runs (torch.profiler), with their names;
   ``own_kernel_us``: the summed device time of those kernels but the bare collective's (the round's
   own device work without the host's gaps), ``kernel_us`` per kernel name;
+* ``reduces_per_round``: the all-reduces one ``average()`` launches (one per joint buffer, or one per
+  part with ``chunk_bytes``), counted at ``torch.distributed.all_reduce``;
 * ``watched_average_ms`` / ``watched_own_ms``: ``average()`` as a fit runs it, its host polling the
   reduce for a lost peer (``Membership.wait`` on NCCL: ``is_completed()``, then ``wait()``): the
   host launches nothing between the reduce and its end unless the launch was queued before;
@@ -45,6 +47,8 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -73,6 +77,24 @@ def timed(op: Callable[[], object], prepare: Callable[[], None], iters: int) -> 
         wall.append(1000.0 * (time.perf_counter() - began))
         device.append(start.elapsed_time(end))
     return statistics.median(device), statistics.median(wall)
+
+
+def reduces_per_round(op: Callable[[], object], prepare: Callable[[], None]) -> int:
+    """The all-reduces one ``op`` launches, counted at ``torch.distributed.all_reduce`` (a one-rank
+    NCCL group launches no kernel the profiler could name for them)."""
+    calls = 0
+    real = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    prepare()
+    with mock.patch.object(dist, "all_reduce", counted):
+        op()
+    torch.cuda.synchronize()
+    return calls
 
 
 def kernels(op: Callable[[], object], prepare: Callable[[], None],
@@ -201,7 +223,7 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
         "queued_drift": plane._drift_stream is not None,
         "chunk_bytes": plane.chunk_bytes,
         "copy_in_parts": plane.copy_in_parts,
-        "reduces_per_round": sum(n for name, n in names.items() if "nccl" in name.lower()),
+        "reduces_per_round": reduces_per_round(average, after_a_step),
     }
 
 

@@ -505,7 +505,7 @@ def run_job(ctx: RankContext, job: Job) -> None:
 
 def throttle_ok(ctx: RankContext, job: Job) -> tuple[bool, dict[str, Any]]:
     """Every rank reads every solo record of ``job`` and reaches the same verdict: rank 0's device
-    must be at least ``min_slowdown`` times faster than the slowest other speed class."""
+    must be at least ``min_slowdown`` times faster than the slowest other solo fit."""
     solo_ranks = job.setting.solo_ranks(ctx.world, ctx.config.rig.solo_per_rank)
     rates = [solo_rate(read_record(ctx.run_dir, job.job_id, r)) for r in solo_ranks]
     slowest = min(rates[1:]) if len(rates) > 1 else rates[0]

@@ -255,7 +255,8 @@ class CollectivePlane(AveragingPlane):
         premul = dist._make_nccl_premul_sum(factor)
 
         def reduce(view: Tensor) -> Any:  # after the part's copy: the pre-round values stay unscaled
-            return dist.all_reduce(view, op=self._scaled_op(view, factor, premul), group=self.group, async_op=True)
+            op = self._scale_or_premul(view, factor, premul)
+            return dist.all_reduce(view, op=op, group=self.group, async_op=True)
 
         try:
             works = queued.pipeline(drift.chunks(self.chunk_bytes), pre.addresses, copy, reduce)
@@ -305,7 +306,7 @@ class CollectivePlane(AveragingPlane):
         ops: list[Any]
         if self._premul:
             premul = dist._make_nccl_premul_sum(factor)
-            ops = [self._scaled_op(flat, factor, premul) for flat in flats]
+            ops = [self._scale_or_premul(flat, factor, premul) for flat in flats]
         else:
             torch._foreach_mul_(flats, factor)
             ops = [dist.ReduceOp.SUM] * len(flats)
@@ -318,7 +319,7 @@ class CollectivePlane(AveragingPlane):
         return works
 
     @staticmethod
-    def _scaled_op(flat: Tensor, factor: float, premul: Any) -> Any:
+    def _scale_or_premul(flat: Tensor, factor: float, premul: Any) -> Any:
         """The reduction that sums ``flat`` scaled by ``factor``: ``premul`` where NCCL scales
         right, else SUM after multiplying it in place."""
         if flat.dtype in PREMUL_DTYPES:
