@@ -60,7 +60,7 @@ for dtype in (torch.float32, torch.bfloat16):
         for chunk_bytes in (1, 4096 * 4, 4096 * 16, 1 << 30):
             plan = drift.chunks(chunk_bytes)
             covered = torch.cat([c.view for c in plan if c.view.data_ptr() != extra.data_ptr()] )
-            assert covered.data_ptr() != 0 and torch.equal(covered, flat), "the parts cover the buffer once, in order"
+            assert torch.equal(covered, flat), "the parts cover the buffer once, in order"
             assert sum(c.blocks for c in plan) == drift._blocks
             pre = []
             for view in views:
@@ -84,21 +84,21 @@ print("checked")
 """
 
 
-def interpret(script: str, *args: str) -> None:
+def interpret(*argv: str) -> None:
+    """Run a check (``-c SOURCE`` or a script) in a Python of its own with Triton's interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, *(args or ("-c", script))], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("checked")
 
 
 def test_the_drift_kernel_matches_float64_norms_in_tritons_interpreter():
-    interpret(SCRIPT)
+    interpret("-c", SCRIPT)
 
 
 def test_the_round_in_parts_copies_every_value_and_measures_part_by_part_in_tritons_interpreter():
-    interpret(PARTS)
+    interpret("-c", PARTS)
 
 
 def test_the_planes_round_in_parts_restores_and_measures_like_the_whole_round_in_tritons_interpreter():
-    interpret("", os.path.join(os.path.dirname(__file__), "pipelined_round_check.py"))
+    interpret(os.path.join(os.path.dirname(__file__), "pipelined_round_check.py"))
