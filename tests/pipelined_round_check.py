@@ -13,7 +13,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from test_zero_copy import Done, Failed  # this file's folder is the script's first import path
+from test_zero_copy import Done, Failed, Premul  # this file's folder is the script's first import path
 from torch import nn
 
 from lightning_elche.averaging import AveragedLayout, round_weights
@@ -31,11 +31,6 @@ class Stream:  # CUDA's streams stood in for: the interpreter runs every kernel 
 
     def wait_stream(self, other: Any) -> None:
         pass
-
-
-class Premul:
-    def __init__(self, factor: float) -> None:
-        self.factor = factor
 
 
 def premul_sum(tensor: torch.Tensor, op: Any = None, **kwargs: Any) -> Done:
