@@ -3,12 +3,13 @@
 # tools/averaging_overhead.py first, on a quiet host (it times host gaps), then the one-GPU tests of
 # the round and of the memory bound (the MLP and the transformer), keeping the benchmark's tables.
 # Usage: tools/device_gpu_round.sh OUT. Writes at most 8 files (the device tool's limit).
+# VARIANTS (comma-separated) limits the overhead tool to those variants.
 set -u
 out=${1:?OUT}
 export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 RUN_GPU_TESTS=1 ELCHE_BENCH_COMMIT=${COMMIT:-}  # the copied tree has no git of its own
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$out/machine.txt" 2>&1
-python3 tools/averaging_overhead.py --iters 100 --out "$out/averaging-overhead.json" > "$out/overhead.log" 2>&1
+python3 tools/averaging_overhead.py --iters 100 ${VARIANTS:+--variants "$VARIANTS"} --out "$out/averaging-overhead.json" > "$out/overhead.log" 2>&1
 echo "exit status $?" >> "$out/overhead.log"
 ELCHE_KEEP_BENCH=$out python3 -m pytest -p no:cacheprovider -q -rfE -s -m gpu tests/test_gpu_round.py \
   "tests/test_gpu.py::test_zero_copy_round_on_one_gpu_nccl_premul_and_inductor" tests/test_gpu_memory.py > "$out/gpu.log" 2>&1
