@@ -25,9 +25,7 @@ divergence norms and the launches, at the benchmark's two model sizes:
   full; with peers it runs while this rank waits for the slowest one.
 
 Each size is measured with the fused drift measurement launched after the reduce (CUDA, Triton;
-the default), ``-fused-narrow`` with its kernels reading and writing 4 bytes at a time (as they do
-for tensors that do not start and end on 16 bytes; the default reads the others 16 at a time),
-``-queued`` with the same kernel queued behind the reduce on a side stream
+the default), ``-queued`` with the same kernel queued behind the reduce on a side stream
 (``CollectivePlane.queued``), ``-chunks-<n>MB`` with the round reduced in parts of about n MB,
 each copied aside just before its reduce and measured right after it (``CollectivePlane.chunk_bytes``;
 its own time is against the same bare collective: one reduce of the whole buffer),
@@ -57,12 +55,10 @@ import torch.distributed as dist
 
 from lightning_elche.averaging import AveragedLayout, FlatTensors, round_weights
 from lightning_elche.planes.collective import CollectivePlane
-from lightning_elche.planes.fused import FusedDrift
 from lightning_elche.rounds import META_SIZE, Meta
 
 SIZES_MB = {"resnet20x4": 17.31, "char-medium": 77.24}  # the benchmark's flat parameter bytes
-VARIANTS = ("fused", "fused-narrow", "chunks-4MB", "chunks-8MB", "chunks-16MB", "chunks-8MB-whole-copy", "queued",
-            "multi-tensor")
+VARIANTS = ("fused", "chunks-4MB", "chunks-8MB", "chunks-16MB", "chunks-8MB-whole-copy", "queued", "multi-tensor")
 
 
 def timed(op: Callable[[], object], prepare: Callable[[], None], iters: int) -> tuple[float, float]:
@@ -144,16 +140,12 @@ class PollingWatch:
 
 
 def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[str, object]:
-    # Sizes in whole 32-byte words, as most layers' are: the fused kernels read such tensors 16
-    # bytes at a time (``fused-narrow`` reads them 4 bytes at a time, as odd-sized ones are).
-    numel = int(megabytes * 1e6 / 4) // 8 * 8
-    each = numel // tensors // 8 * 8
-    sizes = [each] * (tensors - 1) + [numel - each * (tensors - 1)]
+    numel = int(megabytes * 1e6 / 4)
+    sizes = [numel // tensors] * (tensors - 1) + [numel - (numel // tensors) * (tensors - 1)]
     params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
     layout = AveragedLayout.fixed(FlatTensors(params), FlatTensors([]))
     plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
     plane.fused = variant != "multi-tensor"
-    FusedDrift.wide_loads = variant != "fused-narrow"
     plane.queued = variant == "queued"
     if variant.startswith("chunks-"):
         size, _, copy = variant.removeprefix("chunks-").partition("-")
@@ -231,7 +223,6 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
         "queued_drift": plane._drift_stream is not None,
         "chunk_bytes": plane.chunk_bytes,
         "copy_in_parts": plane.copy_in_parts,
-        "wide_loads": FusedDrift.wide_loads,
         "reduces_per_round": reduces_per_round(average, after_a_step),
     }
 

@@ -18,8 +18,6 @@ multi-tensor path (:func:`~lightning_elche.averaging.divergence_norms`).
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
@@ -44,25 +42,18 @@ FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Triton compiles these sources itself: a parameter may carry no annotation but ``tl.constexpr``
 # (it resolves every other one as a global of the kernel, and fails).
 def _block_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
-                  block_start_ptr, block, VECTOR: tl.constexpr):
+                  block_start_ptr, block):
     """Where block ``block`` of the tables lives: its tensor's pre-round and live values (base
-    pointers), the block's first index in that tensor and the tensor's size. ``VECTOR`` > 1
-    promises that both base pointers sit on 16 bytes and that the size is a multiple of
-    ``VECTOR`` values, so that Triton loads and stores 16 bytes at a time."""
+    pointers), the block's first index in that tensor and the tensor's size."""
     tensor = tl.load(block_tensor_ptr + block)
     saved = tl.load(saved_addresses_ptr + tensor).to(tl.pointer_type(live_ptr.dtype.element_ty))
-    offset = tl.load(offsets_ptr + tensor)
-    size = tl.load(sizes_ptr + tensor)
-    if VECTOR > 1:
-        saved = tl.multiple_of(saved, 16)
-        offset = tl.multiple_of(offset, VECTOR)
-        size = tl.multiple_of(size, VECTOR)
-    return saved, live_ptr + offset, tl.multiple_of(tl.load(block_start_ptr + block), VECTOR), size
+    live = live_ptr + tl.load(offsets_ptr + tensor)
+    return saved, live, tl.load(block_start_ptr + block), tl.load(sizes_ptr + tensor)
 
 
 def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
                   block_start_ptr, partial_ptr, first_block, tickets_ptr, out_ptr, total_blocks, block_base,
-                  BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr, VECTOR: tl.constexpr):
+                  BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr):
     """One program: one block of one tensor (``block_base`` onwards: a launch may cover part of a
     group); its three partial sums of squares. The program that finishes last (of every launch of
     the round: they share the ticket counter) sums the partials of all, in float64 and in block
@@ -70,7 +61,7 @@ def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_t
     resets the counter for the next round."""
     block = block_base + tl.program_id(0)
     saved, live, start, size = _block(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,
-                                      block_start_ptr, block, VECTOR)
+                                      block_start_ptr, block)
     index = start + tl.arange(0, BLOCK)
     mask = index < size
     pre = tl.load(saved + index, mask=mask, other=0.0).to(tl.float32)
@@ -101,10 +92,10 @@ def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_t
 
 
 def _copy_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,  # type: ignore[no-untyped-def]
-                 block_start_ptr, block_base, BLOCK: tl.constexpr, VECTOR: tl.constexpr):
+                 block_start_ptr, block_base, BLOCK: tl.constexpr):
     """One program: one block of one tensor copied from the live parameters to its pre-round place."""
     saved, live, start, size = _block(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,
-                                      block_start_ptr, block_base + tl.program_id(0), VECTOR)
+                                      block_start_ptr, block_base + tl.program_id(0))
     index = start + tl.arange(0, BLOCK)
     mask = index < size
     tl.store(saved + index, tl.load(live + index, mask=mask), mask=mask)
@@ -137,33 +128,17 @@ class _Group:
     first: int  # this group's first block among every group's
     count: int
     block_positions: list[int]  # where each block starts in ``flat`` (host), to cut chunks at
-    vector: int  # values per 16 bytes, or 1 where no member can be read 16 bytes at a time
-    vector_blocks: int  # the first blocks: those of the members that can, given aligned pre-round places
-    vector_members: list[int]  # their positions in ``members``
-
-
-@dataclass(frozen=True)
-class AddressTable:
-    """One group's pre-round addresses on the device, for one round."""
-
-    addresses: Tensor
-    wide: bool  # whether every place of the group's wide members sits on 16 bytes
 
 
 @dataclass(frozen=True)
 class Chunk:
     """A contiguous part of one joint buffer reduced by a collective of its own, and the blocks of
-    the measurement inside it: at most two runs of the group's block table, ``(first, count)``, one
-    among the wide members' blocks and one among the rest (``group`` None: no measured parameter
-    lives there)."""
+    the measurement inside it (``group`` None: no measured parameter lives there)."""
 
     view: Tensor
     group: Optional[int]
-    runs: tuple[tuple[int, int], ...]
-
-    @property
-    def blocks(self) -> int:
-        return sum(count for _, count in self.runs)
+    first_block: int
+    blocks: int
 
 
 class FusedDrift:
@@ -174,10 +149,6 @@ class FusedDrift:
         joint: the layout's joint flat buffers (one per dtype), where the parameters live.
         current: each parameter's live view (slices of ``joint``), in :class:`PreRoundValues` order.
     """
-
-    wide_loads: ClassVar[bool] = True
-    """Whether members that allow it are read 16 bytes at a time (``tools/averaging_overhead.py``
-    turns it off to measure what that saves)."""
 
     def __init__(self, joint: Sequence[Tensor], current: Sequence[Tensor]) -> None:
         device = current[0].device
@@ -191,15 +162,8 @@ class FusedDrift:
                 continue
             sizes = [int(current[i].numel()) for i in members]
             offsets = [int(current[i].storage_offset() - flat.storage_offset()) for i in members]
-            # The members whose live values start on 16 bytes and fill whole 16-byte words go
-            # first, launched apart with wide loads; the rest (odd biases, say) after them.
-            vector = 16 // flat.element_size()
-            wide = [flat.data_ptr() % 16 == 0 and offsets[t] % vector == 0 and sizes[t] % vector == 0
-                    for t in range(len(members))]
-            order = [t for t in range(len(members)) if wide[t]] + [t for t in range(len(members)) if not wide[t]]
-            block_tensor = [t for t in order for _ in range(-(-sizes[t] // BLOCK))]
-            block_start = [b * BLOCK for t in order for b in range(-(-sizes[t] // BLOCK))]
-            vector_blocks = sum(-(-sizes[t] // BLOCK) for t in order if wide[t])
+            block_tensor = [t for t, n in enumerate(sizes) for _ in range(-(-n // BLOCK))]
+            block_start = [b * BLOCK for n in sizes for b in range(-(-n // BLOCK))]
 
             def table(values: list[int]) -> Tensor:
                 return torch.tensor(values, dtype=torch.int64, device=device)
@@ -207,16 +171,15 @@ class FusedDrift:
             self._groups.append(_Group(
                 flat, members, table(offsets), table(sizes), table(block_tensor), table(block_start), blocks,
                 len(block_tensor), [offsets[t] + start for t, start in zip(block_tensor, block_start, strict=True)],
-                vector if vector_blocks else 1, vector_blocks, [t for t in order if wide[t]],
             ))
             blocks += len(block_tensor)
         self._blocks = blocks
         self._partials = torch.empty(3 * max(blocks, 1), dtype=torch.float32, device=device)
         self._tickets = torch.zeros(1, dtype=torch.int32, device=device)  # programs finished this round
-        self._tables: dict[int, tuple[list[int], AddressTable]] = {}
+        self._tables: dict[int, tuple[list[int], Tensor]] = {}
         self._plans: dict[int, list[Chunk]] = {}
 
-    def _address_table(self, group: int, addresses: list[int]) -> AddressTable:
+    def _address_table(self, group: int, addresses: list[int]) -> Tensor:
         """The device copy of a group's pre-round addresses. The allocator usually hands a step's
         gradients the same blocks every step, so the table is mostly the last round's; a new one
         goes up from pinned memory without the host waiting for the device (a pageable copy
@@ -226,12 +189,11 @@ class FusedDrift:
             return cached[1]
         device = self._partials.device
         host = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda")
-        wide = all(addresses[t] % 16 == 0 for t in self._groups[group].vector_members)
-        table = AddressTable(host.to(device, non_blocking=True), wide)
+        table = host.to(device, non_blocking=True)
         self._tables[group] = (addresses, table)
         return table
 
-    def tables(self, addresses: Sequence[int]) -> list[AddressTable]:
+    def tables(self, addresses: Sequence[int]) -> list[Tensor]:
         """Each group's device table of the pre-round addresses (one per live view, in its order)."""
         whole = len(self._groups) == 1 and len(self._groups[0].members) == len(addresses)
         return [self._address_table(index, list(addresses) if whole else [addresses[i] for i in group.members])
@@ -262,62 +224,42 @@ class FusedDrift:
         for flat in self._joint:
             found = by_flat.get(id(flat))
             if found is None:
-                plan.append(Chunk(flat, None, ()))
+                plan.append(Chunk(flat, None, 0, 0))
                 continue
             index, group = found
             positions = group.block_positions
-            # Each kind of member's blocks must be in address order for an address range to hold
-            # one run of each; else the buffer stays whole.
-            kinds = ((0, group.vector_blocks), (group.vector_blocks, group.count))
-            ordered = all(positions[a:b] == sorted(positions[a:b]) for a, b in kinds)
-            bounds = [0, flat.numel()]
-            if ordered:
-                target = max(chunk_bytes // flat.element_size(), BLOCK)
-                bounds = [0]
-                for position in sorted(positions):
-                    if position > bounds[-1] and position - bounds[-1] >= target:
-                        bounds.append(position)
-                bounds.append(flat.numel())
-            for low, high in itertools.pairwise(bounds):
-                runs = []
-                for a, b in kinds:
-                    first, last = (bisect.bisect_left(positions, low, a, b),
-                                   bisect.bisect_left(positions, high, a, b)) if ordered else (a, b)
-                    if last > first:
-                        runs.append((first, last - first))
-                plan.append(Chunk(flat[low:high], index, tuple(runs)))
+            target = max(chunk_bytes // flat.element_size(), BLOCK)
+            cuts = [0]
+            if positions == sorted(positions):
+                begin = 0
+                for block, position in enumerate(positions):
+                    if block > cuts[-1] and position - begin >= target:
+                        cuts.append(block)
+                        begin = position
+            bounds = [0] + [positions[block] for block in cuts[1:]] + [flat.numel()]
+            cuts.append(group.count)
+            for part in range(len(cuts) - 1):
+                plan.append(Chunk(flat[bounds[part]:bounds[part + 1]], index, cuts[part], cuts[part + 1] - cuts[part]))
         return plan
 
-    def copy(self, chunk: Chunk, tables: Sequence[AddressTable]) -> None:
+    def copy(self, chunk: Chunk, tables: Sequence[Tensor]) -> None:
         """Queue the copy of a chunk's live values to their pre-round places (current stream)."""
-        if chunk.group is None:
+        if chunk.group is None or not chunk.blocks:
             return
-        group, table = self._groups[chunk.group], tables[chunk.group]
-        for base, blocks, vector in (launch for run in chunk.runs for launch in self._launches(group, table, *run)):
-            _copy_kernel[(blocks,)](group.flat, group.offsets, table.addresses, group.sizes, group.block_tensor,
-                                    group.block_start, base, BLOCK=BLOCK, VECTOR=vector, num_warps=8)
+        group = self._groups[chunk.group]
+        _copy_kernel[(chunk.blocks,)](group.flat, group.offsets, tables[chunk.group], group.sizes,
+                                      group.block_tensor, group.block_start, chunk.first_block,
+                                      BLOCK=BLOCK, num_warps=8)
 
-    def measure(self, chunk: Chunk, tables: Sequence[AddressTable], out: Tensor) -> None:
+    def measure(self, chunk: Chunk, tables: Sequence[Tensor], out: Tensor) -> None:
         """Queue a chunk's part of the measurement (current stream); the round's last part writes ``out``."""
-        if chunk.group is not None:
-            for first, count in chunk.runs:
-                self._launch_drift(self._groups[chunk.group], tables[chunk.group], first, count, out)
+        if chunk.group is not None and chunk.blocks:
+            self._launch_drift(self._groups[chunk.group], tables[chunk.group], chunk.first_block, chunk.blocks, out)
 
-    def _launch_drift(self, group: _Group, table: AddressTable, block_base: int, blocks: int, out: Tensor) -> None:
-        for base, count, vector in self._launches(group, table, block_base, blocks):
-            _drift_kernel[(count,)](group.flat, group.offsets, table.addresses, group.sizes, group.block_tensor,
-                                    group.block_start, self._partials, group.first, self._tickets, out,
-                                    self._blocks, base, BLOCK=BLOCK, FINISH_BLOCK=FINISH_BLOCK, VECTOR=vector,
-                                    num_warps=8)
-
-    def _launches(self, group: _Group, table: AddressTable, base: int, blocks: int) -> list[tuple[int, int, int]]:
-        """The launches, ``(first block, blocks, VECTOR)``, that cover ``blocks`` blocks of ``group``
-        from ``base``: the wide members' blocks apart from the rest, where this round's places allow."""
-        if group.vector == 1 or not table.wide or not self.wide_loads:
-            return [(base, blocks, 1)]
-        end, split = base + blocks, min(max(group.vector_blocks, base), base + blocks)
-        return [(first, last - first, vector) for first, last, vector in
-                ((base, split, group.vector), (split, end, 1)) if last > first]
+    def _launch_drift(self, group: _Group, saved: Tensor, block_base: int, blocks: int, out: Tensor) -> None:
+        _drift_kernel[(blocks,)](group.flat, group.offsets, saved, group.sizes, group.block_tensor,
+                                 group.block_start, self._partials, group.first, self._tickets, out,
+                                 self._blocks, block_base, BLOCK=BLOCK, FINISH_BLOCK=FINISH_BLOCK, num_warps=8)
 
 
 def drift_or_none(joint: Sequence[Tensor], current: Sequence[Tensor]) -> Optional[Any]:
@@ -392,7 +334,7 @@ class QueuedDrift:
                 self.drift.copy(chunk, tables)
         return works
 
-    def _measure_behind(self, work: Any, chunk: Chunk, tables: Sequence[AddressTable]) -> bool:
+    def _measure_behind(self, work: Any, chunk: Chunk, tables: Sequence[Tensor]) -> bool:
         assert self._out is not None
         try:
             with torch.cuda.stream(self.stream):
