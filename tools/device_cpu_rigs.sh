@@ -17,6 +17,8 @@ mkdir -p "$out/a" "$out/b" "$out/c" /tmp/rig-logs
 date -u > /tmp/rig-logs/date
 # Which logical CPUs share a physical core: the layouts above assume the pinned sets do not.
 { lscpu -e=CPU,CORE,SOCKET,NODE 2> /dev/null || cat /proc/cpuinfo; } > /tmp/rig-logs/cpus.txt
+# LAYOUT=eight: cpu8 on cores 0-7, one cpu4 on 8-11 and, with GPU_ROUND=1, tools/device_gpu_round.sh
+# on 12-15, all at once (one call for all three when device time is short); PASSES (default 1) each.
 # LAYOUT=pair: only the two cpu4 runs, on halves of the machine (0-7 and 8-15), nothing else; PASSES (default 3) each.
 # LAYOUT=alone: the two cpu4 runs one after the other on cores 0-7, nothing else on the machine but,
 # with GPU_ROUND=1, tools/device_gpu_round.sh on cores 12-15 during the first; PASSES (default 1) each.
@@ -24,18 +26,25 @@ cpu4() {  # cpu4 RUN CORES PASSES
   pin "$2" python3 -m lightning_elche.bench --rig cpu4 "${common[@]}" --rank-slowdowns 1,2,3,4.5 --throughput-seeds "$3" \
     --out "$out/$1" > "/tmp/rig-logs/cpu4-$1.log" 2>&1
 }
+cpu8() {  # cpu8 CORES
+  pin "$1" python3 -m lightning_elche.bench --rig cpu8 "${common[@]}" \
+    --rank-slowdowns 1,2,3,4.5,1,2,3,4.5 --throughput-seeds "${PASSES:-1}" --out "$out/c" > /tmp/rig-logs/cpu8-c.log 2>&1
+}
 gpu=/tmp/rig-logs/gpu
+gpu_round() { mkdir -p "$gpu"; [[ -z "${GPU_ROUND:-}" ]] || { pin 12-15 bash tools/device_gpu_round.sh "$gpu" > "$gpu/summary.txt" 2>&1 & }; }
 if [[ "${LAYOUT:-}" == alone ]]; then
-  mkdir -p "$gpu"; rmdir "$out/c"
-  [[ -n "${GPU_ROUND:-}" ]] && { pin 12-15 bash tools/device_gpu_round.sh "$gpu" > "$gpu/summary.txt" 2>&1 & }
+  rmdir "$out/c"; gpu_round
   cpu4 a 0-7 "${PASSES:-1}"
   cpu4 b 0-7 "${PASSES:-1}"
+elif [[ "${LAYOUT:-}" == eight ]]; then  # cpu8 first: cpu8 on 0-7, one cpu4 on 8-11, GPU_ROUND=1 on 12-15
+  rmdir "$out/b"; gpu_round
+  cpu4 a 8-11 "${PASSES:-1}" &
+  cpu8 0-7 &
 elif [[ "${LAYOUT:-}" == pair ]]; then
   cpu4 a 0-7 "${PASSES:-3}" & cpu4 b 8-15 "${PASSES:-3}" &
 else
   cpu4 a 0-3 "${PASSES:-1}" & cpu4 b 4-7 "${PASSES:-1}" &
-  pin 8-15 python3 -m lightning_elche.bench --rig cpu8 "${common[@]}" \
-    --rank-slowdowns 1,2,3,4.5,1,2,3,4.5 --throughput-seeds "${PASSES:-1}" --out "$out/c" > /tmp/rig-logs/cpu8-c.log 2>&1 &
+  cpu8 8-15 &
 fi
 wait
 tar -czf "$out/logs.tar.gz" -C /tmp rig-logs
