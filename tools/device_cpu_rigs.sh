@@ -4,7 +4,7 @@
 # 8-15, at the full budget, speeds spread 4.5x, PASSES (default 1) interleaved passes each with
 # solos before and after the arms; the bench skips a pass that would end after DEADLINE s
 # (default 470).
-# Usage: tools/device_cpu_rigs.sh OUT. Writes seven files: a/cpu4.{md,json}, b/cpu4.{md,json},
+# Usage: tools/device_cpu_rigs.sh OUT. Writes at most seven files: a/cpu4.{md,json}, b/cpu4.{md,json},
 # c/cpu8.{md,json} and logs.tar.gz. COMMIT is stamped into the reports (the copied tree has no git).
 set -u
 out=${1:?OUT}
@@ -36,7 +36,7 @@ if [[ "${LAYOUT:-}" == alone ]]; then
   rmdir "$out/c"; gpu_round
   cpu4 a 0-7 "${PASSES:-1}"
   cpu4 b 0-7 "${PASSES:-1}"
-elif [[ "${LAYOUT:-}" == eight ]]; then  # cpu8 first: cpu8 on 0-7, one cpu4 on 8-11, GPU_ROUND=1 on 12-15
+elif [[ "${LAYOUT:-}" == eight ]]; then
   rmdir "$out/b"; gpu_round
   cpu4 a 8-11 "${PASSES:-1}" &
   cpu8 0-7 &
