@@ -95,6 +95,22 @@ def _slot(flat: Tensor, offset: int, like: Tensor) -> Tensor:
     return flat[offset : offset + like.numel()].view_as(like)  # any other striding: contiguous
 
 
+SPARE_TAIL = 16 * 1024
+"""Zeroed elements allocated behind each joint buffer, outside it: an out-of-place round reduces
+the buffer padded to a multiple of ``16 * world_size`` elements over them (worlds of up to 1024)."""
+
+
+def _with_spare_tail(numel: int, kind: Kind) -> Tensor:
+    storage = torch.empty(numel + SPARE_TAIL, dtype=kind[0], device=kind[1])
+    storage[numel:].zero_()
+    return storage[:numel]
+
+
+def spare_room(flat: Tensor) -> int:
+    """Elements of ``flat``'s storage behind its end (:data:`SPARE_TAIL` for a joint buffer)."""
+    return int(flat.untyped_storage().nbytes()) // flat.element_size() - int(flat.storage_offset()) - flat.numel()
+
+
 class FlatTensors:
     """A fixed, ordered list of tensors living in flat persistent buffers (one per dtype/device).
 
@@ -115,7 +131,7 @@ class FlatTensors:
         self._groups: list[tuple[list[Tensor], Tensor, list[Tensor]]] = []
         for (dtype, device), members in _by_kind(self.tensors).items():
             numel = sum(t.numel() for t in members)
-            flat = torch.empty(numel, dtype=dtype, device=device) if storage is None else storage[(dtype, device)]
+            flat = _with_spare_tail(numel, (dtype, device)) if storage is None else storage[(dtype, device)]
             assert flat.numel() == numel, "storage sized for other tensors"
             views, offset = [], 0
             for t in members:
@@ -200,7 +216,7 @@ def shared_flat_tensors(*segments: Sequence[Tensor]) -> tuple[list[Tensor], list
     for i, segment in enumerate(segments):
         for kind, members in _by_kind(segment).items():
             sizes.setdefault(kind, [0] * len(segments))[i] = sum(t.numel() for t in members)
-    joint = {kind: torch.empty(sum(per), dtype=kind[0], device=kind[1]) for kind, per in sizes.items()}
+    joint = {kind: _with_spare_tail(sum(per), kind) for kind, per in sizes.items()}
     bound = []
     for i, segment in enumerate(segments):
         starts = {kind: sum(per[:i]) for kind, per in sizes.items()}

@@ -84,6 +84,43 @@ print("checked")
 """
 
 
+# The end of an out-of-place round (``lightning_elche.planes.settle``): the consensus moved over
+# every live value (the rounded length reaching into the spare tail), the norms over the measured
+# head only, programs striding over buffers longer than the grid, two dtypes sharing one ticket
+# counter, rounds back to back; against float64 norms and the multi-tensor path.
+SETTLE = """import torch
+from lightning_elche.averaging import shared_flat_tensors
+from lightning_elche.planes import settle
+from lightning_elche.planes.settle import FusedSettle, Settled, settle_multi_tensor, settled_numel
+torch.manual_seed(0)
+for programs_per_sm in (1, 4):  # 8 or 32 programs: the longest buffer takes several strides
+    for sizes in ([4096 * 40 + 3, 17], [1, 4096], [4096 * 2, 0]):
+        params = [torch.randn(sizes[0]), torch.randn(sizes[1]).to(torch.bfloat16)]
+        buffers = [torch.randn(5), torch.randn(9).to(torch.bfloat16)] if sizes[1] else [torch.randn(5)]
+        joint, (flat_params, _) = shared_flat_tensors([p for p in params if p.numel()], buffers)
+        heads = {t.data_ptr(): t.numel() for t in flat_params.flats}
+        fused = FusedSettle(joint, programs_per_sm)
+        for round_index in range(3):
+            live = [flat.clone() for flat in joint]
+            consensus = [torch.randn(settled_numel(flat) + round_index).to(flat.dtype) for flat in joint]
+            settled = [Settled(flat, c, heads.get(flat.data_ptr(), 0)) for flat, c in zip(joint, consensus)]
+            pre = torch.cat([flat[:one.measured].double() for flat, one in zip(joint, settled)])
+            after = torch.cat([c[:one.measured].double() for c, one in zip(consensus, settled)])
+            expected = torch.stack([(pre - after).norm(), pre.norm(), after.norm()])
+            measured = fused(settled)
+            assert torch.allclose(measured, expected, rtol=1e-6), (sizes, round_index, measured, expected)
+            assert fused._tickets.item() == 0, "the last program resets the ticket counter"
+            for flat, c in zip(joint, consensus):
+                assert torch.equal(flat, c[:flat.numel()]), "every live value takes the consensus"
+            for flat, before in zip(joint, live):
+                flat.copy_(before)
+            reference = settle_multi_tensor([Settled(flat, c, one.measured)
+                                             for flat, c, one in zip(joint, consensus, settled)])
+            assert torch.allclose(measured, reference, rtol=1e-2), (measured, reference)  # bfloat16 rounds there
+print("checked")
+"""
+
+
 def interpret(*argv: str) -> None:
     """Run a check (``-c SOURCE`` or a script) in a Python of its own with Triton's interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -102,3 +139,7 @@ def test_the_round_in_parts_copies_every_value_and_measures_part_by_part_in_trit
 
 def test_the_planes_round_in_parts_restores_and_measures_like_the_whole_round_in_tritons_interpreter():
     interpret(os.path.join(os.path.dirname(__file__), "pipelined_round_check.py"))
+
+
+def test_the_settle_kernel_moves_the_consensus_and_matches_float64_norms_in_tritons_interpreter():
+    interpret("-c", SETTLE)

@@ -1,10 +1,11 @@
-"""The ``nccl_*`` round on ONE GPU (a one-rank NCCL group; `pytest -m gpu`): the fused drift
-measurement against the multi-tensor one, and a failed round restored from the gradients."""
+"""The ``nccl_*`` round on ONE GPU (a one-rank NCCL group; `pytest -m gpu`): the out-of-place
+round (the default on NCCL) against the in-place one, the fused kernels against the multi-tensor
+path, a failed round run again from the same values, and the memory a round takes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 from unittest import mock
 
 import pytest
@@ -17,6 +18,7 @@ from lightning_elche.membership.change import PeerFailure
 from lightning_elche.planes import collective as collective_plane
 from lightning_elche.planes.collective import CollectivePlane
 from lightning_elche.planes.fused import QueuedDrift, fused_drift_available
+from lightning_elche.planes.settle import FusedSettle, Settled, settled_numel
 from lightning_elche.rounds import META_SIZE, Meta
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -55,9 +57,10 @@ def step(model: nn.Module, x: torch.Tensor, optimizer: torch.optim.Optimizer) ->
 class SteppedRound:
     """A model one optimizer step in, its plane, and its values and gradients after that step."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, out_of_place: Optional[bool] = False) -> None:
         self.model, self.x = stepped_model(dtype)
         self.plane = CollectivePlane(AveragedLayout(self.model), 0, 1, torch.device("cuda", 0))
+        self.plane.out_of_place = out_of_place
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         step(self.model, self.x, self.optimizer)
         self.before = [p.detach().clone() for p in self.model.parameters()]
@@ -137,6 +140,7 @@ def test_the_one_launch_drift_sums_every_block_of_every_dtype_round_after_round(
     torch.manual_seed(1)
     model = nn.ModuleDict({"wide": nn.Linear(3000, 2000), "narrow": nn.Linear(1000, 997).to(torch.bfloat16)}).cuda()
     plane = CollectivePlane(AveragedLayout(model), 0, 1, torch.device("cuda", 0))
+    plane.out_of_place = False
     assert len(plane.layout.joint) == 2
     for round_index in range(4):
         for p in model.parameters():
@@ -243,4 +247,96 @@ def test_the_round_in_parts_averages_measures_and_restores_like_the_whole_round(
     result = plane.collect()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     assert result.divergence is not None and result.divergence[0].item() == 0.0
+    plane.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_out_of_place_round_averages_measures_and_survives_a_failure_like_the_in_place_round(one_rank_nccl,
+                                                                                               dtype):
+    """The default round on NCCL: a reduce-scatter into a round buffer and an all-gather there (the
+    real one-rank NCCL, PreMulSum for float32), settled by one Triton kernel. The same consensus
+    bits and drift as the in-place round; a failure leaves the live values as they were, and the
+    retry writes into the failed round's buffers."""
+    stepped = SteppedRound(dtype, out_of_place=None)
+    model, x, plane, optimizer, norm = stepped.model, stepped.x, stepped.plane, stepped.optimizer, stepped.norm
+    assert plane._reduces_out_of_place(), "NCCL takes the out-of-place round by default"
+    measured, consensus = {}, {}
+    for out_of_place in (None, False):
+        plane.out_of_place = out_of_place
+        stepped.reset()
+        calls: list[str] = []
+        with mock.patch.object(collective_plane.dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
+            divergence = plane.average(round_weights([1, 1], 1.0))  # this rank's factor 1/2, alone
+            calls.append(f"all_reduce x{all_reduce.call_count}")
+        assert divergence is not None
+        assert all(torch.equal(p, b * 0.5) for p, b in zip(model.parameters(), stepped.before, strict=True))
+        assert all(p.grad is None for p in model.parameters())
+        measured[out_of_place] = divergence.tolist()
+        consensus[out_of_place] = [p.detach().clone() for p in model.parameters()]
+        assert calls == ["all_reduce x0" if out_of_place is None else "all_reduce x1"], calls
+    assert all(torch.equal(a, b) for a, b in zip(consensus[None], consensus[False], strict=True))
+    assert measured[None] == pytest.approx([norm / 2, norm, norm / 2], rel=1e-5)
+    assert measured[None] == pytest.approx(measured[False], rel=1e-6 if dtype == torch.float32 else 1e-2)
+    assert plane._settle is not None and plane._settle._tickets.item() == 0
+
+    plane.out_of_place = None
+    step(model, x, optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def scribble(output: torch.Tensor, local: torch.Tensor, **kwargs: Any) -> Failed:
+        output.fill_(float("nan"))
+        return Failed()
+
+    with mock.patch.object(collective_plane, "all_gather_flat", scribble), pytest.raises(PeerFailure):
+        plane.average(round_weights([1, 1], 1.0))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "never written"
+    kept = [buf.data_ptr() for buf in plane._kept_round_buffers]
+    assert kept and plane.round_buffers()[0].data_ptr() == kept[0], "the retry reuses the failed round's buffers"
+    divergence = plane.average(round_weights([1], 1.0))  # the survivor alone: its own values
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert divergence is not None and divergence[0].item() == 0.0
+    plane.close()
+
+
+def test_the_settle_kernel_strides_over_large_buffers_of_two_dtypes_round_after_round(one_rank_nccl):
+    """More values than the grid covers in one stride (a 20 M-value buffer), two dtypes sharing the
+    ticket counter, lengths that are not multiples of 16: every live value takes the consensus and
+    the norms equal float64 ones of the measured head."""
+    torch.manual_seed(2)
+    sizes = {torch.float32: 20_000_003, torch.bfloat16: 999_997}
+    joint = [torch.randn(n + 64, device="cuda").to(dtype)[:n] for dtype, n in sizes.items()]
+    settle = FusedSettle(joint)
+    for round_index in range(3):
+        consensus = [torch.randn(settled_numel(flat), device="cuda").to(flat.dtype) for flat in joint]
+        heads = [flat.numel() - 1000 * (round_index + 1) for flat in joint]
+        pre = torch.cat([flat[:head].double() for flat, head in zip(joint, heads, strict=True)])
+        after = torch.cat([c[:head].double() for c, head in zip(consensus, heads, strict=True)])
+        expected = torch.stack([(pre - after).norm(), pre.norm(), after.norm()])
+        out = settle([Settled(flat, c, head) for flat, c, head in zip(joint, consensus, heads, strict=True)])
+        assert torch.allclose(out, expected, rtol=1e-6), (out, expected)
+        assert all(torch.equal(flat, c[:flat.numel()]) for flat, c in zip(joint, consensus, strict=True))
+        assert settle._tickets.item() == 0
+
+
+@pytest.mark.parametrize("out_of_place", [None, False], ids=["out-of-place", "in-place"])
+def test_a_round_allocates_no_model_sized_memory_beyond_the_gradients_a_step_leaves(one_rank_nccl, out_of_place):
+    """Item 1 of issue 25 at the round itself: the in-place round keeps its pre-round values in the
+    step's spent gradients, the out-of-place round drops them before it takes its round buffer,
+    so the peak during a round stays within a small fraction of the model above where it stood."""
+    torch.manual_seed(3)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).cuda()  # 16.8 M values, 67 MB
+    plane = CollectivePlane(AveragedLayout(model), 0, 1, torch.device("cuda", 0))
+    plane.out_of_place = out_of_place
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        plane.average(round_weights([1, 1], 1.0))
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - held
+        assert extra < 0.05 * model_bytes, f"the round took {extra / model_bytes:.2f} model copies more"
+    assert plane._reduces_out_of_place() == (out_of_place is None)
     plane.close()

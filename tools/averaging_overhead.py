@@ -1,38 +1,42 @@
 """What the ``nccl_*`` averaging path adds to its all-reduce, on one GPU (a one-rank NCCL group).
 
-A one-rank all-reduce moves no bytes, so this cannot give a bus bandwidth (the benchmark's
-microbenchmark does, on 2 GPUs); it measures the rest of ``CollectivePlane.average``: keeping the
-pre-round values (in the parameters' gradients, as after an optimizer step), the scaling, the
-divergence norms and the launches, at the benchmark's two model sizes:
+A one-rank collective moves no bytes between GPUs, so this cannot give a bus bandwidth (the
+benchmark's microbenchmark does, on 2 GPUs); it measures the rest of ``CollectivePlane.average``:
+keeping or settling the pre-round values, the scaling, the divergence norms and the launches, at
+the benchmark's two model sizes (the gradients a step leaves are in place before each round):
 
-* ``bare_collective_ms``: the collective alone as the plane issues it (``sum_scaled``: one
-  PreMulSum all-reduce of the flat buffer), device time (CUDA events), median;
+* ``bare_collective_ms``: the collectives alone as the plane issues them (out of place: a
+  reduce-scatter into the round buffer and an all-gather in place, ``reduce_into``; in place: one
+  PreMulSum all-reduce of the flat buffer, ``sum_scaled``), device time (CUDA events), median;
 * ``average_ms``: the whole ``average()``, device time; ``own_ms`` = the difference, the round's
-  own work beyond the all-reduce;
+  own work beyond its collectives;
 * ``wall_average_ms`` / ``wall_bare_ms``: the same two on the host's clock, synchronized;
 * ``kernels_per_round``: device kernels one ``average()`` runs (torch.profiler), with their names;
-  ``own_kernel_us``: the summed device time of those kernels but the bare collective's (the round's
+  ``own_kernel_us``: the summed device time of those kernels but the bare collectives' (the round's
   own device work without the host's gaps), ``kernel_us`` per kernel name;
-* ``reduces_per_round``: the all-reduces one ``average()`` launches (one per joint buffer, or one per
-  part with ``chunk_bytes``), counted at ``torch.distributed.all_reduce``;
+* ``collectives_per_round``: the collectives one ``average()`` launches, by name, counted at
+  ``torch.distributed``;
+* ``round_peak_extra_mb``: how far the allocated device memory rises during ``average()`` above
+  where it stood with the step's gradients held (the out-of-place round drops them before it
+  allocates its round buffer; the in-place one keeps its pre-round values in them);
 * ``watched_average_ms`` / ``watched_own_ms``: ``average()`` as a fit runs it, its host polling the
-  reduce for a lost peer (``Membership.wait`` on NCCL: ``is_completed()``, then ``wait()``): the
-  host launches nothing between the reduce and its end unless the launch was queued before;
+  collectives for a lost peer (``Membership.wait`` on NCCL: ``is_completed()``, then ``wait()``);
 * ``round_ms`` / ``bare_round_ms``: a whole round as the engine runs it (``start`` and ``collect``:
-  the layout check, the metadata exchange with the pre-round copy beside it, ``average()``)
-  against the two collectives alone (the metadata all-gather and the reduce); ``round_own_ms`` the
-  difference. On one rank nobody is waited for in the exchange, so the copy beside it shows here in
-  full; with peers it runs while this rank waits for the slowest one.
+  the layout check, the metadata exchange (with the in-place round's pre-round copy beside it),
+  ``average()``) against the collectives alone; ``round_own_ms`` the difference. On one rank nobody
+  is waited for in the exchange, so a copy beside it shows here in full; with peers it runs while
+  this rank waits for the slowest one.
 
-Each size is measured with the fused drift measurement launched after the reduce (CUDA, Triton;
-the default), ``-queued`` with the same kernel queued behind the reduce on a side stream
-(``CollectivePlane.queued``), ``-chunks-<n>MB`` with the round reduced in parts of about n MB,
-each copied aside just before its reduce and measured right after it (``CollectivePlane.chunk_bytes``;
-its own time is against the same bare collective: one reduce of the whole buffer),
-``-chunks-8MB-whole-copy`` the same with the whole model copied first (``copy_in_parts`` False), and
-``-multi-tensor`` with PyTorch's multi-tensor kernels.
-``drift_kernel_us`` and ``drift_read_tb_per_s``: the drift kernel's device time and the
-bandwidth of its two reads (the pre-round values and the consensus).
+Variants: ``fused`` is the plane as a fit runs it on NCCL (out of place, settled by one Triton
+kernel); ``-in-place`` the in-place round with the fused drift measurement after the reduce;
+``-queued`` that measurement queued behind the reduce on a side stream (``CollectivePlane.queued``);
+``-chunks-<n>MB`` the in-place round reduced in parts of about n MB, each copied aside just before
+its reduce and measured right after it (``CollectivePlane.chunk_bytes``), ``-chunks-8MB-whole-copy``
+the same with the whole model copied first (``copy_in_parts`` False); ``-multi-tensor`` the default
+round with PyTorch's multi-tensor kernels instead of Triton's.
+``drift_kernel_us``: the Triton kernel's device time (the settling, or the in-place drift
+measurement); ``drift_read_tb_per_s`` the bandwidth of its two reads (the pre-round values and the
+consensus) and ``drift_tb_per_s`` of all its traffic (the settling also writes the consensus).
 
     python tools/averaging_overhead.py --out overhead.json
 """
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -58,7 +63,8 @@ from lightning_elche.planes.collective import CollectivePlane
 from lightning_elche.rounds import META_SIZE, Meta
 
 SIZES_MB = {"resnet20x4": 17.31, "char-medium": 77.24}  # the benchmark's flat parameter bytes
-VARIANTS = ("fused", "chunks-4MB", "chunks-8MB", "chunks-16MB", "chunks-8MB-whole-copy", "queued", "multi-tensor")
+VARIANTS = ("fused", "in-place", "chunks-4MB", "chunks-8MB", "chunks-16MB", "chunks-8MB-whole-copy", "queued",
+            "multi-tensor")
 
 
 def timed(op: Callable[[], object], prepare: Callable[[], None], iters: int) -> tuple[float, float]:
@@ -79,22 +85,42 @@ def timed(op: Callable[[], object], prepare: Callable[[], None], iters: int) -> 
     return statistics.median(device), statistics.median(wall)
 
 
-def reduces_per_round(op: Callable[[], object], prepare: Callable[[], None]) -> int:
-    """The all-reduces one ``op`` launches, counted at ``torch.distributed.all_reduce`` (a one-rank
-    NCCL group launches no kernel the profiler could name for them)."""
-    calls = 0
-    real = dist.all_reduce
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_single", "all_gather_into_tensor")
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return real(*args, **kwargs)
+
+def collectives_per_round(op: Callable[[], object], prepare: Callable[[], None]) -> dict[str, int]:
+    """The collectives one ``op`` launches, by name, counted at ``torch.distributed`` (a one-rank
+    NCCL group launches no kernel the profiler could name for some of them)."""
+    calls: collections.Counter[str] = collections.Counter()
+
+    def counting(name: str) -> Callable[..., Any]:
+        real = getattr(dist, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return counted
 
     prepare()
-    with mock.patch.object(dist, "all_reduce", counted):
+    with contextlib.ExitStack() as stack:
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                stack.enter_context(mock.patch.object(dist, name, counting(name)))
         op()
     torch.cuda.synchronize()
-    return calls
+    return dict(calls)
+
+
+def round_peak_extra_bytes(op: Callable[[], object], prepare: Callable[[], None]) -> int:
+    """How far the device's allocated bytes rise during ``op`` above where they stood before it
+    (with the gradients a step leaves still held)."""
+    prepare()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    op()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def kernels(op: Callable[[], object], prepare: Callable[[], None],
@@ -147,6 +173,8 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
     plane.fused = variant != "multi-tensor"
     plane.queued = variant == "queued"
+    if variant == "in-place":
+        plane.out_of_place = False
     if variant.startswith("chunks-"):
         size, _, copy = variant.removeprefix("chunks-").partition("-")
         plane.chunk_bytes = int(float(size.removesuffix("MB")) * 1e6)
@@ -161,8 +189,14 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     def average() -> None:
         plane.average(weights)
 
-    def bare() -> None:
-        plane.sum_scaled(layout.joint, 1.0)
+    rounds = plane.round_buffers()
+
+    def bare() -> None:  # the collectives of the round as the plane issues them
+        if plane._reduces_out_of_place():
+            for work in plane.reduce_into(rounds, 1.0):
+                work.wait()
+        else:
+            plane.sum_scaled(layout.joint, 1.0)
 
     local = torch.zeros(META_SIZE, dtype=torch.float64, device="cuda")
     local[Meta.STEPS], local[Meta.FINITE] = 1.0, 1.0
@@ -173,7 +207,7 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
 
     def bare_round() -> None:
         plane.exchange(local)
-        plane.sum_scaled(layout.joint, 1.0)
+        bare()
 
     for _ in range(5):
         after_a_step()
@@ -189,13 +223,14 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     bare_round_ms, wall_bare_round_ms = timed(bare_round, lambda: None, iters)
     per_round, names, spent = kernels(average, after_a_step, 20)
     bare_kernels, bare_names, _ = kernels(bare, lambda: None, 20)
-    drift_us = sum(us for name, us in spent.items() if "drift" in name)  # the Triton kernel's name
+    drift_us = sum(us for name, us in spent.items() if "drift" in name or "settle" in name)  # the Triton kernels
     plane.watch = PollingWatch()  # type: ignore[assignment]
     for _ in range(5):
         after_a_step()
         average()
     watched_ms, wall_watched_ms = timed(average, after_a_step, iters)
     plane.watch = None
+    out_of_place = plane._reduces_out_of_place()
     return {
         "bytes": numel * 4,
         "tensors": tensors,
@@ -215,6 +250,8 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
         "own_kernel_us": sum(us for name, us in spent.items() if name not in bare_names),
         "drift_kernel_us": drift_us,
         "drift_read_tb_per_s": 2 * numel * 4 / drift_us / 1e6 if drift_us else None,
+        # The settling also writes the consensus over the live values: three passes, not two.
+        "drift_tb_per_s": (3 if out_of_place else 2) * numel * 4 / drift_us / 1e6 if drift_us else None,
         "kernel_us": spent,
         "kernels_per_round": per_round,
         "kernels_of_the_bare_collective": bare_kernels,
@@ -223,7 +260,9 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
         "queued_drift": plane._drift_stream is not None,
         "chunk_bytes": plane.chunk_bytes,
         "copy_in_parts": plane.copy_in_parts,
-        "reduces_per_round": reduces_per_round(average, after_a_step),
+        "out_of_place": out_of_place,
+        "collectives_per_round": collectives_per_round(average, after_a_step),
+        "round_peak_extra_mb": round_peak_extra_bytes(average, after_a_step) / 1e6,
     }
 
 

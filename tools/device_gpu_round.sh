@@ -17,12 +17,13 @@ echo "exit status $?" >> "$out/gpu.log"
 python3 - "$out/averaging-overhead.json" <<'PY'
 import json, sys
 result = json.load(open(sys.argv[1]))
-print(f"{'case':28} {'own us':>8} {'watched own us':>15} {'kernel us':>10} {'drift us':>9} {'drift TB/s':>10} {'round own us':>13} {'kernels':>8} {'reduces':>8}")
+print(f"{'case':28} {'own us':>8} {'watched own us':>15} {'kernel us':>10} {'drift us':>9} {'TB/s':>6} {'round own us':>13} {'kernels':>8} {'peak +MB':>9} collectives")
 for name, row in result.items():
     if isinstance(row, dict) and "own_ms" in row:
-        rate = row.get('drift_read_tb_per_s') or 0.0
+        rate = row.get('drift_tb_per_s') or row.get('drift_read_tb_per_s') or 0.0
         print(f"{name:28} {1000 * row['own_ms']:8.1f} {1000 * row['watched_own_ms']:15.1f} {row['own_kernel_us']:10.1f} "
-              f"{row.get('drift_kernel_us', 0.0):9.1f} {rate:10.2f} "
-              f"{1000 * row['round_own_ms']:13.1f} {row['kernels_per_round']:8.1f} {row.get('reduces_per_round', 0):8}")
+              f"{row.get('drift_kernel_us', 0.0):9.1f} {rate:6.2f} "
+              f"{1000 * row['round_own_ms']:13.1f} {row['kernels_per_round']:8.1f} {row.get('round_peak_extra_mb', 0.0):9.2f} "
+              f"{row.get('collectives_per_round', row.get('reduces_per_round'))}")
 PY
 tail -n 6 "$out/overhead.log" "$out/gpu.log"

@@ -158,6 +158,14 @@ def all_gather_flat(output: Tensor, local: Tensor, group: Optional[Any] = None, 
     return gather(output, local, group=group, async_op=async_op)
 
 
+def reduce_scatter_flat(output: Tensor, source: Tensor, op: Any, group: Optional[Any] = None,
+                        async_op: bool = False) -> Any:
+    """Reduce equal shares of one flat ``source`` over the ranks, this rank's share into ``output``."""
+    # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single.
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, source, op=op, group=group, async_op=async_op)
+
+
 def stamp_layout(local: Tensor, layout: AveragedLayout) -> bool:
     """Bring ``layout`` up to date with the module's ``requires_grad`` flags and write its
     signature into this round's metadata; whether the layout was rebuilt.

@@ -15,7 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_elche.averaging import AveragedLayout, FlatTensors, RoundWeights, divergence_norms, round_weights
+from lightning_elche.averaging import (
+    AveragedLayout,
+    FlatTensors,
+    RoundWeights,
+    divergence_norms,
+    round_weights,
+    spare_room,
+)
 from lightning_elche.config import Transport
 from lightning_elche.membership.change import Change
 from lightning_elche.outer import OuterOptimizer
@@ -25,16 +32,25 @@ from lightning_elche.planes.base import (
     RoundResult,
     all_gather_flat,
     check_layout,
+    reduce_scatter_flat,
     stamp_layout,
 )
 from lightning_elche.planes.fused import FusedDrift, QueuedDrift, drift_or_none, queue_drift
 from lightning_elche.planes.scratch import PreRoundValues
+from lightning_elche.planes.settle import FusedSettle, Settled, settle_multi_tensor, settle_or_none
 from lightning_elche.rounds import Meta, validate_table
 
 PREMUL_DTYPES = (torch.float32, torch.float16, torch.float64)
 """Where NCCL's PreMulSum scales right. For bfloat16 PyTorch handed NCCL a 4-byte float factor of
 which NCCL reads 2 bytes (pytorch/pytorch#190745): 0.5 arrives as zero, other factors as noise,
 and the consensus is wrong. Seen with torch 2.11 on an H100; bfloat16 is multiplied first."""
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """``numel`` rounded up to a multiple of ``16 * world_size``: every rank's share of an
+    out-of-place round starts and ends on whole 16-element (64-byte in float32) boundaries."""
+    quantum = 16 * world_size
+    return -(-numel // quantum) * quantum
 
 
 def default_group_device(rank_device: torch.device) -> torch.device:
@@ -99,6 +115,14 @@ class CollectivePlane(AveragingPlane):
         """With :attr:`chunk_bytes`: copy each part aside just before its reduce (False: the whole
         model beside the metadata exchange, as without parts; only the reduces and measurements go
         part by part)."""
+        self.out_of_place: Optional[bool] = None
+        """Reduce into a round buffer and settle the consensus into the live buffers after every
+        collective finished (:meth:`reduce_into`, :mod:`~lightning_elche.planes.settle`): nothing
+        is copied aside, three passes over the model instead of four. ``None``: wherever NCCL
+        reduces, unless :attr:`chunk_bytes` or :attr:`queued` ask for the in-place round; True: on
+        any backend; either way only where the joint buffers have room to pad over."""
+        self._settle: Optional[FusedSettle] = None
+        self._kept_round_buffers: list[Tensor] = []  # a failed round's: its abandoned collectives hold them
         self._drift_stream: Optional[Any] = None  # where the drift waits for the reduce (CUDA)
         self._failed = False  # the last round's collectives did not finish: its values need restoring
         self._premul_backend: Optional[bool] = None
@@ -118,7 +142,7 @@ class CollectivePlane(AveragingPlane):
 
     def start(self, local: Tensor) -> None:
         if stamp_layout(local, self.layout):
-            self._pre, self._drift = None, None  # paired with the old layout's tensors
+            self._pre, self._drift, self._settle = None, None, None  # paired with the old layout's tensors
             if self.outer is not None:
                 # Its momentum and previous global have the old layout's shape: restart it (every
                 # rank relayouts at the same round, so every rank restarts alike).
@@ -163,14 +187,15 @@ class CollectivePlane(AveragingPlane):
     def _pre_round(self) -> PreRoundValues:
         if self._pre is None:
             self._pre = PreRoundValues(self.layout)
-            self._drift = drift_or_none(self.layout.joint, self._pre.current)
+            if not self._reduces_out_of_place():
+                self._drift = drift_or_none(self.layout.joint, self._pre.current)
         return self._pre
 
     def _save_beside_the_exchange(self) -> None:
         """Keep this replica's pre-round values while the metadata travels (the host waits for the
         slowest rank there anyway), where that costs no allocation; a round run again after a
         failure restores them instead."""
-        if self._failed or not self.layout.joint:
+        if self._failed or not self.layout.joint or self._reduces_out_of_place():
             return
         pre = self._pre_round()
         if self.copy_in_parts and self._pipelined(self._drift):
@@ -183,18 +208,113 @@ class CollectivePlane(AveragingPlane):
         return self.device.type == "cpu"
 
     def average(self, weights: RoundWeights, outer: Optional[OuterOptimizer] = None) -> Optional[Tensor]:
-        """Average in place; returns this rank's divergence measurement (``None`` if nobody moved).
+        """Average the live parameters and buffers; returns this rank's divergence measurement
+        (``None`` if nobody moved or nothing is measured).
 
-        The collectives write into the live parameters and buffers. Their values before the round
+        Out of place (:attr:`out_of_place`), the live values stay untouched until every collective
+        has finished. In place, the collectives write into them, and their values before the round
         are kept aside (:class:`PreRoundValues`: in the parameters' stale gradients, no buffer of
-        the model's size) for the drift measurement, and a round that failed on a lost peer puts
-        them back when it runs again, so it runs from the same contribution."""
+        the model's size) for the drift measurement. Either way a round that failed on a lost peer
+        runs again from the same contribution."""
         if not weights.realized:
             if self._pre is not None and self._pre.saved and not self._failed:
                 self._pre.release()  # saved beside the exchange for a round that averages nothing
             return None
-        params, buffers = self.params, self.buffers
+        if self._reduces_out_of_place():
+            divergence = self._average_out_of_place(weights)
+        else:
+            divergence = self._average_in_place(weights)
+        if outer is not None:
+            outer.step(self.params.flats)
+        return divergence
+
+    def _reduces_out_of_place(self) -> bool:
+        if self.out_of_place is False or not self.layout.joint:
+            return False
+        if self.out_of_place is None and (not self._premul or self.chunk_bytes is not None or self.queued):
+            return False
+        return all(spare_room(flat) >= padded_numel(flat.numel(), self.world_size) - flat.numel()
+                   for flat in self.layout.joint)
+
+    def _average_out_of_place(self, weights: RoundWeights) -> Optional[Tensor]:
+        pre = self._pre_round()  # the buffers' values, where this round scales them before the reduce
+        if self._failed and pre.saved:
+            pre.restore()
+            pre.release()
+        param_factor, buffer_factor = weights.param_factors[self.rank], weights.buffer_factors[self.rank]
+        scale_buffers = bool(self.buffers) and param_factor > 0.0 and buffer_factor != param_factor
+        if scale_buffers:
+            pre.save(params=False)
+        for param in self.params.tensors:
+            param.grad = None  # spent by the step (see PreRoundValues): the round buffer takes their memory
+        self._failed = True
+        if scale_buffers:
+            torch._foreach_mul_(self.buffers.flats, buffer_factor / param_factor)
+        rounds = self.round_buffers()
+        try:
+            for work in self.reduce_into(rounds, param_factor):
+                self._await(work, self._host_blocking)
+        except BaseException:
+            self._kept_round_buffers = rounds
+            raise
+        self._failed = False
+        settled = self._settled(rounds)
+        if self.fused and self._settle is None:
+            self._settle = settle_or_none(self.layout.joint)
+        divergence = self._settle(settled) if self.fused and self._settle is not None else settle_multi_tensor(settled)
+        pre.release()
+        return divergence if self.params else None
+
+    def round_buffers(self) -> list[Tensor]:
+        """Where this round's collectives write, one per joint buffer (with room for any padding):
+        new ones, which take the memory the step's spent gradients leave, or the buffers of a
+        round that failed, which its abandoned collectives keep referenced."""
+        joint = self.layout.joint
+        kept = self._kept_round_buffers
+        if len(kept) == len(joint) and all(
+            buf.dtype == flat.dtype and buf.device == flat.device and buf.numel() >= flat.numel() + spare_room(flat)
+            for buf, flat in zip(kept, joint, strict=True)
+        ):
+            return kept
+        return [torch.empty(flat.numel() + spare_room(flat), dtype=flat.dtype, device=flat.device) for flat in joint]
+
+    def reduce_into(self, rounds: list[Tensor], factor: float) -> list[Any]:
+        """The wire part of an out-of-place round: each joint buffer, padded to a multiple of
+        ``16 * world_size`` over its spare tail and scaled by ``factor``, reduce-scattered into
+        this rank's share of its round buffer, then all-gathered in place (NCCL's ring all-reduce
+        in its two halves: the same traffic); the works still to wait for, in order."""
+        premul = dist._make_nccl_premul_sum(factor) if self._premul else None
+        works = []
+        for flat, buf in zip(self.layout.joint, rounds, strict=True):
+            numel = padded_numel(flat.numel(), self.world_size)
+            share = numel // self.world_size
+            out = buf[:numel]
+            piece = out[self.rank * share:(self.rank + 1) * share]
+            op: Any
+            if premul is not None and flat.dtype in PREMUL_DTYPES:
+                source, op = flat.as_strided((numel,), (1,)), premul
+            else:
+                torch.mul(flat.as_strided((numel,), (1,)), factor, out=out)
+                source, op = out, dist.ReduceOp.SUM
+            scatter = reduce_scatter_flat(piece, source, op, group=self.group, async_op=True)
+            if self._host_blocking:
+                # gloo runs a group's works on several threads: the gather must not start first.
+                self._await(scatter, host_blocking=True)
+            else:
+                works.append(scatter)
+            works.append(all_gather_flat(out, piece, group=self.group, async_op=True))
+        return works
+
+    def _settled(self, rounds: list[Tensor]) -> list[Settled]:
+        measured = {flat.data_ptr(): flat.numel() for flat in self.params.flats}  # each a joint buffer's head
+        return [Settled(flat, buf, measured.get(flat.data_ptr(), 0))
+                for flat, buf in zip(self.layout.joint, rounds, strict=True)]
+
+    def _average_in_place(self, weights: RoundWeights) -> Optional[Tensor]:
+        buffers = self.buffers
         pre = self._pre_round()
+        if self._drift is None and pre.current:
+            self._drift = drift_or_none(self.layout.joint, pre.current)
         drift = self._drift if self.fused else None
         pipelined = self._pipelined(drift)
         copy_parts = False  # the live values are aside already (saved, or restored from there)
@@ -215,8 +335,6 @@ class CollectivePlane(AveragingPlane):
         else:
             divergence = self._reduce_whole(drift, pre, param_factor)
         pre.release()
-        if outer is not None:
-            outer.step(params.flats)
         return divergence
 
     def _reduce_whole(self, drift: Optional[FusedDrift], pre: PreRoundValues, factor: float) -> Optional[Tensor]:

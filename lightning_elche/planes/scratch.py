@@ -73,16 +73,19 @@ class PreRoundValues:
         return self._saved
 
     @torch.no_grad()
-    def save(self, borrow_only: bool = False, copy_params: bool = True) -> bool:
+    def save(self, borrow_only: bool = False, copy_params: bool = True, params: bool = True) -> bool:
         """Copy the live values aside (into the parameters' gradients where they can hold them);
         whether they were saved.
 
         ``borrow_only``: save only if every parameter has a usable gradient, and else leave it for a
         later :meth:`save` (a save ahead of the round must not allocate tensors of its own for a
         round that may average nothing). ``copy_params`` False: only choose where the parameters
-        go (:attr:`addresses`); the caller queues their copy before anything writes the live values."""
+        go (:attr:`addresses`); the caller queues their copy before anything writes the live values.
+        ``params`` False: the buffers only (an out-of-place round leaves the parameters in place)."""
         grads = [param.grad for param in self._params]
-        if not self._all_usable(grads):
+        if not params:
+            self.params, self._borrowed, self.own_bytes, self.addresses = [], [], 0, []
+        elif not self._all_usable(grads):
             if borrow_only:
                 return False
             self._save_one_by_one()
