@@ -27,12 +27,14 @@ the benchmark's two model sizes (the gradients a step leaves are in place before
   is waited for in the exchange, so a copy beside it shows here in full; with peers it runs while
   this rank waits for the slowest one.
 
-Variants: ``fused`` is the plane as a fit runs it on NCCL (out of place, settled by one Triton
-kernel); ``-in-place`` the in-place round with the fused drift measurement after the reduce;
-``-queued`` that measurement queued behind the reduce on a side stream (``CollectivePlane.queued``);
+Variants: ``fused`` is the plane as a fit runs it (the in-place round, the fused drift
+measurement after the reduce); ``-out-of-place`` the out-of-place round settled by one Triton
+kernel (``CollectivePlane.out_of_place``), ``-out-of-place-multi-tensor`` settled by PyTorch's
+multi-tensor kernels; ``-queued`` the fused measurement queued behind the reduce on a side stream
+(``CollectivePlane.queued``);
 ``-chunks-<n>MB`` the in-place round reduced in parts of about n MB, each copied aside just before
 its reduce and measured right after it (``CollectivePlane.chunk_bytes``), ``-chunks-8MB-whole-copy``
-the same with the whole model copied first (``copy_in_parts`` False); ``-multi-tensor`` the default
+the same with the whole model copied first (``copy_in_parts`` False); ``-multi-tensor`` the in-place
 round with PyTorch's multi-tensor kernels instead of Triton's.
 ``drift_kernel_us``: the Triton kernel's device time (the settling, or the in-place drift
 measurement); ``drift_read_tb_per_s`` the bandwidth of its two reads (the pre-round values and the
@@ -63,8 +65,8 @@ from lightning_elche.planes.collective import CollectivePlane
 from lightning_elche.rounds import META_SIZE, Meta
 
 SIZES_MB = {"resnet20x4": 17.31, "char-medium": 77.24}  # the benchmark's flat parameter bytes
-VARIANTS = ("fused", "in-place", "chunks-4MB", "chunks-8MB", "chunks-16MB", "chunks-8MB-whole-copy", "queued",
-            "multi-tensor")
+VARIANTS = ("fused", "out-of-place", "out-of-place-multi-tensor", "chunks-4MB", "chunks-8MB", "chunks-16MB",
+            "chunks-8MB-whole-copy", "queued", "multi-tensor")
 
 
 def timed(op: Callable[[], object], prepare: Callable[[], None], iters: int) -> tuple[float, float]:
@@ -171,20 +173,18 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
     params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
     layout = AveragedLayout.fixed(FlatTensors(params), FlatTensors([]))
     plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
-    plane.fused = variant != "multi-tensor"
+    plane.fused = not variant.endswith("multi-tensor")
     plane.queued = variant == "queued"
-    if variant == "in-place":
-        plane.out_of_place = False
+    plane.out_of_place = variant.startswith("out-of-place")
     if variant.startswith("chunks-"):
         size, _, copy = variant.removeprefix("chunks-").partition("-")
         plane.chunk_bytes = int(float(size.removesuffix("MB")) * 1e6)
         plane.copy_in_parts = copy != "whole-copy"
     weights = round_weights([1], 1.0)
-    grads = [torch.empty_like(p) for p in params]
 
-    def after_a_step() -> None:  # the gradients a step leaves; the round drops them
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
+    def after_a_step() -> None:  # the gradients a step leaves (held by the parameters alone); the round drops them
+        for p in params:
+            p.grad = torch.empty_like(p)
 
     def average() -> None:
         plane.average(weights)

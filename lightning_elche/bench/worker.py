@@ -261,8 +261,8 @@ def _micro_model(ctx: RankContext, section: str) -> dict[str, Any]:
     weights = round_weights([1] * ctx.world, 1.0)
 
     def after_a_step() -> None:
-        # A round follows an optimizer step: it keeps its pre-round values in the gradients
-        # (and drops them), so every timed round starts with gradients, as in a fit.
+        # A round follows an optimizer step and drops the step's gradients (the in-place round
+        # keeps its pre-round values there first), so every timed round starts with them, as in a fit.
         for param, grad in zip(params, grads, strict=True):
             param.grad = grad
         plane.average(weights)
@@ -296,10 +296,11 @@ def microbenchmark(ctx: RankContext) -> dict[str, Any]:
     """Per model of the run: seconds per raw ``dist.all_reduce`` of a flat float32 tensor of its
     parameter count, per flat-parameter all-reduce as the plane issues it
     (``CollectivePlane.sum_scaled``: pre-scale and SUM all-reduce of its persistent flat buffer),
-    per ``CollectivePlane.average`` of its parameters after a step (keep the pre-round values in
-    the gradients, scaled SUM
-    all-reduce of the parameters' own flat storage, divergence norms: ElChe's whole averaging
-    path), per metadata exchange (a round's all-gather),
+    per ``CollectivePlane.average`` of its parameters after a step (ElChe's whole averaging path:
+    on NCCL the out-of-place round, a scaled reduce-scatter of the parameters' own flat storage
+    into a round buffer, its all-gather and the settling with the divergence norms; on gloo the
+    in-place round, pre-round values kept in the gradients), per metadata exchange (a round's
+    all-gather),
     and (model-independent) per chunk claim of the pooled dispatch."""
     out = {section: _micro_model(ctx, section) for section in (THROUGHPUT, CONVERGENCE)}
     claim_s = _pool_claim_s(ctx)

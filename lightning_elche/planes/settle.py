@@ -34,6 +34,7 @@ if HAVE_TRITON:
 SETTLE_BLOCK = 4096
 """Values a program moves per step of its stride."""
 PROGRAMS_PER_SM = 4
+SETTLE_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class FusedSettle:
             assert one.consensus.numel() >= numel, "the round buffer must cover the rounded length"
             _settle_kernel[(grid,)](one.live, one.consensus, numel, one.measured, self._partials, first,
                                     self._tickets, out, self._programs,
-                                    BLOCK=SETTLE_BLOCK, FINISH_BLOCK=FINISH_BLOCK, num_warps=8)
+                                    BLOCK=SETTLE_BLOCK, FINISH_BLOCK=FINISH_BLOCK, num_warps=SETTLE_WARPS)
             first += grid
         return out
 
