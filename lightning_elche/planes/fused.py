@@ -55,10 +55,7 @@ def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_t
                   block_start_ptr, partial_ptr, first_block, tickets_ptr, out_ptr, total_blocks, block_base,
                   BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr):
     """One program: one block of one tensor (``block_base`` onwards: a launch may cover part of a
-    group); its three partial sums of squares. The program that finishes last (of every launch of
-    the round: they share the ticket counter) sums the partials of all, in float64 and in block
-    order (the result does not depend on which program is last), takes the square roots and
-    resets the counter for the next round."""
+    group); its three partial sums of squares, then :func:`_finish_source`."""
     block = block_base + tl.program_id(0)
     saved, live, start, size = _block(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_tensor_ptr,
                                       block_start_ptr, block)
@@ -71,17 +68,25 @@ def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_t
     tl.store(out, tl.sum(delta * delta, axis=0))
     tl.store(out + 1, tl.sum(pre * pre, axis=0))
     tl.store(out + 2, tl.sum(consensus * consensus, axis=0))
+    _finish(partial_ptr, tickets_ptr, out_ptr, total_blocks, FINISH_BLOCK)
+
+
+def _finish_source(partial_ptr, tickets_ptr, out_ptr, total, FINISH_BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A program's end, after it stored its three partial sums of squares: it draws a ticket, and
+    the program that draws the last of the ``total`` (every launch of the round shares the
+    counter) sums every partial in float64 and in partial order (the result does not depend on
+    which program is last), writes the three square roots and resets the counter for the next round."""
     # Every thread's partial stores come before the ticket; its release orders them for the
     # program that draws the last ticket, whose acquire makes them visible to its loads.
     tl.debug_barrier()
     ticket = tl.atomic_add(tickets_ptr, 1, sem="acq_rel")
-    if ticket == total_blocks - 1:
+    if ticket == total - 1:
         squares = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
         norms = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
         after = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
-        for first in range(0, total_blocks, FINISH_BLOCK):
+        for first in range(0, total, FINISH_BLOCK):
             rows = first + tl.arange(0, FINISH_BLOCK)
-            valid = rows < total_blocks
+            valid = rows < total
             squares += tl.load(partial_ptr + 3 * rows, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float64)
             norms += tl.load(partial_ptr + 3 * rows + 1, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float64)
             after += tl.load(partial_ptr + 3 * rows + 2, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float64)
@@ -103,6 +108,7 @@ def _copy_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_te
 
 if HAVE_TRITON:
     _block = triton.jit(_block_source)
+    _finish = triton.jit(_finish_source)
     # A chunk's first block changes from launch to launch: one compiled kernel for every value.
     _drift_kernel = triton.jit(_drift_source, do_not_specialize=["block_base"])
     _copy_kernel = triton.jit(_copy_source, do_not_specialize=["block_base"])

@@ -31,6 +31,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from lightning_elche.planes.fused import _finish
+
 SETTLE_BLOCK = 4096
 """Values a program moves per step of its stride."""
 PROGRAMS_PER_SM = 4
@@ -52,8 +54,8 @@ def _settle_source(live_ptr, consensus_ptr, numel, measured, partial_ptr, first_
                    tickets_ptr, out_ptr, total_programs, BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr):
     """One program: blocks ``program_id``, ``program_id + num_programs``, ... of ``numel`` values
     (a multiple of 16, over the live buffer's spare tail where needed), the consensus written over
-    the live values; the sums of squares over the first ``measured`` ones. The program that draws
-    the last ticket of the round (every launch of the round shares the counter) finishes it."""
+    the live values; the sums of squares over the first ``measured`` ones, then the round's finish
+    (:func:`~lightning_elche.planes.fused._finish_source`)."""
     program = tl.program_id(0)
     stride = tl.num_programs(0) * BLOCK
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -76,27 +78,7 @@ def _settle_source(live_ptr, consensus_ptr, numel, measured, partial_ptr, first_
     tl.store(out, tl.sum(squares, axis=0))
     tl.store(out + 1, tl.sum(norms, axis=0))
     tl.store(out + 2, tl.sum(after, axis=0))
-    # The partial stores come before the ticket; its release orders them for the program that
-    # draws the last ticket, whose acquire makes them visible to its loads.
-    tl.debug_barrier()
-    ticket = tl.atomic_add(tickets_ptr, 1, sem="acq_rel")
-    if ticket == total_programs - 1:
-        total_squares = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
-        total_norms = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
-        total_after = tl.zeros((FINISH_BLOCK,), dtype=tl.float64)
-        for first in range(0, total_programs, FINISH_BLOCK):
-            rows = first + tl.arange(0, FINISH_BLOCK)
-            valid = rows < total_programs
-            total_squares += tl.load(partial_ptr + 3 * rows, mask=valid, other=0.0,
-                                     cache_modifier=".cg").to(tl.float64)
-            total_norms += tl.load(partial_ptr + 3 * rows + 1, mask=valid, other=0.0,
-                                   cache_modifier=".cg").to(tl.float64)
-            total_after += tl.load(partial_ptr + 3 * rows + 2, mask=valid, other=0.0,
-                                   cache_modifier=".cg").to(tl.float64)
-        tl.store(out_ptr, tl.sqrt(tl.sum(total_squares, axis=0)))
-        tl.store(out_ptr + 1, tl.sqrt(tl.sum(total_norms, axis=0)))
-        tl.store(out_ptr + 2, tl.sqrt(tl.sum(total_after, axis=0)))
-        tl.store(tickets_ptr, 0)
+    _finish(partial_ptr, tickets_ptr, out_ptr, total_programs, FINISH_BLOCK)
 
 
 if HAVE_TRITON:
