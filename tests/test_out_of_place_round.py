@@ -129,7 +129,10 @@ def test_nccl_scales_float32_inside_the_reduce_scatter_and_bfloat16_before_it_an
         stood_in["all_reduce"].assert_not_called()
     assert [name for name, _, _ in fake.calls] == ["reduce_scatter", "all_gather"] * 2, "two collectives per dtype"
     ops = {dtype: op for name, dtype, op in fake.calls if name == "reduce_scatter"}
-    assert isinstance(ops[torch.float32], Premul) and ops[torch.float32].factor == pytest.approx(1 / world_size)
+    if world_size == 1:  # NCCL's one-rank reduce-scatter copies without scaling: multiplied first
+        assert ops[torch.float32] == dist.ReduceOp.SUM
+    else:
+        assert isinstance(ops[torch.float32], Premul) and ops[torch.float32].factor == pytest.approx(1 / world_size)
     assert ops[torch.bfloat16] == dist.ReduceOp.SUM, "bfloat16 multiplied first (pytorch/pytorch#190745)"
     assert all(fake.grads_at_reduce), "the step's gradients are dropped before the round buffer is taken"
     # Alone, the consensus of this rank's scaled share is its own values times the factor: on

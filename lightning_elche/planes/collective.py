@@ -120,10 +120,9 @@ class CollectivePlane(AveragingPlane):
         collective finished (:meth:`reduce_into`, :mod:`~lightning_elche.planes.settle`): nothing
         is copied aside, three passes over the model instead of four; on any backend, where the
         joint buffers have room to pad over, unless :attr:`chunk_bytes` or :attr:`queued` ask for
-        the in-place round. Off: on one H100 (2026-12-07, ``docs/benchmarks.md``) its float32
-        consensus through a one-rank PreMulSum reduce-scatter was not the exact half a test
-        expects, and its settling took 398 µs at 77 MB against the in-place round's 125; it waits
-        for a GPU run that explains both."""
+        the in-place round. Off: on one H100 (2026-12-07, ``docs/benchmarks.md``) its settling
+        took 398 µs at 77 MB against the in-place round's 125 µs, which no GPU run has explained
+        yet (``tools/probe_out_of_place.py`` asks)."""
         self._settle: Optional[FusedSettle] = None
         self._kept_round_buffers: list[Tensor] = []  # a failed round's: its abandoned collectives hold them
         self._drift_stream: Optional[Any] = None  # where the drift waits for the reduce (CUDA)
@@ -283,7 +282,9 @@ class CollectivePlane(AveragingPlane):
         """The wire part of an out-of-place round: each joint buffer, padded to a multiple of
         ``16 * world_size`` over its spare tail and scaled by ``factor``, reduce-scattered into
         this rank's share of its round buffer, then all-gathered in place (NCCL's ring all-reduce
-        in its two halves: the same traffic); the works still to wait for, in order."""
+        in its two halves: the same traffic); the works still to wait for, in order. Alone, the
+        values are multiplied first: NCCL's one-rank reduce-scatter is a plain copy that skips
+        ``PreMulSum`` (seen on an H100 with torch 2.11: a ``Memcpy DtoD`` and unscaled values)."""
         premul = dist._make_nccl_premul_sum(factor) if self._premul else None
         works = []
         for flat, buf in zip(self.layout.joint, rounds, strict=True):
@@ -292,7 +293,7 @@ class CollectivePlane(AveragingPlane):
             out = buf[:numel]
             piece = out[self.rank * share:(self.rank + 1) * share]
             op: Any
-            if premul is not None and flat.dtype in PREMUL_DTYPES:
+            if premul is not None and flat.dtype in PREMUL_DTYPES and self.world_size > 1:
                 source, op = flat.as_strided((numel,), (1,)), premul
             else:
                 torch.mul(flat.as_strided((numel,), (1,)), factor, out=out)
