@@ -68,7 +68,7 @@ def _drift_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_t
     tl.store(out, tl.sum(delta * delta, axis=0))
     tl.store(out + 1, tl.sum(pre * pre, axis=0))
     tl.store(out + 2, tl.sum(consensus * consensus, axis=0))
-    _finish(partial_ptr, tickets_ptr, out_ptr, total_blocks, FINISH_BLOCK)
+    finish_norms(partial_ptr, tickets_ptr, out_ptr, total_blocks, FINISH_BLOCK)
 
 
 def _finish_source(partial_ptr, tickets_ptr, out_ptr, total, FINISH_BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -108,7 +108,7 @@ def _copy_source(live_ptr, offsets_ptr, saved_addresses_ptr, sizes_ptr, block_te
 
 if HAVE_TRITON:
     _block = triton.jit(_block_source)
-    _finish = triton.jit(_finish_source)
+    finish_norms = triton.jit(_finish_source)
     # A chunk's first block changes from launch to launch: one compiled kernel for every value.
     _drift_kernel = triton.jit(_drift_source, do_not_specialize=["block_base"])
     _copy_kernel = triton.jit(_copy_source, do_not_specialize=["block_base"])

@@ -31,7 +31,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from lightning_elche.planes.fused import _finish
+    from lightning_elche.planes.fused import finish_norms
 
 SETTLE_BLOCK = 4096
 """Values a program moves per step of its stride."""
@@ -78,7 +78,7 @@ def _settle_source(live_ptr, consensus_ptr, numel, measured, partial_ptr, first_
     tl.store(out, tl.sum(squares, axis=0))
     tl.store(out + 1, tl.sum(norms, axis=0))
     tl.store(out + 2, tl.sum(after, axis=0))
-    _finish(partial_ptr, tickets_ptr, out_ptr, total_programs, FINISH_BLOCK)
+    finish_norms(partial_ptr, tickets_ptr, out_ptr, total_programs, FINISH_BLOCK)
 
 
 if HAVE_TRITON:
