@@ -189,8 +189,7 @@ class CollectivePlane(AveragingPlane):
     def _pre_round(self) -> PreRoundValues:
         if self._pre is None:
             self._pre = PreRoundValues(self.layout)
-            if not self._reduces_out_of_place():
-                self._drift = drift_or_none(self.layout.joint, self._pre.current)
+            self._drift = drift_or_none(self.layout.joint, self._pre.current)
         return self._pre
 
     def _save_beside_the_exchange(self) -> None:
@@ -315,8 +314,6 @@ class CollectivePlane(AveragingPlane):
     def _average_in_place(self, weights: RoundWeights) -> Optional[Tensor]:
         buffers = self.buffers
         pre = self._pre_round()
-        if self._drift is None and pre.current:
-            self._drift = drift_or_none(self.layout.joint, pre.current)
         drift = self._drift if self.fused else None
         pipelined = self._pipelined(drift)
         copy_parts = False  # the live values are aside already (saved, or restored from there)
@@ -465,7 +462,8 @@ class CollectivePlane(AveragingPlane):
         # The engine outlives fit (its totals are the run's record): free the model-sized buffers.
         if self._pre is not None:
             self._pre.release()
-        self._pre, self._drift, self._drift_stream = None, None, None
+        self._pre, self._drift, self._drift_stream, self._settle = None, None, None, None
+        self._kept_round_buffers = []
         self._meta_out = None
         self.params.release()
         self.buffers.release()
