@@ -10,7 +10,10 @@ Two questions from its first H100 reading (``docs/benchmarks.md``, 2026-12-07, `
   for block sizes, warps and programs per multiprocessor, from the L2 cache and after flushing
   it, beside a plain copy of the same buffer.
 
-    python tools/probe_out_of_place.py --out probe.json
+    python tools/probe_out_of_place.py --out probe.json [--overhead-out overhead.json]
+
+With ``--overhead-out`` it then runs ``tools/averaging_overhead.py --variants out-of-place`` with
+the fastest flushed configuration of the sweep set in :mod:`lightning_elche.planes.settle`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import runpy
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -105,7 +111,7 @@ def settle_speed(numel: int = SIZES[-1]) -> dict[str, float]:
     one = [Settled(live, consensus, numel - 5)]
     for block in (1024, 4096):
         for warps in (4, 8):
-            for per_sm in (2, 4, 64):
+            for per_sm in (2, 4, 16, 64):
                 settle.SETTLE_BLOCK, settle.SETTLE_WARPS = block, warps
                 fused = FusedSettle([live], per_sm)
                 fused(one)
@@ -114,9 +120,21 @@ def settle_speed(numel: int = SIZES[-1]) -> dict[str, float]:
     return found
 
 
+def fastest_flushed(speeds: dict[str, float]) -> tuple[int, int, int]:
+    """The sweep's (block, warps, programs per multiprocessor) that settled fastest from memory."""
+    swept = [key for key in speeds if key.startswith("block") and key.endswith("_flushed_us")]
+    name = min(swept, key=speeds.__getitem__)
+    found = re.fullmatch(r"block(\d+)_warps(\d+)_per_sm(\d+)_flushed_us", name)
+    assert found is not None, name
+    block, warps, per_sm = (int(group) for group in found.groups())
+    return block, warps, per_sm
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="probe_out_of_place.json")
+    parser.add_argument("--overhead-out", default=None,
+                        help="then run the overhead tool's out-of-place variant at the fastest setting, into this file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'pg')}", rank=0, world_size=1,
@@ -131,6 +149,12 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    if args.overhead_out:
+        settle.SETTLE_BLOCK, settle.SETTLE_WARPS, settle.PROGRAMS_PER_SM = fastest_flushed(result["settle"])
+        print(f"overhead at block {settle.SETTLE_BLOCK}, warps {settle.SETTLE_WARPS}, {settle.PROGRAMS_PER_SM} per SM")
+        sys.argv = [os.path.join(os.path.dirname(__file__), "averaging_overhead.py"), "--iters", "100",
+                    "--variants", "out-of-place", "--out", args.overhead_out]
+        runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":

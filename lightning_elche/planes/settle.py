@@ -102,13 +102,15 @@ class FusedSettle:
 
     Args:
         joint: the joint flat buffers, each with at least :func:`settled_numel` values of storage.
-        programs_per_sm: programs launched per multiprocessor (the grid is at most the device).
+        programs_per_sm: programs launched per multiprocessor (the grid is at most the device);
+            :data:`PROGRAMS_PER_SM` when None.
     """
 
-    def __init__(self, joint: Sequence[Tensor], programs_per_sm: int = PROGRAMS_PER_SM) -> None:
+    def __init__(self, joint: Sequence[Tensor], programs_per_sm: Optional[int] = None) -> None:
         device = joint[0].device
-        limit = programs_per_sm * _multiprocessors(device)
-        self._grids = [max(1, min(limit, -(-settled_numel(flat) // SETTLE_BLOCK))) for flat in joint]
+        limit = (programs_per_sm or PROGRAMS_PER_SM) * _multiprocessors(device)
+        self._block, self._warps = SETTLE_BLOCK, SETTLE_WARPS
+        self._grids = [max(1, min(limit, -(-settled_numel(flat) // self._block))) for flat in joint]
         self._programs = sum(self._grids)
         self._partials = torch.empty(3 * self._programs, dtype=torch.float32, device=device)
         self._tickets = torch.zeros(1, dtype=torch.int32, device=device)  # programs finished this round
@@ -123,7 +125,7 @@ class FusedSettle:
             assert one.consensus.numel() >= numel, "the round buffer must cover the rounded length"
             _settle_kernel[(grid,)](one.live, one.consensus, numel, one.measured, self._partials, first,
                                     self._tickets, out, self._programs,
-                                    BLOCK=SETTLE_BLOCK, FINISH_BLOCK=FINISH_BLOCK, num_warps=SETTLE_WARPS)
+                                    BLOCK=self._block, FINISH_BLOCK=FINISH_BLOCK, num_warps=self._warps)
             first += grid
         return out
 
