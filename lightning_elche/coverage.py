@@ -221,26 +221,3 @@ def legacy_offsets(coverage: EpochCoverage) -> list[int]:
             f"{coverage.world_size}: it is malformed."
         )
     return list(coverage.offsets)
-
-
-def refuse_thin_streams(remaining: Sequence[Range], stream_sizes: Sequence[int], needed: int, epoch: int) -> None:
-    """Refuse a remainder whose split into streams leaves a rank fewer than ``needed`` picks (no
-    batch: it would skip the epoch's rounds and deadlock its peers)."""
-    count = size(remaining)
-    for rank, picks in enumerate(stream_sizes):
-        if picks < needed:
-            raise ValueError(
-                f"The checkpoint leaves {count} pick(s) of epoch {epoch}, which give rank {rank} of "
-                f"{len(stream_sizes)} no batch; every rank needs at least one. Resume from the epoch-end "
-                "checkpoint instead."
-            )
-
-
-def refuse_thin_pool(remaining: Sequence[Range], batch_size: int, world_size: int, epoch: int) -> None:
-    """Refuse a pooled remainder with fewer batches than ranks (every rank reserves one)."""
-    batches = -(-size(remaining) // batch_size)
-    if batches < world_size:
-        raise ValueError(
-            f"The checkpoint leaves {batches} batch(es) of epoch {epoch} for {world_size} "
-            "ranks; every rank needs at least one. Resume from the epoch-end checkpoint instead."
-        )

@@ -43,3 +43,16 @@ class RecordStart(Callback):
             "controller": engine.controller.state_dict(),
             "current_epoch": trainer.current_epoch,
         }))
+
+
+class RecordEpochEnds(Callback):
+    """Writes, at each training epoch's end on every rank, the epoch-level metrics it ended with
+    (``epoch-end-e{epoch}-rank{r}.json``): a rank that skipped an epoch's end leaves no file."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        Path(self.out_dir, f"epoch-end-e{trainer.current_epoch}-rank{trainer.global_rank}.json").write_text(
+            json.dumps(metrics))

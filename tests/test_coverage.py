@@ -236,20 +236,28 @@ def test_resume_into_a_different_order_is_refused_with_the_field(change, field):
         other.resume(coverage)
 
 
-def test_resume_that_leaves_a_rank_without_a_batch_is_refused():
-    samplers = [make("pool", r, SharedCounter()) for r in range(2)]
-    coverage = samplers[0].coverage([[(0, 600)], [(600, 990)]])  # one batch left for two ranks
-    with pytest.raises(ValueError, match="1 batch"):
-        make("pool", 0, SharedCounter()).resume(coverage)
-    # Enough for two ranks is not enough for three.
-    coverage = samplers[0].coverage([[(0, 600)], [(600, 980)]])
-    make("pool", 0, SharedCounter()).resume(coverage)
-    with pytest.raises(ValueError, match="2 batch.*for 3 ranks"):
-        make("pool", 0, SharedCounter(), world=3).resume(coverage)
-    equal = [make("equal", r, None) for r in range(2)]
-    left_two = equal[0].coverage([499, 499])
-    with pytest.raises(ValueError, match="leaves 2 pick.*rank 2 of 3 no batch"):
-        make("equal", 0, None, world=3).resume(left_two)
+@pytest.mark.parametrize("dispatch", ["pool", "equal"])
+@pytest.mark.parametrize("left", [0, 1, 9, 10, 25])
+def test_a_remainder_thinner_than_the_ranks_resumes_with_ranks_left_without_a_batch(dispatch, left):
+    """A checkpoint may leave fewer picks (pool: batches) than the resumed run has ranks, none at
+    all included: the remainder is trained exactly once and the ranks it does not reach get an
+    empty epoch (they join the rounds without a batch), rather than a refusal."""
+    n, world = 1000, 4
+    first = [make(dispatch, r, SharedCounter() if dispatch == "pool" else None, n=n) for r in range(2)]
+    order = epoch_permutation(first[0].num_samples, first[0].epoch, first[0].seed, True)
+    coverage = EpochCoverage.from_state_dict({**first[0].coverage(
+        [[(0, 500)], [(500, 1000)]] if dispatch == "pool" else [500, 500]).state_dict(),
+        "remaining": [(300, 300 + left)] if left else []})
+    counter = SharedCounter() if dispatch == "pool" else None
+    resumed = [make(dispatch, r, counter, n=n, world=world) for r in range(world)]
+    for sampler in resumed:
+        sampler.resume(coverage)
+    rest = [list(s) for s in resumed]
+    assert sorted(i for r in rest for i in r) == sorted(order[p] for p in range(300, 300 + left))
+    units = left if dispatch == "equal" else -(-left // 10)  # picks, or batches of 10
+    assert sum(1 for r in rest if r) <= min(world, units)
+    if units < world:
+        assert not all(rest)
 
 
 def test_malformed_coverage_is_refused():

@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 from lightning_elche.augment import PickKey
 from lightning_elche.config import Dispatch
-from lightning_elche.coverage import Range, claimed_prefix, compress, expand, merge, refuse_thin_pool, subtract
+from lightning_elche.coverage import Range, claimed_prefix, compress, expand, merge, subtract
 from lightning_elche.dispatch.order import batches_of, chunk_layout
 from lightning_elche.dispatch.sampler import ElCheSampler
 from lightning_elche.dispatch.store import COUNTER_METHODS, EpochKeys, missing_counter_methods, read_entries
@@ -434,6 +434,3 @@ class PoolDispatch(ElCheSampler):
         if self._cursor.changed and self._epoch is not None:
             taken += self._epoch.plan.lost_trained  # the lost ranks' batches in the consensus
         return subtract(universe, taken)
-
-    def _check_resumable(self, remaining: list[Range], epoch: int) -> None:
-        refuse_thin_pool(remaining, self.batch_size, self.world_size, epoch)

@@ -362,7 +362,6 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
         if coverage.remaining is None:
             coverage = replace(coverage, remaining=self._legacy_remaining(coverage), offsets=None)
         assert coverage.remaining is not None
-        self._check_resumable(coverage.remaining, coverage.epoch)
         self._resume = coverage
 
     def local_coverage(self, batches: int) -> Union[list[Range], int]:
@@ -444,7 +443,3 @@ class ElCheSampler(Sampler[Union[int, PickKey]]):
             f"The checkpoint's ElChe data coverage of epoch {coverage.epoch} has no remaining positions "
             f"(dispatch={coverage.dispatch!r}): it is malformed."
         )
-
-    def _check_resumable(self, remaining: list[Range], epoch: int) -> None:
-        """Refuse a remainder that leaves a rank of this run without a batch (it would deadlock)."""
-        raise NotImplementedError

@@ -34,9 +34,7 @@ from lightning_elche.coverage import (
     compress,
     legacy_offsets,
     merge,
-    refuse_thin_streams,
     runs,
-    size,
     stream_remaining,
     subtract,
 )
@@ -365,11 +363,6 @@ class OwnStreamDispatch(ElCheSampler):
 
     def _check_legacy_layout(self, world_size: int) -> None:
         """Refuse a legacy record whose ranks' streams this run cannot rebuild."""
-
-    def _check_resumable(self, remaining: list[Range], epoch: int) -> None:
-        count = size(remaining)
-        sizes = [len(self.stream_indices(count, rank, self.world_size)) for rank in range(self.world_size)]
-        refuse_thin_streams(remaining, sizes, self.batch_size if self.drop_last else 1, epoch)
 
 
 class EqualDispatch(OwnStreamDispatch):
