@@ -70,6 +70,7 @@ def check(copy_in_parts: bool) -> None:
             stack.enter_context(patch)
         plane = CollectivePlane(AveragedLayout(model), 0, 1, torch.device("cpu"))
         plane._premul_backend = True
+        plane.out_of_place = False  # the in-place round (the out-of-place one: tests/test_out_of_place_round.py)
         plane.copy_in_parts = copy_in_parts
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 

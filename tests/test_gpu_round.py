@@ -5,7 +5,7 @@ path, a failed round run again from the same values, and the memory a round take
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 from unittest import mock
 
 import pytest
@@ -57,7 +57,7 @@ def step(model: nn.Module, x: torch.Tensor, optimizer: torch.optim.Optimizer) ->
 class SteppedRound:
     """A model one optimizer step in, its plane, and its values and gradients after that step."""
 
-    def __init__(self, dtype: torch.dtype, out_of_place: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype, out_of_place: Optional[bool] = False) -> None:
         self.model, self.x = stepped_model(dtype)
         self.plane = CollectivePlane(AveragedLayout(self.model), 0, 1, torch.device("cuda", 0))
         self.plane.out_of_place = out_of_place
@@ -253,15 +253,15 @@ def test_the_round_in_parts_averages_measures_and_restores_like_the_whole_round(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_out_of_place_round_averages_measures_and_survives_a_failure_like_the_in_place_round(one_rank_nccl,
                                                                                                dtype):
-    """The out-of-place round (opt-in): a reduce-scatter into a round buffer and an all-gather there
-    (the real one-rank NCCL, PreMulSum for float32), settled by one Triton kernel. The same
-    consensus bits and drift as the in-place round; a failure leaves the live values as they were,
-    and the retry writes into the failed round's buffers."""
-    stepped = SteppedRound(dtype, out_of_place=True)
+    """The default round on NCCL: a reduce-scatter into a round buffer and an all-gather there (the
+    real one-rank NCCL, PreMulSum for float32), settled by one Triton kernel. The same consensus
+    bits and drift as the in-place round; a failure leaves the live values as they were, and the
+    retry writes into the failed round's buffers."""
+    stepped = SteppedRound(dtype, out_of_place=None)
     model, x, plane, optimizer, norm = stepped.model, stepped.x, stepped.plane, stepped.optimizer, stepped.norm
-    assert plane._reduces_out_of_place()
+    assert plane._reduces_out_of_place(), "NCCL takes the out-of-place round by default"
     measured, consensus = {}, {}
-    for out_of_place in (True, False):
+    for out_of_place in (None, False):
         plane.out_of_place = out_of_place
         stepped.reset()
         calls: list[str] = []
@@ -273,13 +273,13 @@ def test_the_out_of_place_round_averages_measures_and_survives_a_failure_like_th
         assert all(p.grad is None for p in model.parameters())
         measured[out_of_place] = divergence.tolist()
         consensus[out_of_place] = [p.detach().clone() for p in model.parameters()]
-        assert calls == ["all_reduce x0" if out_of_place else "all_reduce x1"], calls
-    assert all(torch.equal(a, b) for a, b in zip(consensus[True], consensus[False], strict=True))
-    assert measured[True] == pytest.approx([norm / 2, norm, norm / 2], rel=1e-5)
-    assert measured[True] == pytest.approx(measured[False], rel=1e-6 if dtype == torch.float32 else 1e-2)
+        assert calls == ["all_reduce x0" if out_of_place is None else "all_reduce x1"], calls
+    assert all(torch.equal(a, b) for a, b in zip(consensus[None], consensus[False], strict=True))
+    assert measured[None] == pytest.approx([norm / 2, norm, norm / 2], rel=1e-5)
+    assert measured[None] == pytest.approx(measured[False], rel=1e-6 if dtype == torch.float32 else 1e-2)
     assert plane._settle is not None and plane._settle._tickets.item() == 0
 
-    plane.out_of_place = True
+    plane.out_of_place = None
     step(model, x, optimizer)
     before = [p.detach().clone() for p in model.parameters()]
 
@@ -318,7 +318,7 @@ def test_the_settle_kernel_strides_over_large_buffers_of_two_dtypes_round_after_
         assert settle._tickets.item() == 0
 
 
-@pytest.mark.parametrize("out_of_place", [True, False], ids=["out-of-place", "in-place"])
+@pytest.mark.parametrize("out_of_place", [None, False], ids=["out-of-place", "in-place"])
 def test_a_round_allocates_no_model_sized_memory_beyond_the_gradients_a_step_leaves(one_rank_nccl, out_of_place):
     """Item 1 of issue 25 at the round itself: the in-place round keeps its pre-round values in the
     step's spent gradients, the out-of-place round drops them before it takes its round buffer,
@@ -338,5 +338,5 @@ def test_a_round_allocates_no_model_sized_memory_beyond_the_gradients_a_step_lea
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - held
         assert extra < 0.05 * model_bytes, f"the round took {extra / model_bytes:.2f} model copies more"
-    assert plane._reduces_out_of_place() == out_of_place
+    assert plane._reduces_out_of_place() == (out_of_place is None)
     plane.close()

@@ -1,7 +1,7 @@
 """The out-of-place round of the ``nccl_*`` modes (``CollectivePlane.out_of_place``): the live
 parameters are reduce-scattered into a round buffer, gathered there, and settled into the live
-buffers only once every collective has finished (opt-in: ``docs/benchmarks.md`` says why). Here
-its collectives are stood in for in one process, and run for real over gloo between processes. Its kernel:
+buffers only once every collective has finished. On NCCL it is the default; here its collectives
+are stood in for in one process, and run for real over gloo between processes. Its kernel:
 ``tests/test_fused_drift_interpreter.py``; on a GPU: ``tests/test_gpu_round.py``."""
 
 from __future__ import annotations
@@ -78,11 +78,10 @@ def patched(fake: OnOneRank, gather: Any = None) -> Any:
 def nccl_like_plane(model: nn.Module, world_size: int = 1) -> CollectivePlane:
     plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=world_size, device=torch.device("cuda", 0))
     plane._premul_backend = True  # as on NCCL
-    plane.out_of_place = True
     return plane
 
 
-def test_the_round_goes_out_of_place_only_when_asked_and_not_with_the_in_place_rounds_options():
+def test_the_round_goes_out_of_place_where_nccl_reduces_unless_the_in_place_round_is_asked_for():
     model = mixed_model()
     plane = nccl_like_plane(model)
     assert plane._reduces_out_of_place()
@@ -93,7 +92,8 @@ def test_the_round_goes_out_of_place_only_when_asked_and_not_with_the_in_place_r
     plane.queued, plane.out_of_place = False, False
     assert not plane._reduces_out_of_place()
     gloo = CollectivePlane(AveragedLayout(model), rank=0, world_size=2, device=torch.device("cpu"))
-    assert not gloo._reduces_out_of_place(), "the in-place round unless asked"
+    gloo._premul_backend = False
+    assert not gloo._reduces_out_of_place(), "gloo keeps the in-place round unless asked"
     gloo.out_of_place = True
     assert gloo._reduces_out_of_place()
     # Padding reaches into the spare tail: a world too large for it takes the in-place round.

@@ -89,6 +89,7 @@ def test_nccl_scales_bfloat16_before_a_plain_sum_and_the_rest_inside_the_reducti
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4).to(torch.bfloat16))
     plane = CollectivePlane(AveragedLayout(model), rank=0, world_size=1, device=torch.device("cpu"))
     plane._premul_backend = True  # as on NCCL
+    plane.out_of_place = False  # the in-place round: test_out_of_place_round.py has the other
     before = [p.detach().clone() for p in model.parameters()]
     reduced: list[tuple[torch.dtype, Any]] = []
 

@@ -296,10 +296,11 @@ def microbenchmark(ctx: RankContext) -> dict[str, Any]:
     """Per model of the run: seconds per raw ``dist.all_reduce`` of a flat float32 tensor of its
     parameter count, per flat-parameter all-reduce as the plane issues it
     (``CollectivePlane.sum_scaled``: pre-scale and SUM all-reduce of its persistent flat buffer),
-    per ``CollectivePlane.average`` of its parameters after a step (keep the pre-round values in
-    the gradients, scaled SUM all-reduce of the parameters' own flat storage, divergence norms:
-    ElChe's whole averaging path, the in-place round), per metadata exchange (a round's all-gather),
-    and (model-independent) per chunk claim of the pooled dispatch."""
+    per ``CollectivePlane.average`` of its parameters after a step (ElChe's whole averaging path:
+    on NCCL the out-of-place round, a scaled reduce-scatter of the parameters' own flat storage
+    into a round buffer, its all-gather and the settling with the divergence norms; on gloo the
+    in-place round, pre-round values kept in the gradients), per metadata exchange (a round's
+    all-gather), and (model-independent) per chunk claim of the pooled dispatch."""
     out = {section: _micro_model(ctx, section) for section in (THROUGHPUT, CONVERGENCE)}
     claim_s = _pool_claim_s(ctx)
     for row in out.values():

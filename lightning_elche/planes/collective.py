@@ -115,14 +115,14 @@ class CollectivePlane(AveragingPlane):
         """With :attr:`chunk_bytes`: copy each part aside just before its reduce (False: the whole
         model beside the metadata exchange, as without parts; only the reduces and measurements go
         part by part)."""
-        self.out_of_place = False
+        self.out_of_place: Optional[bool] = None
         """Reduce into a round buffer and settle the consensus into the live buffers after every
         collective finished (:meth:`reduce_into`, :mod:`~lightning_elche.planes.settle`): nothing
-        is copied aside, three passes over the model instead of four; on any backend, where the
-        joint buffers have room to pad over, unless :attr:`chunk_bytes` or :attr:`queued` ask for
-        the in-place round. Off: on one H100 (2026-12-07, ``docs/benchmarks.md``) its settling
-        took 398 µs at 77 MB against the in-place round's 125 µs, which no GPU run has explained
-        yet (``tools/probe_out_of_place.py`` asks)."""
+        is copied aside, three passes over the model instead of four. ``None``: wherever NCCL
+        reduces, unless :attr:`chunk_bytes` or :attr:`queued` ask for the in-place round; True: on
+        any backend; False: never; either way only where the joint buffers have room to pad over.
+        On one H100 (2026-12-07, ``docs/benchmarks.md``) its own kernels took 14 µs at 17 MB and
+        111 µs at 77 MB against the in-place round's 33 and 125 µs."""
         self._settle: Optional[FusedSettle] = None
         self._kept_round_buffers: list[Tensor] = []  # a failed round's: its abandoned collectives hold them
         self._drift_stream: Optional[Any] = None  # where the drift waits for the reduce (CUDA)
@@ -230,7 +230,9 @@ class CollectivePlane(AveragingPlane):
         return divergence
 
     def _reduces_out_of_place(self) -> bool:
-        if not self.out_of_place or not self.layout.joint or self.chunk_bytes is not None or self.queued:
+        if self.out_of_place is False or not self.layout.joint or self.chunk_bytes is not None or self.queued:
+            return False
+        if self.out_of_place is None and not self._premul:
             return False
         return all(spare_room(flat) >= padded_numel(flat.numel(), self.world_size) - flat.numel()
                    for flat in self.layout.joint)
