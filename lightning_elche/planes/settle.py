@@ -33,8 +33,10 @@ if HAVE_TRITON:
 
     from lightning_elche.planes.fused import finish_norms
 
-SETTLE_BLOCK = 4096
-"""Values a program moves per step of its stride."""
+SETTLE_BLOCK = 1024
+"""Values a program moves per step of its stride. Inside the round on one H100 (2026-12-07,
+``docs/benchmarks.md``) 4096 took 395 µs at 77 MB and 1024 took 118 µs, in two passes each,
+although both took about 85 µs when the kernel was timed alone (``tools/probe_out_of_place.py``)."""
 PROGRAMS_PER_SM = 4
 SETTLE_WARPS = 8
 
