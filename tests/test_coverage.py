@@ -236,25 +236,26 @@ def test_resume_into_a_different_order_is_refused_with_the_field(change, field):
         other.resume(coverage)
 
 
-@pytest.mark.parametrize("dispatch", ["pool", "equal"])
+@pytest.mark.parametrize("dispatch", ["pool", "equal", "fixed"])
 @pytest.mark.parametrize("left", [0, 1, 9, 10, 25])
 def test_a_remainder_thinner_than_the_ranks_resumes_with_ranks_left_without_a_batch(dispatch, left):
     """A checkpoint may leave fewer picks (pool: batches) than the resumed run has ranks, none at
     all included: the remainder is trained exactly once and the ranks it does not reach get an
     empty epoch (they join the rounds without a batch), rather than a refusal."""
     n, world = 1000, 4
-    first = [make(dispatch, r, SharedCounter() if dispatch == "pool" else None, n=n) for r in range(2)]
+    first = [make(dispatch, r, SharedCounter() if dispatch == "pool" else None, n=n, **ratios_for(dispatch, 2))
+             for r in range(2)]
     order = epoch_permutation(first[0].num_samples, first[0].epoch, first[0].seed, True)
     coverage = EpochCoverage.from_state_dict({**first[0].coverage(
         [[(0, 500)], [(500, 1000)]] if dispatch == "pool" else [500, 500]).state_dict(),
         "remaining": [(300, 300 + left)] if left else []})
     counter = SharedCounter() if dispatch == "pool" else None
-    resumed = [make(dispatch, r, counter, n=n, world=world) for r in range(world)]
+    resumed = [make(dispatch, r, counter, n=n, world=world, **ratios_for(dispatch, world)) for r in range(world)]
     for sampler in resumed:
         sampler.resume(coverage)
     rest = [list(s) for s in resumed]
     assert sorted(i for r in rest for i in r) == sorted(order[p] for p in range(300, 300 + left))
-    units = left if dispatch == "equal" else -(-left // 10)  # picks, or batches of 10
+    units = -(-left // 10) if dispatch == "pool" else left  # batches of 10, or picks
     assert sum(1 for r in rest if r) <= min(world, units)
     if units < world:
         assert not all(rest)
