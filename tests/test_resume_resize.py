@@ -36,17 +36,20 @@ def config_for(mode: str) -> ElCheConfig:
 
 
 def run_fit(out_dir: Path, mode: str, ranks: int, max_epochs: int, callbacks: list[Any],
-            ckpt_path: Path | None = None) -> list[dict[str, Any]]:
-    """One fit of ``ranks`` spawned processes, rank 1 three times slower; returns each rank's record."""
+            ckpt_path: Path | None = None, validate: bool = False) -> list[dict[str, Any]]:
+    """One fit of ``ranks`` spawned processes, rank 1 three times slower; returns each rank's record.
+    ``validate``: two validation batches after every epoch and an epoch-level synced training
+    metric, so that every epoch's end runs collectives on every rank."""
     out_dir.mkdir(exist_ok=True)
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=ranks, max_epochs=max_epochs, limit_val_batches=0,
+        accelerator="cpu", devices=ranks, max_epochs=max_epochs, limit_val_batches=2 if validate else 0,
         strategy=ElCheStrategy(elche=config_for(mode), start_method="spawn", timeout=PG_TIMEOUT),
         callbacks=[Throttle(1, 3.0), *callbacks], enable_progress_bar=False, enable_model_summary=False,
         logger=False, enable_checkpointing=True, default_root_dir=str(out_dir),
     )
-    trainer.fit(RecordingModel(str(out_dir), val=False, n=N), ckpt_path=None if ckpt_path is None else str(ckpt_path))
+    model = RecordingModel(str(out_dir), val=validate, n=N, log_step_sync=validate)
+    trainer.fit(model, ckpt_path=None if ckpt_path is None else str(ckpt_path))
     return load_records(out_dir, ranks)
 
 
