@@ -1,8 +1,8 @@
 """Resuming a mid-epoch checkpoint that leaves fewer batches of its epoch than there are resuming
 ranks, none at all included (a resume on more ranks; under torchrun, a lone survivor stopped by
-the agent after it trained to the end). Every rank still runs the epoch's end: the ranks without a batch join the rounds without
-mass until the one that ends the epoch, then validate, run the epoch-end hooks and save with the
-others; the next epoch is whole again.
+the agent after it trained to the end). Every rank still runs the epoch's end: the ranks without
+a batch join the rounds without mass until the one that ends the epoch, then validate, run the
+epoch-end hooks and save with the others; the next epoch is whole again.
 
 The checkpoint is a real sync checkpoint of a 2-rank fit whose recorded remainder is cut to
 ``left`` epoch positions: the resumed run must train exactly those, once.
