@@ -1,0 +1,149 @@
+"""Preempted and resumed again and again, on changing world sizes: a drawn chain of real CPU jobs.
+
+Each trial draws a mode, sync checkpoints or none, and a chain of up to three runs: every run but
+the last is stopped by SIGTERM on a drawn rank once a drawn number of rounds is done, and the next
+resumes from its stop checkpoint on a drawn number of ranks (2-4). A signal drawn past the fit's
+end lets that run finish. Each trial checks that every sample of every epoch went into the final
+model exactly once (what each stop checkpoint's coverage kept, plus what the last run trained),
+that the last run's replicas are identical, that each stopped run exited with 143 and the last
+with 0, and that no process outlived a launch.
+
+CI runs two fixed draws; the soak is marked ``faults``: ``ELCHE_RESUME_SOAK_TRIALS`` (default 40)
+and ``ELCHE_RESUME_SOAK_SEED`` (default 0) set its size and draw, and with
+``ELCHE_RESUME_SOAK_REPORT=path`` every trial appends a JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from multirank_helpers import clean_environment
+from preemption_helpers import exactly_once_errors, launch, step_records, trained_in_checkpoint
+from test_soak import soak_count
+
+from lightning_elche.stop_checkpoint import STOP_CHECKPOINT_NAME
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+SCRIPT = Path(__file__).parent / "scripts" / "preempt_fit.py"
+MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
+EPOCHS = 2
+
+
+@dataclass(frozen=True)
+class ResumeTrial:
+    seed: str
+    index: int
+    mode: str
+    every_n_syncs: int | None
+    worlds: tuple[int, ...]
+    """The ranks of each run of the chain."""
+    stops: tuple[tuple[int, int], ...]
+    """For each run but the last: (the signalled rank, the rounds done before the signal)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.seed}.{self.index:03d}-{self.mode}-{'x'.join(map(str, self.worlds))}"
+
+
+def draw_resume_trial(seed: str, index: int) -> ResumeTrial:
+    chooser = random.Random(f"resume-soak-{seed}-{index}")
+    mode = chooser.choice(MODES)
+    every_n_syncs = chooser.choice([None, 1, 3])
+    runs = chooser.choice([2, 2, 3])
+    worlds = tuple(chooser.randint(2, 4) for _ in range(runs))
+    # Rounds accumulate over the chain (a resumed run restores the count), so each stop comes later;
+    # a per-step mode has many more rounds than the windowed ones.
+    scale = 30 if mode.endswith("_sync") else 3
+    rounds, stops = 0, []
+    for world in worlds[:-1]:
+        rounds += chooser.randint(1, scale)
+        stops.append((chooser.randrange(world), rounds))
+    return ResumeTrial(seed, index, mode, every_n_syncs, worlds, tuple(stops))
+
+
+def run_chain(tmp_path: Path, trial: ResumeTrial) -> dict[str, object]:
+    """Run ``trial``'s chain and check it; returns what happened, for the report."""
+    env = clean_environment()
+    kept: list[dict[int, list[int]]] = []
+    ckpt: Path | None = None
+    stopped = 0
+    for k, world in enumerate(trial.worlds):
+        tag = f"run{k}"
+        command = [sys.executable, str(SCRIPT), str(tmp_path), "--mode", trial.mode, "--tag", tag,
+                   "--epochs", str(EPOCHS), "--devices", str(world)]
+        if trial.every_n_syncs is not None:
+            command += ["--every-n-syncs", str(trial.every_n_syncs)]
+        if ckpt is not None:
+            command += ["--ckpt", str(ckpt)]
+        last = k == len(trial.worlds) - 1
+        if not last:
+            rank, rounds = trial.stops[k]
+            command += ["--fault", "TERM", "--fault-rank", str(rank), "--fault-round", str(rounds)]
+            (tmp_path / "signal-time.json").unlink(missing_ok=True)
+        codes, logs = launch([(command, env)], tmp_path / f"logs-{tag}", 240)
+        signalled = not last and (tmp_path / "signal-time.json").exists()
+        if not signalled:
+            assert codes == [0], f"run {k} ({world} ranks) did not end cleanly:\n{logs}"
+            kept.append(step_records(tmp_path, tag))
+            break
+        assert codes == [128 + signal.SIGTERM], f"run {k} was signalled but exited {codes}:\n{logs}"
+        stopped += 1
+        saved = tmp_path / "ckpt" / STOP_CHECKPOINT_NAME
+        assert saved.exists(), f"run {k} was stopped but wrote no {STOP_CHECKPOINT_NAME}:\n{logs}"
+        ckpt = tmp_path / f"stop{k}.ckpt"
+        shutil.move(saved, ckpt)
+        checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
+        kept.append(trained_in_checkpoint(checkpoint, step_records(tmp_path, tag)))
+    errors = exactly_once_errors(kept, range(EPOCHS))
+    assert not errors, f"{trial.name}: {errors}"
+    final = len(kept) - 1
+    params = [json.loads((tmp_path / f"params-run{final}-rank{r}.json").read_text())
+              for r in range(trial.worlds[final])]
+    assert all(p == params[0] for p in params), f"{trial.name}: the last run's replicas differ"
+    return {"stopped": stopped, "runs": len(kept)}
+
+
+def run_trial(tmp_path: Path, trial: ResumeTrial) -> dict[str, object]:
+    started, outcome, result = time.monotonic(), "failed", {}
+    try:
+        result = run_chain(tmp_path, trial)
+        outcome = "passed"
+    except BaseException as error:  # pytest.fail and a timeout too: the report counts every failure
+        outcome = f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        raise
+    finally:
+        report = os.environ.get("ELCHE_RESUME_SOAK_REPORT")
+        if report:
+            line = {**asdict(trial), **result, "outcome": outcome, "seconds": round(time.monotonic() - started, 1)}
+            with open(report, "a") as sink:
+                sink.write(json.dumps(line) + "\n")
+    return result
+
+
+CI = [draw_resume_trial("ci", k) for k in (1, 4)]
+"""Two fixed draws of two stops each: `cpu_cadence` on 3, 3 and 4 ranks with sync checkpoints, and
+`nccl_sync` on 2, 3 and 2 ranks without."""
+SOAK = [draw_resume_trial(os.environ.get("ELCHE_RESUME_SOAK_SEED", "0"), k)
+        for k in range(soak_count("ELCHE_RESUME_SOAK_TRIALS", 40, 1))]
+
+
+@pytest.mark.parametrize("trial", CI, ids=lambda t: t.name)
+def test_a_drawn_chain_of_stops_and_resizing_resumes_trains_every_sample_once(tmp_path, trial):
+    result = run_trial(tmp_path, trial)
+    assert result["stopped"] == len(trial.stops), "a drawn stop came after the fit's end: the draw tests less"
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("trial", SOAK, ids=lambda t: t.name)
+def test_resume_soak(tmp_path, trial):
+    run_trial(tmp_path, trial)
