@@ -8,9 +8,10 @@ model exactly once (what each stop checkpoint's coverage kept, plus what the las
 that the last run's replicas are identical, that each stopped run exited with 143 and the last
 with 0, and that no process outlived a launch.
 
-CI runs two fixed draws; the soak is marked ``faults``: ``ELCHE_RESUME_SOAK_TRIALS`` (default 40)
-and ``ELCHE_RESUME_SOAK_SEED`` (default 0) set its size and draw, and with
-``ELCHE_RESUME_SOAK_REPORT=path`` every trial appends a JSON line.
+CI runs two fixed draws; the soak is marked ``faults``: ``ELCHE_RESUME_SOAK_TRIALS`` (default 40),
+``ELCHE_RESUME_SOAK_SEED`` (default 0) and ``ELCHE_RESUME_SOAK_MOST_RANKS`` (default 4: each run
+draws 2 to that many ranks) set its size and draw, and with ``ELCHE_RESUME_SOAK_REPORT=path``
+every trial appends a JSON line.
 """
 
 from __future__ import annotations
@@ -55,18 +56,18 @@ class ResumeTrial:
         return f"{self.seed}.{self.index:03d}-{self.mode}-{'x'.join(map(str, self.worlds))}"
 
 
-def draw_resume_trial(seed: str, index: int) -> ResumeTrial:
+def draw_resume_trial(seed: str, index: int, most_ranks: int = 4) -> ResumeTrial:
     chooser = random.Random(f"resume-soak-{seed}-{index}")
     mode = chooser.choice(MODES)
     every_n_syncs = chooser.choice([None, 1, 3])
     runs = chooser.choice([2, 2, 3])
-    worlds = tuple(chooser.randint(2, 4) for _ in range(runs))
+    worlds = tuple(chooser.randint(2, most_ranks) for _ in range(runs))
     # Rounds accumulate over the chain (a resumed run restores the count), so each stop comes later;
-    # a per-step mode has many more rounds than the windowed ones.
-    scale = 30 if mode.endswith("_sync") else 3
+    # a per-step mode has many more rounds than the windowed ones, and more ranks fewer of either.
+    scale = 60 if mode.endswith("_sync") else 6
     rounds, stops = 0, []
     for world in worlds[:-1]:
-        rounds += chooser.randint(1, scale)
+        rounds += chooser.randint(1, max(1, scale // world))
         stops.append((chooser.randrange(world), rounds))
     return ResumeTrial(seed, index, mode, every_n_syncs, worlds, tuple(stops))
 
@@ -133,7 +134,8 @@ def run_trial(tmp_path: Path, trial: ResumeTrial) -> dict[str, object]:
 CI = [draw_resume_trial("ci", k) for k in (1, 4)]
 """Two fixed draws of two stops each: `cpu_cadence` on 3, 3 and 4 ranks with sync checkpoints, and
 `nccl_sync` on 2, 3 and 2 ranks without."""
-SOAK = [draw_resume_trial(os.environ.get("ELCHE_RESUME_SOAK_SEED", "0"), k)
+SOAK = [draw_resume_trial(os.environ.get("ELCHE_RESUME_SOAK_SEED", "0"), k,
+                          soak_count("ELCHE_RESUME_SOAK_MOST_RANKS", 4, 2))
         for k in range(soak_count("ELCHE_RESUME_SOAK_TRIALS", 40, 1))]
 
 
