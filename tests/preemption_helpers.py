@@ -55,6 +55,14 @@ class StepLogModel(LightningModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(IndexedSamples(SAMPLES), batch_size=BATCH_SIZE, shuffle=True)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        # Runs only where the Trainer's limit_val_batches allows (preempt_fit.py --validate).
+        _, x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), on_epoch=True, sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedSamples(64, seed=1), batch_size=BATCH_SIZE)
+
     def on_fit_end(self) -> None:
         params = [p.detach().flatten().tolist() for p in self.parameters()]
         Path(self.out_dir, f"params-{self.tag}-rank{self.global_rank}.json").write_text(json.dumps(params))
@@ -82,6 +90,34 @@ class SignalAtStep(Callback):
         self.sent = True
         Path(self.out_dir, "signal-time.json").write_text(json.dumps({"time": time.time(), "signal": self.signum}))
         os.kill(os.getpid(), self.signum)
+
+
+class SignalInPhase(Callback):
+    """Sends ``signum`` to this process on global rank ``rank`` once, in epoch ``epoch``: at its first
+    validation batch (``phase="validation"``) or in ``on_train_epoch_end`` (``phase="epoch_end"``);
+    writes the wall time to ``<out_dir>/signal-time.json``."""
+
+    def __init__(self, out_dir: str, rank: int, signum: int, phase: str, epoch: int) -> None:
+        if phase not in ("validation", "epoch_end"):
+            raise ValueError(f"SignalInPhase(phase={phase!r}) is invalid: expected 'validation' or 'epoch_end'.")
+        self.out_dir, self.rank, self.signum, self.phase, self.epoch = out_dir, rank, signum, phase, epoch
+        self.sent = False
+
+    def _send(self, trainer: Trainer, phase: str) -> None:
+        if self.sent or phase != self.phase or trainer.global_rank != self.rank or trainer.current_epoch != self.epoch:
+            return
+        if trainer.sanity_checking:
+            return
+        self.sent = True
+        Path(self.out_dir, "signal-time.json").write_text(json.dumps({"time": time.time(), "signal": self.signum}))
+        os.kill(os.getpid(), self.signum)
+
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self._send(trainer, "validation")
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._send(trainer, "epoch_end")
 
 
 class SignalWhileSaving(Callback):

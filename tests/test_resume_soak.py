@@ -1,14 +1,15 @@
 """Preempted and resumed again and again, on changing world sizes: a drawn chain of real CPU jobs.
 
-Each trial draws a mode, sync checkpoints or none, and a chain of up to three runs: every run but
-the last is stopped by SIGTERM on a drawn rank once a drawn number of rounds is done, and the next
-resumes from its stop checkpoint on a drawn number of ranks (2-4). A signal drawn past the fit's
+Each trial draws a mode, sync checkpoints or none, validation or none, and a chain of up to three
+runs: every run but the last is stopped by SIGTERM on a drawn rank (once a drawn number of rounds
+is done, or in a drawn epoch's validation or ``on_train_epoch_end``), and the next resumes from
+its stop checkpoint on a drawn number of ranks (2-4). A signal drawn past the fit's
 end lets that run finish. Each trial checks that every sample of every epoch went into the final
 model exactly once (what each stop checkpoint's coverage kept, plus what the last run trained),
 that the last run's replicas are identical, that each stopped run exited with 143 and the last
 with 0, and that no process outlived a launch.
 
-CI runs two fixed draws; the soak is marked ``faults``: ``ELCHE_RESUME_SOAK_TRIALS`` (default 40),
+CI runs three fixed draws; the soak is marked ``faults``: ``ELCHE_RESUME_SOAK_TRIALS`` (default 40),
 ``ELCHE_RESUME_SOAK_SEED`` (default 0) and ``ELCHE_RESUME_SOAK_MOST_RANKS`` (default 4: each run
 draws 2 to that many ranks) set its size and draw, and with ``ELCHE_RESUME_SOAK_REPORT=path``
 every trial appends a JSON line.
@@ -38,6 +39,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 SCRIPT = Path(__file__).parent / "scripts" / "preempt_fit.py"
 MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
 EPOCHS = 2
+PHASES = ("train", "validation", "epoch_end")
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,12 @@ class ResumeTrial:
     every_n_syncs: int | None
     worlds: tuple[int, ...]
     """The ranks of each run of the chain."""
-    stops: tuple[tuple[int, int], ...]
-    """For each run but the last: (the signalled rank, the rounds done before the signal)."""
+    stops: tuple[tuple[int, int, str, int], ...]
+    """For each run but the last: the signalled rank, the rounds done before the signal, the phase
+    (``train``: once those rounds are done; ``validation``: its first validation batch of the epoch;
+    ``epoch_end``: ``on_train_epoch_end``) and that epoch."""
+    validate: bool
+    """Two validation batches after every epoch."""
 
     @property
     def name(self) -> str:
@@ -69,7 +75,12 @@ def draw_resume_trial(seed: str, index: int, most_ranks: int = 4) -> ResumeTrial
     for world in worlds[:-1]:
         rounds += chooser.randint(1, max(1, scale // world))
         stops.append((chooser.randrange(world), rounds))
-    return ResumeTrial(seed, index, mode, every_n_syncs, worlds, tuple(stops))
+    # Drawn after the rest, so that adding them kept the earlier draws.
+    phases = [chooser.choices(PHASES, weights=(3, 1, 1))[0] for _ in stops]
+    epochs = [chooser.randrange(EPOCHS - 1) for _ in stops]  # not the last: its end has no next sync
+    validate = "validation" in phases or chooser.random() < 0.5
+    return ResumeTrial(seed, index, mode, every_n_syncs, worlds,
+                       tuple((r, n, p, e) for (r, n), p, e in zip(stops, phases, epochs, strict=True)), validate)
 
 
 def run_chain(tmp_path: Path, trial: ResumeTrial) -> dict[str, object]:
@@ -84,20 +95,25 @@ def run_chain(tmp_path: Path, trial: ResumeTrial) -> dict[str, object]:
                    "--epochs", str(EPOCHS), "--devices", str(world)]
         if trial.every_n_syncs is not None:
             command += ["--every-n-syncs", str(trial.every_n_syncs)]
+        if trial.validate:
+            command += ["--validate"]
         if ckpt is not None:
             command += ["--ckpt", str(ckpt)]
         last = k == len(trial.worlds) - 1
         if not last:
-            rank, rounds = trial.stops[k]
-            command += ["--fault", "TERM", "--fault-rank", str(rank), "--fault-round", str(rounds)]
+            rank, rounds, phase, epoch = trial.stops[k]
+            command += ["--fault", "TERM", "--fault-rank", str(rank), "--fault-round", str(rounds),
+                        "--fault-phase", phase, "--fault-epoch", str(epoch)]
             (tmp_path / "signal-time.json").unlink(missing_ok=True)
         codes, logs = launch([(command, env)], tmp_path / f"logs-{tag}", 240)
         signalled = not last and (tmp_path / "signal-time.json").exists()
-        if not signalled:
-            assert codes == [0], f"run {k} ({world} ranks) did not end cleanly:\n{logs}"
+        if codes == [0]:
+            # The fit ended: no signal, or one after its last sync (in the last validation or epoch
+            # end, where Lightning too finishes the fit), which saves nothing.
+            assert not (tmp_path / "ckpt" / STOP_CHECKPOINT_NAME).exists(), f"run {k} ended 0 but saved a stop"
             kept.append(step_records(tmp_path, tag))
             break
-        assert codes == [128 + signal.SIGTERM], f"run {k} was signalled but exited {codes}:\n{logs}"
+        assert signalled and codes == [128 + signal.SIGTERM], f"run {k} ({world} ranks) exited {codes}:\n{logs}"
         stopped += 1
         saved = tmp_path / "ckpt" / STOP_CHECKPOINT_NAME
         assert saved.exists(), f"run {k} was stopped but wrote no {STOP_CHECKPOINT_NAME}:\n{logs}"
@@ -131,9 +147,10 @@ def run_trial(tmp_path: Path, trial: ResumeTrial) -> dict[str, object]:
     return result
 
 
-CI = [draw_resume_trial("ci", k) for k in (1, 4)]
-"""Two fixed draws of two stops each: `cpu_cadence` on 3, 3 and 4 ranks with sync checkpoints, and
-`nccl_sync` on 2, 3 and 2 ranks without."""
+CI = [draw_resume_trial("ci", k) for k in (19, 21, 22)]
+"""Three fixed draws of two stops each, both of which fire: `cpu_sync` on 2, 4 and 2 ranks stopped at
+epoch 0's end, then in training; `nccl_sync` on 2 ranks stopped in training, then in epoch 0's
+validation; `nccl_cadence` on 3, 3 and 2 ranks stopped twice in training, with sync checkpoints."""
 SOAK = [draw_resume_trial(os.environ.get("ELCHE_RESUME_SOAK_SEED", "0"), k,
                           soak_count("ELCHE_RESUME_SOAK_MOST_RANKS", 4, 2))
         for k in range(soak_count("ELCHE_RESUME_SOAK_TRIALS", 40, 1))]

@@ -28,6 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from preemption_helpers import (  # noqa: E402
     DelaySteps,
     SignalAtStep,
+    SignalInPhase,
     SignalWhileSaving,
     StepLogModel,
     newest_last_checkpoint,
@@ -47,8 +48,12 @@ def main(args: argparse.Namespace) -> None:
                         every_n_epochs=1),
     ]
     if args.fault and (args.fault != "KILL" or attempt == 0):
-        callbacks.append(SignalAtStep(str(out), args.fault_rank, args.fault_step,
-                                      getattr(signal, f"SIG{args.fault}"), after_rounds=args.fault_round))
+        signum = getattr(signal, f"SIG{args.fault}")
+        if args.fault_phase == "train":
+            callbacks.append(SignalAtStep(str(out), args.fault_rank, args.fault_step, signum,
+                                          after_rounds=args.fault_round))
+        else:
+            callbacks.append(SignalInPhase(str(out), args.fault_rank, signum, args.fault_phase, args.fault_epoch))
     if args.repeat_signal:
         callbacks.append(SignalWhileSaving(signal.SIGTERM))
     ckpt_path = args.ckpt
@@ -67,7 +72,8 @@ def main(args: argparse.Namespace) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, max_epochs=args.epochs, logger=False, callbacks=callbacks,
         strategy=ElCheStrategy(mode=args.mode, timeout=timeout, snapshot_timeout=timeout, summary=False),
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=str(out),
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2 if args.validate else 0,
+        default_root_dir=str(out),
     )
     try:
         trainer.fit(StepLogModel(str(out), tag), ckpt_path=ckpt_path)
@@ -88,6 +94,11 @@ if __name__ == "__main__":
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=20)
     parser.add_argument("--fault-round", type=int, default=None, help="fault once this many syncs are done")
+    parser.add_argument("--fault-phase", choices=("train", "validation", "epoch_end"), default="train",
+                        help="where the fault comes: a training step (--fault-step/--fault-round), the first "
+                             "validation batch or on_train_epoch_end of --fault-epoch")
+    parser.add_argument("--fault-epoch", type=int, default=0)
+    parser.add_argument("--validate", action="store_true", help="two validation batches after every epoch")
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--repeat-signal", action="store_true", help="SIGTERM again while the checkpoint is saved")
     main(parser.parse_args())
