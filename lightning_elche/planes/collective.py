@@ -119,10 +119,10 @@ class CollectivePlane(AveragingPlane):
         """Reduce into a round buffer and settle the consensus into the live buffers after every
         collective finished (:meth:`reduce_into`, :mod:`~lightning_elche.planes.settle`): nothing
         is copied aside, three passes over the model instead of four. ``None``: wherever NCCL
-        reduces, unless :attr:`chunk_bytes` or :attr:`queued` ask for the in-place round; True: on
-        any backend; False: never; either way only where the joint buffers have room to pad over.
-        On one H100 (2026-12-07, ``docs/benchmarks.md``) its own kernels took 14 µs at 17 MB and
-        111 µs at 77 MB against the in-place round's 33 and 125 µs."""
+        reduces; True: on any backend; False: never. Either way not when :attr:`chunk_bytes` or
+        :attr:`queued` ask for the in-place round, and only where the joint buffers have room to
+        pad over. On one H100 (2026-12-07, ``docs/benchmarks.md``) its own kernels took 13.9 µs at
+        17 MB and 116.7 µs at 77 MB, the in-place round's 32.2 and 122.9 µs."""
         self._settle: Optional[FusedSettle] = None
         self._kept_round_buffers: list[Tensor] = []  # a failed round's: its abandoned collectives hold them
         self._drift_stream: Optional[Any] = None  # where the drift waits for the reduce (CUDA)
