@@ -179,9 +179,21 @@ def run_solo_arms(args: argparse.Namespace, out_dir: str) -> None:
             raise RuntimeError(f"a solo fit failed (exit code {p.exitcode}); see its output above")
 
 
+class ReleaseDefaultGroup(Callback):
+    """Destroys the default process group once the fit tears down. Lightning's DDP leaves it alive,
+    and a spawned rank that exits with it alive can abort in c10d's destructors at interpreter exit
+    ("terminate called without an active exception"; ElCheStrategy releases its own groups)."""
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def run_two_ranks(args: argparse.Namespace, out_dir: str, arm: str, strategy: Strategy) -> None:
     seed_everything(0, verbose=False)
     trainer = make_trainer(args, out_dir, arm, strategy, 2, Throttle(1, args.slowdown))
+    if isinstance(strategy, DDPStrategy) and not isinstance(strategy, ElCheStrategy):
+        trainer.callbacks.append(ReleaseDefaultGroup())
     trainer.fit(make_model(args), datamodule=make_data(args, args.samples))
 
 
