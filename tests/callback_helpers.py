@@ -12,19 +12,27 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 
 class StopAtStep(Callback):
-    """Requests a stop on one rank mid-window, the way a user callback or SIGTERM would."""
+    """Requests a stop on one rank mid-window, the way a user callback or SIGTERM would, once, at
+    its first step from ``step`` on; with ``out_dir``, writes the rounds done by then
+    (``stop-rounds.json``)."""
 
-    def __init__(self, rank: int, step: int, sigterm: bool = False) -> None:
+    def __init__(self, rank: int, step: int, sigterm: bool = False, out_dir: str | None = None) -> None:
         self.rank = rank
         self.step = step
         self.sigterm = sigterm
+        self.out_dir = out_dir
+        self.sent = False
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            if self.sigterm:
-                os.kill(os.getpid(), 15)
-            else:
-                trainer.should_stop = True
+        if self.sent or trainer.global_rank != self.rank or trainer.global_step < self.step:
+            return
+        self.sent = True
+        if self.out_dir is not None:
+            Path(self.out_dir, "stop-rounds.json").write_text(json.dumps(trainer.strategy.engine.state.rounds))
+        if self.sigterm:
+            os.kill(os.getpid(), 15)
+        else:
+            trainer.should_stop = True
 
 
 class RecordRounds(Callback):

@@ -138,9 +138,12 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_next_sync(tmp_path):
     _, output = run_command([sys.executable, str(script), str(tmp_path)], tmp_path, 120)
     reports = [json.loads((tmp_path / f"exception{r}.json").read_text()) for r in range(2)]
     assert [r["type"] for r in reports] == ["SIGTERMException", "SIGTERMException"], output[-2000:]
-    # Rank 1 is signalled in its 10th step, in its first window after the two 2-step calibration
-    # windows (steps 5 to 14 at equal speeds): both ranks stop right after the third round.
-    assert reports[0]["rounds"] == reports[1]["rounds"] == 3
+    # Rank 1 is signalled in its 10th step, mid-window (after the two 2-step calibration windows, in
+    # the third at equal speeds; a loaded machine may shift the windows): both ranks stop right after
+    # the next round.
+    signalled_at = json.loads((tmp_path / "stop-rounds.json").read_text())
+    assert signalled_at >= 2
+    assert reports[0]["rounds"] == reports[1]["rounds"] == signalled_at + 1
     assert not list(tmp_path.glob("finished*"))
 
 

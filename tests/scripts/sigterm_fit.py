@@ -24,7 +24,7 @@ if __name__ == "__main__":
         max_epochs=5,
         limit_val_batches=0,
         strategy=ElCheStrategy(timeout=timedelta(seconds=30)),
-        callbacks=[StopAtStep(rank=1, step=9, sigterm=True), RecordRounds(out_dir)],
+        callbacks=[StopAtStep(rank=1, step=9, sigterm=True, out_dir=out_dir), RecordRounds(out_dir)],
         enable_progress_bar=False,
         logger=False,
         enable_model_summary=False,
