@@ -68,6 +68,12 @@ class StepLogModel(LightningModule):
         Path(self.out_dir, f"params-{self.tag}-rank{self.global_rank}.json").write_text(json.dumps(params))
 
 
+def signal_self(out_dir: str, signum: int) -> None:
+    """Writes the wall time to ``<out_dir>/signal-time.json``, then sends ``signum`` to this process."""
+    Path(out_dir, "signal-time.json").write_text(json.dumps({"time": time.time(), "signal": signum}))
+    os.kill(os.getpid(), signum)
+
+
 class SignalAtStep(Callback):
     """Sends ``signum`` to this process on global rank ``rank`` before its optimizer step number
     ``step`` (or, with ``after_rounds``, before its first step once that many sync rounds are
@@ -88,8 +94,7 @@ class SignalAtStep(Callback):
         elif trainer.global_step != self.step:
             return
         self.sent = True
-        Path(self.out_dir, "signal-time.json").write_text(json.dumps({"time": time.time(), "signal": self.signum}))
-        os.kill(os.getpid(), self.signum)
+        signal_self(self.out_dir, self.signum)
 
 
 class SignalInPhase(Callback):
@@ -109,8 +114,7 @@ class SignalInPhase(Callback):
         if trainer.sanity_checking:
             return
         self.sent = True
-        Path(self.out_dir, "signal-time.json").write_text(json.dumps({"time": time.time(), "signal": self.signum}))
-        os.kill(os.getpid(), self.signum)
+        signal_self(self.out_dir, self.signum)
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
