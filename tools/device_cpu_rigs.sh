@@ -20,6 +20,7 @@ date -u > /tmp/rig-logs/date
 # LAYOUT=eight: cpu8 on cores 0-7, one cpu4 on 8-11 and, with GPU_ROUND=1, tools/device_gpu_round.sh
 # on 12-15, all at once (one call for all three when device time is short); PASSES (default 1) each.
 # LAYOUT=pair: only the two cpu4 runs, on halves of the machine (0-7 and 8-15), nothing else; PASSES (default 3) each.
+# LAYOUT=cpu8: cpu8 alone on cores 0-7 (with GPU_ROUND=1, tools/device_gpu_round.sh on 12-15); PASSES (default 1).
 # LAYOUT=alone: the two cpu4 runs one after the other on cores 0-7, nothing else on the machine but,
 # with GPU_ROUND=1, tools/device_gpu_round.sh on cores 12-15 during the first; PASSES (default 1) each.
 cpu4() {  # cpu4 RUN CORES PASSES
@@ -36,6 +37,9 @@ if [[ "${LAYOUT:-}" == alone ]]; then
   rmdir "$out/c"; gpu_round
   cpu4 a 0-7 "${PASSES:-1}"
   cpu4 b 0-7 "${PASSES:-1}"
+elif [[ "${LAYOUT:-}" == cpu8 ]]; then
+  rmdir "$out/a" "$out/b"; gpu_round
+  cpu8 0-7
 elif [[ "${LAYOUT:-}" == eight ]]; then
   rmdir "$out/b"; gpu_round
   cpu4 a 8-11 "${PASSES:-1}" &
