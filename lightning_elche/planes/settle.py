@@ -13,6 +13,11 @@ program striding over the buffer with 16-byte accesses and keeping its three sum
 registers; the program that finishes last sums every program's partials in float64, in program
 order, and takes the square roots. Elsewhere :func:`settle_multi_tensor` does the same with
 PyTorch's multi-tensor kernels.
+
+The kernel walks the buffer from its end, where the collective wrote last (the part the L2 cache
+may still hold), and marks every value as touched once (loads ``evict_first``, stores streaming),
+so that what it has read does not push out what it has still to read. Inside the round on one H100
+(``tools/probe_settle.py``, 2026-12-07) the two took the settling of 77 MB from 123 µs to 74 µs.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ if HAVE_TRITON:
 
 SETTLE_BLOCK = 1024
 """Values a program moves per step of its stride. Inside the round on one H100 (2026-12-07,
-``docs/benchmarks.md``) 4096 took 395 µs at 77 MB and 1024 took 118 µs, in two passes each,
-although both took about 85 µs when the kernel was timed alone (``tools/probe_out_of_place.py``)."""
+``docs/benchmarks.md``), walking forward without cache hints, 4096 took 395 µs at 77 MB and 1024
+took 118 µs, although both took about 85 µs timed alone; walking back with the hints, 1024 and 2048
+took 74 µs (``tools/probe_settle.py``)."""
 PROGRAMS_PER_SM = 4
 SETTLE_WARPS = 8
 
@@ -55,20 +61,20 @@ class Settled:
 def _settle_source(live_ptr, consensus_ptr, numel, measured, partial_ptr, first_program,  # type: ignore[no-untyped-def]
                    tickets_ptr, out_ptr, total_programs, BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr):
     """One program: blocks ``program_id``, ``program_id + num_programs``, ... of ``numel`` values
-    (a multiple of 16, over the live buffer's spare tail where needed), the consensus written over
-    the live values; the sums of squares over the first ``measured`` ones, then the round's finish
-    (:func:`~lightning_elche.planes.fused._finish_source`)."""
+    (a multiple of 16, over the live buffer's spare tail where needed), counted from the end; the
+    consensus written over the live values; the sums of squares over the first ``measured`` ones,
+    then the round's finish (:func:`~lightning_elche.planes.fused._finish_source`)."""
     program = tl.program_id(0)
-    stride = tl.num_programs(0) * BLOCK
+    last = tl.cdiv(numel, BLOCK) - 1
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
     norms = tl.zeros((BLOCK,), dtype=tl.float32)
     after = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(program * BLOCK, numel, stride):
-        index = start + tl.arange(0, BLOCK)
+    for step in range(program, last + 1, tl.num_programs(0)):
+        index = (last - step) * BLOCK + tl.arange(0, BLOCK)
         inside = index < numel
-        pre = tl.load(live_ptr + index, mask=inside, other=0.0)
-        consensus = tl.load(consensus_ptr + index, mask=inside, other=0.0)
-        tl.store(live_ptr + index, consensus, mask=inside)
+        pre = tl.load(live_ptr + index, mask=inside, other=0.0, eviction_policy="evict_first")
+        consensus = tl.load(consensus_ptr + index, mask=inside, other=0.0, eviction_policy="evict_first")
+        tl.store(live_ptr + index, consensus, mask=inside, cache_modifier=".cs")
         counted = index < measured
         pre32 = tl.where(counted, pre.to(tl.float32), 0.0)
         consensus32 = tl.where(counted, consensus.to(tl.float32), 0.0)
