@@ -37,8 +37,14 @@ import triton
 import triton.language as tl
 
 from lightning_elche.planes import settle
-from lightning_elche.planes.fused import finish_norms
-from lightning_elche.planes.settle import FusedSettle, Settled, settle_multi_tensor, settled_numel
+from lightning_elche.planes.settle import (
+    FusedSettle,
+    Settled,
+    add_squares,
+    end_program,
+    settle_multi_tensor,
+    settled_numel,
+)
 
 MODELS_MB = {"resnet20x4": 17.31, "char-medium": 77.24}
 
@@ -66,18 +72,9 @@ def _settle_variant(live_ptr, consensus_ptr, numel, measured, partial_ptr, first
             pre = tl.load(live_ptr + index, mask=inside, other=0.0)
             consensus = tl.load(consensus_ptr + index, mask=inside, other=0.0)
             tl.store(live_ptr + index, consensus, mask=inside)
-        counted = index < measured
-        pre32 = tl.where(counted, pre.to(tl.float32), 0.0)
-        consensus32 = tl.where(counted, consensus.to(tl.float32), 0.0)
-        delta = pre32 - consensus32
-        squares += delta * delta
-        norms += pre32 * pre32
-        after += consensus32 * consensus32
-    out = partial_ptr + 3 * (first_program + program)
-    tl.store(out, tl.sum(squares, axis=0))
-    tl.store(out + 1, tl.sum(norms, axis=0))
-    tl.store(out + 2, tl.sum(after, axis=0))
-    finish_norms(partial_ptr, tickets_ptr, out_ptr, total_programs, FINISH_BLOCK)
+        squares, norms, after = add_squares(pre, consensus, index, measured, squares, norms, after)
+    end_program(partial_ptr, first_program + program, squares, norms, after, tickets_ptr, out_ptr, total_programs,
+                FINISH_BLOCK)
 
 
 class Launcher:

@@ -57,13 +57,33 @@ class Settled:
     measured: int
 
 
-# Triton compiles this source itself: a parameter may carry no annotation but ``tl.constexpr``.
+# Triton compiles these sources itself: a parameter may carry no annotation but ``tl.constexpr``.
+def _add_squares_source(pre, consensus, index, measured, squares, norms, after):  # type: ignore[no-untyped-def]
+    """One block's values added to a program's three sums of squares (``pre - consensus``, ``pre``,
+    ``consensus``), over the indices below ``measured`` alone."""
+    counted = index < measured
+    pre32 = tl.where(counted, pre.to(tl.float32), 0.0)
+    consensus32 = tl.where(counted, consensus.to(tl.float32), 0.0)
+    delta = pre32 - consensus32
+    return squares + delta * delta, norms + pre32 * pre32, after + consensus32 * consensus32
+
+
+def _end_program_source(partial_ptr, program, squares, norms, after,  # type: ignore[no-untyped-def]
+                        tickets_ptr, out_ptr, total_programs, FINISH_BLOCK: tl.constexpr):
+    """A program's three partial sums stored in its slot, then the round's finish
+    (:func:`~lightning_elche.planes.fused._finish_source`)."""
+    out = partial_ptr + 3 * program
+    tl.store(out, tl.sum(squares, axis=0))
+    tl.store(out + 1, tl.sum(norms, axis=0))
+    tl.store(out + 2, tl.sum(after, axis=0))
+    finish_norms(partial_ptr, tickets_ptr, out_ptr, total_programs, FINISH_BLOCK)
+
+
 def _settle_source(live_ptr, consensus_ptr, numel, measured, partial_ptr, first_program,  # type: ignore[no-untyped-def]
                    tickets_ptr, out_ptr, total_programs, BLOCK: tl.constexpr, FINISH_BLOCK: tl.constexpr):
     """One program: blocks ``program_id``, ``program_id + num_programs``, ... of ``numel`` values
     (a multiple of 16, over the live buffer's spare tail where needed), counted from the end; the
-    consensus written over the live values; the sums of squares over the first ``measured`` ones,
-    then the round's finish (:func:`~lightning_elche.planes.fused._finish_source`)."""
+    consensus written over the live values; the sums of squares over the first ``measured`` ones."""
     program = tl.program_id(0)
     last = tl.cdiv(numel, BLOCK) - 1
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -75,21 +95,14 @@ def _settle_source(live_ptr, consensus_ptr, numel, measured, partial_ptr, first_
         pre = tl.load(live_ptr + index, mask=inside, other=0.0, eviction_policy="evict_first")
         consensus = tl.load(consensus_ptr + index, mask=inside, other=0.0, eviction_policy="evict_first")
         tl.store(live_ptr + index, consensus, mask=inside, cache_modifier=".cs")
-        counted = index < measured
-        pre32 = tl.where(counted, pre.to(tl.float32), 0.0)
-        consensus32 = tl.where(counted, consensus.to(tl.float32), 0.0)
-        delta = pre32 - consensus32
-        squares += delta * delta
-        norms += pre32 * pre32
-        after += consensus32 * consensus32
-    out = partial_ptr + 3 * (first_program + program)
-    tl.store(out, tl.sum(squares, axis=0))
-    tl.store(out + 1, tl.sum(norms, axis=0))
-    tl.store(out + 2, tl.sum(after, axis=0))
-    finish_norms(partial_ptr, tickets_ptr, out_ptr, total_programs, FINISH_BLOCK)
+        squares, norms, after = add_squares(pre, consensus, index, measured, squares, norms, after)
+    end_program(partial_ptr, first_program + program, squares, norms, after, tickets_ptr, out_ptr, total_programs,
+                FINISH_BLOCK)
 
 
 if HAVE_TRITON:
+    add_squares = triton.jit(_add_squares_source)
+    end_program = triton.jit(_end_program_source)
     _settle_kernel = triton.jit(_settle_source)
 
 
