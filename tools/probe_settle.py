@@ -15,6 +15,8 @@ plane's kernel swapped for variants of it, at the tool's two model sizes:
 * blocks of 1024 and 2048 values, the grid the device's size (``PROGRAMS_PER_SM``) or one
   program per block (``flat``).
 
+``base`` is the plane's kernel as committed: the forward walk without hints until `178832a`
+(``docs/benchmarks/overhead/probe-settle-374638e-h100.json``), the walk from the end with hints since.
 Each variant is first checked against :func:`~lightning_elche.planes.settle.settle_multi_tensor`.
 
     python tools/probe_settle.py --out probe_settle.json
@@ -99,7 +101,8 @@ def load_overhead_tool() -> Any:
 
 def check(numel: int = 1_000_003) -> float:
     """The largest relative error of the swapped kernel against the multi-tensor settling."""
-    live = torch.randn(settled_numel(torch.empty(numel)) + 16, device="cuda")[:numel]
+    rounded = -(-numel // 16) * 16  # settled_numel's length, the live buffer's spare tail covering it
+    live = torch.randn(rounded + 16, device="cuda")[:numel]
     consensus = torch.randn(settled_numel(live), device="cuda")
     reference_live = live.clone()
     expected = settle_multi_tensor([Settled(reference_live, consensus, numel - 7)])
@@ -115,7 +118,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="measurements per variant and model (their median)")
     args = parser.parse_args()
     tool = load_overhead_tool()
-    original = settle._settle_kernel
+    original = settle._settle_kernel, settle.SETTLE_BLOCK, settle.PROGRAMS_PER_SM
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                               "triton": triton.__version__, "rows": []}
     configs: list[tuple[str, bool, bool, int, int, int]] = [("base", False, False, 1, 1024, 4)]
@@ -130,7 +133,7 @@ def main() -> None:
                                 device_id=torch.device("cuda", 0))
         try:
             for name, reverse, evict, stages, block, per_sm in configs:
-                settle._settle_kernel = original if name == "base" else Launcher(reverse, evict, stages)
+                settle._settle_kernel = original[0] if name == "base" else Launcher(reverse, evict, stages)
                 settle.SETTLE_BLOCK = block
                 settle.PROGRAMS_PER_SM = per_sm
                 grid = "flat" if per_sm == 10_000 else f"{per_sm}/SM"
@@ -151,8 +154,7 @@ def main() -> None:
                 result["rows"].append(row)
                 with open(args.out, "w") as f:  # what a run cut short has found so far
                     json.dump(result, f, indent=1)
-            settle._settle_kernel = original
-            settle.SETTLE_BLOCK, settle.PROGRAMS_PER_SM = 1024, 4
+            settle._settle_kernel, settle.SETTLE_BLOCK, settle.PROGRAMS_PER_SM = original
             result["multi_tensor_own_kernel_us"] = {
                 model: tool.measure(megabytes, args.iters, 60, "out-of-place-multi-tensor")["own_kernel_us"]
                 for model, megabytes in MODELS_MB.items()}
