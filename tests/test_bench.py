@@ -495,3 +495,21 @@ def test_cpu4_tiny_end_to_end_reports_every_arm_for_four_ranks(tmp_path):
     solo_line = next(line for line in table.splitlines() if line.startswith("Solo rates (the ranks each measures)"))
     assert all(f"(rank {r})" in solo_line for r in range(4)) and "ranks" not in solo_line.split(":", 1)[1], solo_line
     assert "## All-reduce microbenchmark (4 ranks, no throttle)" in table and "| `cpu_async` |" in table
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(330)
+def test_cpu2_tiny_with_pinned_ranks_runs_each_rank_on_its_own_cpu(tmp_path: Path) -> None:
+    import os
+
+    usable = sorted(os.sched_getaffinity(0))[:2]
+    out = tmp_path / "bench"
+    status, output = run_command(
+        [sys.executable, "-m", "lightning_elche.bench", "--rig", "cpu2", "--budget", "tiny", "--seeds", "0",
+         "--only-headline", "--pin-ranks", "--tp-arms", "ddp,cpu_async", "--micro-iters", "2", "--no-plots",
+         "--out", str(out)], tmp_path, 320)
+    assert status == 0, output[-4000:]
+    result = json.loads((out / "cpu2.json").read_text())
+    assert [rank["cpus"] for rank in result["device"]["ranks"]] == [[usable[0]], [usable[1]]]
+    assert f"pinned to CPUs {usable[0]}, {usable[1]} (--pin-ranks)" in (out / "cpu2.md").read_text()
+    assert positive(result["arms"]["cpu_async"]["efficiency"])

@@ -4,6 +4,7 @@ records with known answers (the end-to-end cpu2 run in test_bench.py checks them
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
@@ -244,3 +245,33 @@ def test_share_gpu_runs_every_rank_over_gloo_and_only_on_gpu_rigs():
     assert _config(["--rig", "gpu2-homo"]).rig.backend == "nccl"
     with pytest.raises(ValueError, match="--share-gpu puts every rank on cuda:0; --rig cpu2 runs on CPU"):
         _config(["--rig", "cpu2", "--share-gpu"])
+
+
+def test_pin_ranks_gives_each_rank_of_a_cpu_rig_its_own_usable_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {9, 3, 5, 7, 11}, raising=False)
+    assert _config(["--rig", "cpu4", "--pin-ranks"]).rank_cpus == (3, 5, 7, 9)
+    assert _config(["--rig", "cpu4"]).rank_cpus == ()
+    with pytest.raises(ValueError, match=r"--pin-ranks is invalid here: --rig cpu8 has 8 ranks but this process may "
+                                         r"use 5 CPU\(s\) \(\[3, 5, 7, 9, 11\]\); widen the taskset"):
+        _config(["--rig", "cpu8", "--pin-ranks"])
+    with pytest.raises(ValueError, match="--pin-ranks is invalid with --rig gpu2-homo: expected a CPU rig"):
+        _config(["--rig", "gpu2-homo", "--pin-ranks"])
+
+
+def test_pin_process_moves_every_thread_and_those_started_after_it() -> None:
+    import subprocess
+    import sys
+
+    cpu = min(os.sched_getaffinity(0))
+    script = f"""
+import os, threading
+from lightning_elche.bench.worker import pin_process
+early = threading.Thread(target=threading.Event().wait, daemon=True)
+early.start()
+pin_process({cpu})
+late = threading.Thread(target=threading.Event().wait, daemon=True)
+late.start()
+print(sorted({{tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}}))
+"""
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert shown.stdout.strip() == f"[({cpu},)]", shown.stdout + shown.stderr

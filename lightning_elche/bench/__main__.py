@@ -147,9 +147,12 @@ def describe_devices(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         summary = (f"{len(per_rank)} GPUs: {gpus}; CUDA {first['cuda']}, NCCL {first['nccl']}; torch {first['torch']}, "
                    f"lightning {first['lightning']}, Python {first['python']}")
     else:
+        pinned = all(len(d.get("cpus") or ()) == 1 for d in per_rank)
+        placement = (f", pinned to CPUs {', '.join(str(d['cpus'][0]) for d in per_rank)} (--pin-ranks)"
+                     if pinned else "")
         summary = (f"{first['cpu']} ({first['cpu_count']} logical CPUs), {len(per_rank)} ranks x "
-                   f"{first['torch_threads']} torch thread(s); torch {first['torch']}, lightning {first['lightning']}, "
-                   f"Python {first['python']}")
+                   f"{first['torch_threads']} torch thread(s){placement}; torch {first['torch']}, "
+                   f"lightning {first['lightning']}, Python {first['python']}")
     return {"summary": summary, "ranks": per_rank}
 
 

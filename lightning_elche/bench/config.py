@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -354,6 +355,9 @@ class BenchConfig:
     """Every rank on ``cuda:0``, over gloo, each rank a one-device "node" for Lightning (hidden
     ``--share-gpu``): checks the memory columns on a one-GPU machine; its rates mean nothing (the
     processes time-share the GPU)."""
+    rank_cpus: tuple[int, ...] = ()
+    """``--pin-ranks``: the one logical CPU each rank process (and every thread it starts) runs on,
+    indexed by rank; empty: the scheduler moves the ranks over every CPU the bench may use."""
 
     @property
     def headline(self) -> Setting:
@@ -427,6 +431,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="auto, SIZE or RANK=SIZE[,RANK=SIZE] (SIZE a number or auto): ElChe arms of the "
                              "throughput section train with ElCheStrategy(micro_batch=...); DDP runs every rank at "
                              "the smallest micro-batch with gradient accumulation (lightning_elche/bench/limits.py)")
+    parser.add_argument("--pin-ranks", action="store_true",
+                        help="CPU rigs: pin rank r to the r-th CPU this process may use (taskset's set), for its "
+                             "solo and its arms alike, so that the ranks stop trading cores between the fits")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG files")
     churn = parser.add_argument_group("goodput under churn (lightning_elche/bench/churn.py; docs/benchmarks.md)")
     churn.add_argument("--churn", type=float, default=None, metavar="RATE",
@@ -585,7 +592,23 @@ def build_config(args: argparse.Namespace, elche_modes: tuple[str, ...], skipped
         bracket_solos=rig.accelerator == "cpu" and budget.name != "tiny" and not args.no_bracket,
         tp_arms=tp_arms,
         share_gpu=bool(args.share_gpu),
+        rank_cpus=rank_cpus(rig) if args.pin_ranks else (),
     )
+
+
+def rank_cpus(rig: Rig) -> tuple[int, ...]:
+    """One logical CPU per rank for ``--pin-ranks``: the lowest ``world_size`` of those this process
+    may run on (``taskset`` narrows them)."""
+    if rig.accelerator != "cpu":
+        raise ValueError(f"--pin-ranks is invalid with --rig {rig.name}: expected a CPU rig (cpu2, cpu4, cpu8); "
+                         "a GPU rig's ranks are placed by their GPUs")
+    if not hasattr(os, "sched_getaffinity"):
+        raise ValueError("--pin-ranks is invalid on this platform: expected Linux (os.sched_setaffinity); drop it")
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < rig.world_size:
+        raise ValueError(f"--pin-ranks is invalid here: --rig {rig.name} has {rig.world_size} ranks but this process "
+                         f"may use {len(usable)} CPU(s) ({usable}); widen the taskset or drop --pin-ranks")
+    return tuple(usable[:rig.world_size])
 
 
 def _limits(args: argparse.Namespace, world: int, accelerator: str, batch: int

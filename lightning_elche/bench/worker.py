@@ -195,6 +195,7 @@ def describe_device(device: torch.device) -> dict[str, Any]:
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -543,10 +544,18 @@ def run_plan(ctx: RankContext, plan: list[Group]) -> int:
     return 0
 
 
+def pin_process(cpu: int) -> None:
+    """Every thread of this process, and each it starts later, runs on ``cpu`` only (``--pin-ranks``)."""
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), {cpu})
+
+
 def worker_main(rank: int, config: BenchConfig, plan: list[Group], run_dir: str, port: int, t0: float) -> None:
     """Entry point of a rank process (the target of a ``spawn`` process)."""
     status = 1
     try:
+        if config.rank_cpus:
+            pin_process(config.rank_cpus[rank])
         _set_rank_environment(rank, port, config.rig.world_size, ranks_as_nodes=config.share_gpu)
         _quiet()
         device, control = _init_process_group(rank, port, config)
