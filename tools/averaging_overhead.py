@@ -54,7 +54,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 from unittest import mock
 
 import torch
@@ -167,12 +167,15 @@ class PollingWatch:
         work.wait()  # type: ignore[attr-defined]
 
 
-def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[str, object]:
+def one_rank_plane(megabytes: float, tensors: int, variant: str, device: Optional[torch.device] = None
+                   ) -> tuple[CollectivePlane, list[torch.nn.Parameter]]:
+    """A one-rank plane of ``variant`` over ``tensors`` parameters of ``megabytes`` in all (float32),
+    on the default process group (``device``: CUDA when None), and its parameters."""
+    device = device or torch.device("cuda")
     numel = int(megabytes * 1e6 / 4)
     sizes = [numel // tensors] * (tensors - 1) + [numel - (numel // tensors) * (tensors - 1)]
-    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
-    layout = AveragedLayout.fixed(FlatTensors(params), FlatTensors([]))
-    plane = CollectivePlane(layout, 0, 1, torch.device("cuda"))
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
+    plane = CollectivePlane(AveragedLayout.fixed(FlatTensors(params), FlatTensors([])), 0, 1, device)
     plane.fused = not variant.endswith("multi-tensor")
     plane.queued = variant == "queued"
     plane.out_of_place = variant.startswith("out-of-place")
@@ -180,11 +183,23 @@ def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[st
         size, _, copy = variant.removeprefix("chunks-").partition("-")
         plane.chunk_bytes = int(float(size.removesuffix("MB")) * 1e6)
         plane.copy_in_parts = copy != "whole-copy"
+    return plane, params
+
+
+def leave_gradients(params: list[torch.nn.Parameter]) -> None:
+    """The gradients a step leaves (held by the parameters alone); the round drops them."""
+    for p in params:
+        p.grad = torch.empty_like(p)
+
+
+def measure(megabytes: float, iters: int, tensors: int, variant: str) -> dict[str, object]:
+    plane, params = one_rank_plane(megabytes, tensors, variant)
+    layout = plane.layout
+    numel = sum(p.numel() for p in params)
     weights = round_weights([1], 1.0)
 
-    def after_a_step() -> None:  # the gradients a step leaves (held by the parameters alone); the round drops them
-        for p in params:
-            p.grad = torch.empty_like(p)
+    def after_a_step() -> None:
+        leave_gradients(params)
 
     def average() -> None:
         plane.average(weights)

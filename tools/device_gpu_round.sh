@@ -11,6 +11,9 @@ export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 RUN_GPU_TESTS=1 ELCHE_BENCH_COMMIT=${C
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$out/machine.txt" 2>&1
 python3 tools/averaging_overhead.py --iters 100 ${VARIANTS:+--variants "$VARIANTS"} --out "$out/averaging-overhead.json" > "$out/overhead.log" 2>&1
 echo "exit status $?" >> "$out/overhead.log"
+# Where the host's time goes in a round (on one rank the device waits for it): a table, in the same log.
+python3 tools/round_host_time.py --iters 100 >> "$out/overhead.log" 2>&1
+echo "round_host_time exit status $?" >> "$out/overhead.log"
 ELCHE_KEEP_BENCH=$out python3 -m pytest -p no:cacheprovider -q -rfE -s -m gpu tests/test_gpu_round.py \
   "tests/test_gpu.py::test_zero_copy_round_on_one_gpu_nccl_premul_and_inductor" tests/test_gpu_memory.py > "$out/gpu.log" 2>&1
 echo "exit status $?" >> "$out/gpu.log"
@@ -26,4 +29,4 @@ for name, row in result.items():
               f"{1000 * row['round_own_ms']:13.1f} {row['kernels_per_round']:8.1f} {row.get('round_peak_extra_mb', 0.0):9.2f} "
               f"{row.get('collectives_per_round', row.get('reduces_per_round'))}")
 PY
-tail -n 6 "$out/overhead.log" "$out/gpu.log"
+tail -n 12 "$out/overhead.log"; tail -n 6 "$out/gpu.log"
