@@ -511,5 +511,5 @@ def test_cpu2_tiny_with_pinned_ranks_runs_each_rank_on_its_own_cpu(tmp_path: Pat
     assert status == 0, output[-4000:]
     result = json.loads((out / "cpu2.json").read_text())
     assert [rank["cpus"] for rank in result["device"]["ranks"]] == [[usable[0]], [usable[1]]]
-    assert f"pinned to CPUs {usable[0]}, {usable[1]} (--pin-ranks)" in (out / "cpu2.md").read_text()
+    assert f"2 ranks x 1 torch thread(s), each on one CPU: {usable[0]}, {usable[1]};" in (out / "cpu2.md").read_text()
     assert positive(result["arms"]["cpu_async"]["efficiency"])

@@ -147,9 +147,9 @@ def describe_devices(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         summary = (f"{len(per_rank)} GPUs: {gpus}; CUDA {first['cuda']}, NCCL {first['nccl']}; torch {first['torch']}, "
                    f"lightning {first['lightning']}, Python {first['python']}")
     else:
+        # Each rank on one CPU: --pin-ranks, or a taskset of one CPU around the whole bench.
         pinned = all(len(d.get("cpus") or ()) == 1 for d in per_rank)
-        placement = (f", pinned to CPUs {', '.join(str(d['cpus'][0]) for d in per_rank)} (--pin-ranks)"
-                     if pinned else "")
+        placement = f", each on one CPU: {', '.join(str(d['cpus'][0]) for d in per_rank)}" if pinned else ""
         summary = (f"{first['cpu']} ({first['cpu_count']} logical CPUs), {len(per_rank)} ranks x "
                    f"{first['torch_threads']} torch thread(s){placement}; torch {first['torch']}, "
                    f"lightning {first['lightning']}, Python {first['python']}")
