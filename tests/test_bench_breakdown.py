@@ -251,8 +251,8 @@ def test_pin_ranks_gives_each_rank_of_a_cpu_rig_its_own_usable_cpu(monkeypatch: 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {9, 3, 5, 7, 11}, raising=False)
     assert _config(["--rig", "cpu4", "--pin-ranks"]).rank_cpus == (3, 5, 7, 9)
     assert _config(["--rig", "cpu4"]).rank_cpus == ()
-    with pytest.raises(ValueError, match=r"--pin-ranks is invalid here: --rig cpu8 has 8 ranks but this process may "
-                                         r"use 5 CPU\(s\) \(\[3, 5, 7, 9, 11\]\); widen the taskset"):
+    with pytest.raises(ValueError, match=r"--pin-ranks is invalid here: expected a usable CPU for each of --rig "
+                                         r"cpu8's 8 ranks, this process may use 5 \(\[3, 5, 7, 9, 11\]\); widen"):
         _config(["--rig", "cpu8", "--pin-ranks"])
     with pytest.raises(ValueError, match="--pin-ranks is invalid with --rig gpu2-homo: expected a CPU rig"):
         _config(["--rig", "gpu2-homo", "--pin-ranks"])

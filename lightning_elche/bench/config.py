@@ -606,8 +606,9 @@ def rank_cpus(rig: Rig) -> tuple[int, ...]:
         raise ValueError("--pin-ranks is invalid on this platform: expected Linux (os.sched_setaffinity); drop it")
     usable = sorted(os.sched_getaffinity(0))
     if len(usable) < rig.world_size:
-        raise ValueError(f"--pin-ranks is invalid here: --rig {rig.name} has {rig.world_size} ranks but this process "
-                         f"may use {len(usable)} CPU(s) ({usable}); widen the taskset or drop --pin-ranks")
+        raise ValueError(f"--pin-ranks is invalid here: expected a usable CPU for each of --rig {rig.name}'s "
+                         f"{rig.world_size} ranks, this process may use {len(usable)} ({usable}); widen the taskset "
+                         "or drop --pin-ranks")
     return tuple(usable[:rig.world_size])
 
 
