@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -500,8 +501,6 @@ def test_cpu4_tiny_end_to_end_reports_every_arm_for_four_ranks(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(330)
 def test_cpu2_tiny_with_pinned_ranks_runs_each_rank_on_its_own_cpu(tmp_path: Path) -> None:
-    import os
-
     usable = sorted(os.sched_getaffinity(0))[:2]
     out = tmp_path / "bench"
     status, output = run_command(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -259,9 +261,6 @@ def test_pin_ranks_gives_each_rank_of_a_cpu_rig_its_own_usable_cpu(monkeypatch: 
 
 
 def test_pin_process_moves_every_thread_and_those_started_after_it() -> None:
-    import subprocess
-    import sys
-
     cpu = min(os.sched_getaffinity(0))
     script = f"""
 import os, threading
