@@ -18,7 +18,7 @@ from lightning_elche.bench.arms import available_elche_modes
 from lightning_elche.bench.config import BenchConfig, build_config, parse_args
 from lightning_elche.bench.memory import pinned_bytes
 from lightning_elche.bench.plan import CONVERGENCE, THROUGHPUT, build_plan
-from lightning_elche.bench.report import breakdown_table, memory_table
+from lightning_elche.bench.report import balance_lines, breakdown_table, memory_table
 
 
 def _config(argv: list[str]) -> BenchConfig:
@@ -92,6 +92,38 @@ def test_the_in_arm_efficiency_reads_the_ranks_speeds_inside_the_arm_not_the_sol
     for point in idle[0]["rounds"]:
         point["compute_s"][1] = 0.0  # no window compute measured: no in-arm speed to read
     assert metrics.loss_breakdown(idle, [100.0, 50.0])["in_arm_efficiency"] is None
+
+
+def test_the_in_arm_share_error_reads_the_dispatch_against_the_speeds_inside_the_arm():
+    """Rank 0 trained 130 steady samples in 1.3 s of window compute and rank 1 100 in 2.0 s: in-arm
+    speeds 100 and 50 samples/s, shares 2/3 and 1/3. Batch shares of 13/23 and 10/23 are then 15 %
+    and 30 % off, whatever the solo fits read; a rank that computed twice as slowly moves them."""
+    split = metrics.loss_breakdown(_elche_records(), [100.0, 50.0])
+    assert split["in_arm_speed_share"] == pytest.approx([2 / 3, 1 / 3])
+    assert metrics.loss_breakdown(_elche_records(), [500.0, 10.0])["in_arm_speed_share"] == pytest.approx(
+        [2 / 3, 1 / 3])
+    slow_rank_1 = _elche_records()
+    for point in slow_rank_1[0]["rounds"][1:]:
+        point["compute_s"][1] *= 2
+    assert metrics.loss_breakdown(slow_rank_1, [100.0, 50.0])["in_arm_speed_share"] == pytest.approx([0.8, 0.2])
+    assert metrics.share_error([13 / 23, 10 / 23], split["in_arm_speed_share"]) == pytest.approx(7 / 23)
+    assert metrics.share_error([2 / 3, 1 / 3], split["in_arm_speed_share"]) == pytest.approx(0.0)
+    idle = _elche_records()
+    for point in idle[0]["rounds"]:
+        point["compute_s"][1] = 0.0
+    assert metrics.loss_breakdown(idle, [100.0, 50.0])["in_arm_speed_share"] is None
+
+
+def test_the_balance_lines_show_the_in_arm_share_error_only_where_it_was_measured():
+    section = {"speed_share": [0.5, 0.5], "arms": {
+        "solo_rank0": {"kind": "solo", "samples_per_s": 10.0, "ranks": [0, 1]},
+        "ddp": {"kind": "ddp", "share_error": 0.0},
+        "cpu_async": {"kind": "elche", "share_error": 0.12, "in_arm_share_error": 0.03, "round_s": 1.0}}}
+    text = "\n".join(balance_lines(section))
+    assert "from its speed share: `ddp` 0 %, `cpu_async` 12 %" in text
+    assert "inside the arm" in text and "`cpu_async` 3 %" in text and "`ddp` 0 %." not in text.split("inside")[1]
+    section["arms"]["cpu_async"]["in_arm_share_error"] = None
+    assert "inside the arm" not in "\n".join(balance_lines(section))
 
 
 def test_loss_breakdown_first_window_and_device_side_averaging():

@@ -9,7 +9,10 @@ Formulas (``docs/benchmarks.md`` explains them):
   2 ranks;
 * speed share of a rank = its class's solo rate ÷ ideal (the batch share a perfectly balanced arm
   gives it); share error of an arm = the largest |steady batch share ÷ speed share − 1| over ranks,
-  the steady batch share counting each rank's batches from epoch 1 on;
+  the steady batch share counting each rank's batches from epoch 1 on; the in-arm share error
+  (ElChe arms) compares the same shares with the in-arm speed shares, each rank's steady samples
+  over its window compute seconds: how evenly the dispatch kept the ranks busy, whatever their
+  speeds did between the solo fits and the arm;
 * a ring all-reduce of N bytes makes each of W ranks send ``2 (W-1)/W · N`` bytes; an all-gather of
   m bytes per rank makes each send ``(W-1) · m``; a broadcast of N bytes puts ``(W-1) · N`` on the wire;
 * bytes sent per sample = bytes all ranks sent during the fit ÷ samples all ranks trained;
@@ -211,6 +214,7 @@ def multi_rank_metrics(arm: str, records: Sequence[dict[str, Any]], solo_rates: 
         device_reduce = records[0].get("device_type") == "cuda" and arm.startswith("nccl")
         out["loss_breakdown"] = split = loss_breakdown(records, solo_rates, reduce_device_s if device_reduce else None)
         out["in_arm_efficiency"] = split.get("in_arm_efficiency") if split else None
+        out["in_arm_speed_share"] = split.get("in_arm_speed_share") if split else None
     idle, how = idle_fractions(kind, records, solo_rates, records[0]["batch_size"])
     steady = [r["steps"] for r in records]  # each rank's batches from epoch 1 on (the meter's count)
     out.update({
@@ -294,6 +298,9 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
     for arm, job_id in multi:
         arms[arm] = multi_rank_metrics(arm, records[job_id], rates, reduce_device_s)
         arms[arm]["share_error"] = share_error(arms[arm]["steady_batch_share"], speed_share)
+        if arms[arm].get("in_arm_speed_share"):
+            arms[arm]["in_arm_share_error"] = share_error(arms[arm]["steady_batch_share"],
+                                                          arms[arm]["in_arm_speed_share"])
     memory_vs_ddp(arms)
     ddp_rate = arms.get(DDP, {}).get("samples_per_s")
     for row in arms.values():
@@ -322,7 +329,7 @@ def throughput_pass(jobs: Sequence[tuple[str, str]], records: dict[str, list[dic
 
 
 _AGGREGATED = ("samples_per_s", "efficiency", "in_arm_efficiency", "speedup_vs_ddp", "syncs", "samples_per_sync",
-               "bytes_per_sample", "share_error")
+               "bytes_per_sample", "share_error", "in_arm_share_error")
 
 
 SPREAD_WARNING = 0.05
@@ -651,11 +658,15 @@ def loss_breakdown(records: Sequence[dict[str, Any]], solo_rates: Sequence[float
     # The same span against the speeds the ranks computed at inside this arm (their window compute,
     # throttle included): no solo fit in it, so a machine that speeds up or slows down between the
     # solos and the arm moves it far less; it leaves out (e), which only the solos can measure.
-    in_arm_capacity = span * sum(records[r]["samples"] / compute[r] for r in range(world)) if min(compute) > 0 else 0.0
+    in_arm_rates = [records[r]["samples"] / compute[r] for r in range(world)] if min(compute) > 0 else []
+    in_arm_capacity = span * sum(in_arm_rates)
     return {
         "span_s": span,
         "efficiency": trained / capacity,
         "in_arm_efficiency": trained / in_arm_capacity if in_arm_capacity > 0 else None,
+        # Each rank's share of the summed in-arm speeds: the batch share a dispatch that kept every
+        # rank computing for the same time gives it, whatever the solos read.
+        "in_arm_speed_share": [span * rate / in_arm_capacity for rate in in_arm_rates] if in_arm_capacity > 0 else None,
         "one_minus_efficiency": 1.0 - trained / capacity,
         "fractions": {name: share(parts[name]) for name in BREAKDOWN_PARTS},
         "rest_detail": {"compute_vs_solo": share(compute_vs_solo), "outside_rounds": share(outside)},

@@ -250,11 +250,16 @@ def balance_lines(section: dict[str, Any]) -> list[str]:
              for arm, row in section["arms"].items() if row.get("kind") == "solo"]
     errors = [f"`{arm}` {_num(None if row.get('share_error') is None else 100 * row['share_error'], 0, ' %')}"
               for arm, row in section["arms"].items() if row.get("kind") != "solo"]
+    in_arm = [f"`{arm}` {_num(100 * row['in_arm_share_error'], 0, ' %')}"
+              for arm, row in section["arms"].items() if row.get("in_arm_share_error") is not None]
     rounds = [f"`{arm}` {_num(None if row.get('round_s') is None else 1000 * row['round_s'], 1, ' ms')}"
               for arm, row in section["arms"].items() if row.get("kind") == "elche"]
     lines = [f"Solo rates (the ranks each measures): {'; '.join(solos)}.",
              f"Speed share per rank (the balanced batch share): {_pair(section.get('speed_share'))}.",
              f"Largest deviation of a rank's batch share (epoch 1 on) from its speed share: {', '.join(errors)}."]
+    if in_arm:
+        lines.append("The same against the speeds the ranks computed at inside the arm (steady samples over "
+                     f"window compute seconds; the dispatch's own balance): {', '.join(in_arm)}.")
     if rounds:
         lines.append(f"Mean round of the ElChe arms: {', '.join(rounds)}.")
     return lines
