@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from in_arm_shares import in_arm_speed_share, rows  # noqa: E402
+from in_arm_shares import in_arm_speed_share, rows, speed_moves  # noqa: E402
 
 
 def _row(shares: list[float], compute: list[float], solo_error: float) -> dict[str, object]:
@@ -33,6 +33,9 @@ def test_a_rank_that_computed_longer_for_its_batches_reads_as_slower_inside_the_
     [(arm, solo, in_arm)] = rows(result)
     assert arm == "cpu_async" and solo == pytest.approx(0.1)
     assert in_arm == pytest.approx((1 / 3) / 0.2 - 1)  # rank 1 got 1/3 of the batches for 1/5 of the speed
+    result.write_text(json.dumps({"speed_share": [0.5, 0.5], "arms": json.loads(result.read_text())["arms"]}))
+    [(arm, moves)] = speed_moves(result)
+    assert arm == "cpu_async" and moves == pytest.approx([0.6, -0.6])  # 0.8 and 0.2 in the arm, 0.5 alone
     shown = subprocess.run([sys.executable, "tools/in_arm_shares.py", str(result)], cwd=ROOT, capture_output=True,
                            text=True, timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert shown.returncode == 0, shown.stderr

@@ -8,6 +8,7 @@ its window compute seconds (``loss_breakdown.seconds.compute``), whose ratio is 
 the speed it computed at inside the arm (one batch size for every rank).
 
     python tools/in_arm_shares.py docs/benchmarks/many-ranks-*/cpu8*.json
+    python tools/in_arm_shares.py --speeds docs/benchmarks/many-ranks-*/cpu8*.json   # per rank
 """
 
 from __future__ import annotations
@@ -42,10 +43,29 @@ def rows(path: Path) -> list[tuple[str, Optional[float], Optional[float]]]:
     return out
 
 
+def speed_moves(path: Path) -> list[tuple[str, list[float]]]:
+    """Per ElChe arm, each rank's in-arm speed share over its solo speed share, minus 1: where
+    the ranks' relative speeds in the arm differ from their solo fits'."""
+    result = json.loads(path.read_text())
+    out = []
+    for arm, row in result["arms"].items():
+        in_arm = in_arm_speed_share(row) if row.get("kind") == "elche" else None
+        if in_arm:
+            out.append((arm, [a / s - 1.0 for a, s in zip(in_arm, result["speed_share"], strict=True)]))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--speeds", action="store_true",
+                        help="per rank, how far its in-arm speed share is from its solo speed share")
     args = parser.parse_args()
+    if args.speeds:
+        for path in args.results:
+            for arm, moves in speed_moves(path):
+                print(f"{str(path):52} {arm:14} " + " ".join(f"{100 * m:+6.1f}" for m in moves))
+        return
     print(f"{'result':52} {'arm':14} {'vs solo':>8} {'vs in-arm':>10}")
     for path in args.results:
         for arm, solo, in_arm in rows(path):
