@@ -13,7 +13,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from process_helpers import run_command
@@ -264,7 +264,7 @@ def _fit_record(rank: int, steps: int, batch: int, span: float, **extra: Any) ->
             **extra}
 
 
-def _four_rank_pass() -> dict[str, Any]:
+def _four_rank_records() -> dict[str, list[dict[str, Any]]]:
     """Ranks 0 and 2 are fast (100 samples/s alone), ranks 1 and 3 slow (50/s): the slow class's
     solo is rank 1's, so the ideal is 2 x 100 + 2 x 50 = 300 samples/s."""
     solo = [_fit_record(0, steps=100, batch=10, span=10.0, solo_of_rank=0),
@@ -277,9 +277,12 @@ def _four_rank_pass() -> dict[str, Any]:
     elche_info = {"rounds": 10, "cohort_step": 0, "final_anchor": 2, "window_plan": [2, 1, 2, 1],
                   "totals": totals, "meta_bytes": 96, "bf16_wire": False}
     elche = [_fit_record(r, steps=n, batch=10, span=5.0, elche=elche_info) for r, n in enumerate((40, 20, 40, 20))]
-    records = {"p-solo": solo, "p-ddp": ddp, "p-nccl_cadence": elche}
+    return {"p-solo": solo, "p-ddp": ddp, "p-nccl_cadence": elche}
+
+
+def _four_rank_pass(records: Optional[dict[str, list[dict[str, Any]]]] = None) -> dict[str, Any]:
     jobs = [("solo", "p-solo"), ("ddp", "p-ddp"), ("nccl_cadence", "p-nccl_cadence")]
-    return metrics.throughput_pass(jobs, records, representatives=[0, 1, 0, 1])
+    return metrics.throughput_pass(jobs, records or _four_rank_records(), representatives=[0, 1, 0, 1])
 
 
 def test_n_rank_pass_sums_each_ranks_class_rate_and_compares_shares_with_speeds():
@@ -309,6 +312,23 @@ def test_n_rank_pass_sums_each_ranks_class_rate_and_compares_shares_with_speeds(
     merged = metrics.aggregate_passes([tp, _four_rank_pass()])
     assert merged["speed_share"] == pytest.approx(tp["speed_share"])
     assert merged["arms"]["ddp"]["share_error"] == pytest.approx(0.5)
+
+
+def test_n_rank_pass_reads_each_elche_arm_against_the_speeds_inside_it_too():
+    """The ElChe ranks trained 40, 20, 40 and 20 steady batches, rank 3 in 5 s of window compute
+    and the others in 4 s: in the arm rank 3 ran at 40 samples/s, not its class's 50. Its share of
+    1/6 is then exact against the solos and 21 % over its in-arm speed share (40 / 290)."""
+    records = _four_rank_records()
+    point = {"index": 2, "t": 0.0, "steps": [40, 20, 40, 20], "compute_s": [4.0, 4.0, 4.0, 5.0],
+             "last_sync_s": [0.1] * 4, "out_of_data": [False] * 4, "epoch": [1] * 4, "calibrations": 1}
+    for record in records["p-nccl_cadence"]:
+        record["final_sync_s"] = 0.1
+    records["p-nccl_cadence"][0]["rounds"] = [point]
+    row = _four_rank_pass(records)["arms"]["nccl_cadence"]
+    assert row["share_error"] == pytest.approx(0.0)
+    assert row["in_arm_speed_share"] == pytest.approx([100 / 290, 50 / 290, 100 / 290, 40 / 290])
+    assert row["in_arm_share_error"] == pytest.approx((1 / 6) / (40 / 290) - 1)
+    assert "in_arm_share_error" not in _four_rank_pass()["arms"]["nccl_cadence"]  # no rounds recorded
 
 
 def test_two_rank_pass_is_unchanged_without_representatives():
