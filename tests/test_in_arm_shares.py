@@ -26,6 +26,8 @@ def test_a_rank_that_computed_longer_for_its_batches_reads_as_slower_inside_the_
     assert in_arm_speed_share(_row([2 / 3, 1 / 3], [10.0, 10.0], 0.2)) == pytest.approx([2 / 3, 1 / 3])
     assert in_arm_speed_share(_row([2 / 3, 1 / 3], [10.0, 20.0], 0.2)) == pytest.approx([0.8, 0.2])
     assert in_arm_speed_share({"kind": "elche", "steady_batch_share": [0.5, 0.5]}) is None
+    recorded = {**_row([0.5, 0.5], [10.0, 10.0], 0.0), "in_arm_speed_share": [0.7, 0.3]}
+    assert in_arm_speed_share(recorded) == pytest.approx([0.7, 0.3])  # the report's own, where it has one
     result = tmp_path / "cpu2.json"
     result.write_text(json.dumps({"arms": {
         "ddp": {"kind": "ddp", "share_error": 0.5, "steady_batch_share": [0.5, 0.5]},

@@ -22,7 +22,10 @@ from lightning_elche.bench.metrics import share_error
 
 
 def in_arm_speed_share(row: dict[str, Any]) -> Optional[list[float]]:
-    """Each rank's share of the summed in-arm speeds (None without the breakdown's compute)."""
+    """Each rank's share of the summed in-arm speeds: as the report recorded it (since
+    ``8a5b1e0``), else from the steady batch shares and the breakdown's compute (None without)."""
+    if row.get("in_arm_speed_share"):
+        return list(row["in_arm_speed_share"])
     compute = ((row.get("loss_breakdown") or {}).get("seconds") or {}).get("compute")
     shares = row.get("steady_batch_share")
     if not compute or not shares or min(compute) <= 0 or any(s is None for s in shares):
