@@ -666,7 +666,7 @@ def loss_breakdown(records: Sequence[dict[str, Any]], solo_rates: Sequence[float
         "in_arm_efficiency": trained / in_arm_capacity if in_arm_capacity > 0 else None,
         # Each rank's share of the summed in-arm speeds: the batch share a dispatch that kept every
         # rank computing for the same time gives it, whatever the solos read.
-        "in_arm_speed_share": [span * rate / in_arm_capacity for rate in in_arm_rates] if in_arm_capacity > 0 else None,
+        "in_arm_speed_share": [rate / sum(in_arm_rates) for rate in in_arm_rates] if in_arm_capacity > 0 else None,
         "one_minus_efficiency": 1.0 - trained / capacity,
         "fractions": {name: share(parts[name]) for name in BREAKDOWN_PARTS},
         "rest_detail": {"compute_vs_solo": share(compute_vs_solo), "outside_rounds": share(outside)},
