@@ -32,6 +32,9 @@ pytestmark = pytest.mark.distributed
 RANKS = 3
 PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
 KINDS = ("kill", "stop", "raise", "exit")
+NO_TRANSPORT_TIMEOUT_S = 90.0
+"""A job that waited out ``fault_fit.py``'s 120 s transport timeout takes longer than this; one that
+did not takes 25-30 s alone on 2 cores, and up to twice that beside the other tests of a CI run."""
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
@@ -184,7 +187,7 @@ def test_a_rank_lost_while_the_survivors_save_for_max_failure_is_survived_by_tha
     assert json.loads((tmp_path / "fault-rank2.json").read_text())["phase"] == "checkpoint_save"
     checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False, map_location="cpu")
     assert checkpoint["epoch"] == 0 and checkpoint["elche"]["rounds"] > 0
-    assert job.elapsed_s < 60.0, f"the job took {job.elapsed_s:.0f} s: the save waited out the transport timeout"
+    assert job.elapsed_s < NO_TRANSPORT_TIMEOUT_S, f"it took {job.elapsed_s:.0f} s: the save waited out the timeout"
 
 
 @pytest.mark.timeout(300)
@@ -206,4 +209,4 @@ def test_a_rank_lost_in_the_max_failure_save_that_opens_the_next_epoch_is_surviv
     assert json.loads((tmp_path / "fault-rank2.json").read_text())["epoch"] == 1
     checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False, map_location="cpu")
     assert checkpoint["epoch"] == 1 and checkpoint["elche"]["rounds"] > 0
-    assert job.elapsed_s < 60.0, f"the job took {job.elapsed_s:.0f} s: the save waited out the transport timeout"
+    assert job.elapsed_s < NO_TRANSPORT_TIMEOUT_S, f"it took {job.elapsed_s:.0f} s: the save waited out the timeout"
