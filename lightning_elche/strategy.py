@@ -81,7 +81,7 @@ from lightning_elche.session import Session
 from lightning_elche.stop_guard import guard_stops
 from lightning_elche.stop_signals import StopWatchdog, resolve_stop_grace
 from lightning_elche.summary import format_summary
-from lightning_elche.trainer_checks import check_trainer
+from lightning_elche.trainer_checks import check_optimizers, check_settings
 
 __all__ = ["ElCheStrategy", "RankJoinedWarning", "RankLostWarning", "resolve_config"]
 
@@ -209,6 +209,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         fitting = trainer.state.fn == "fit"
         if fitting:
             check_lightning_version()
+            check_settings(trainer)
             # Before super().setup: configure_optimizers may set up the train dataloader (through
             # trainer.estimated_stepping_batches), and the dispatch needs this prefix then.
             prefix = self._growth.fit_prefix(self)
@@ -222,7 +223,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         if not fitting:
             return
         self._patches.take_over_max_steps(trainer)
-        check_trainer(trainer)
+        check_optimizers(trainer)
         follow_the_cohort(trainer, lambda: self._engine.state.cohort_step if self._engine else 0,
                           self._patches.replace_hook)
         if self._restored_state is not None:

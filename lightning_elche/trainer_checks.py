@@ -71,6 +71,14 @@ def check_determinism(config: ElCheConfig) -> None:
 
 def check_trainer(trainer: pl.Trainer) -> None:
     """Raise ``MisconfigurationException`` for the first unsupported setting found."""
+    check_settings(trainer)
+    check_optimizers(trainer)
+
+
+def check_settings(trainer: pl.Trainer) -> None:
+    """The checks that need no optimizer: run before the strategy builds anything, so that every
+    rank refuses at the same point, before any group exists that a refusing rank would tear down
+    while a peer still connects to it."""
     uneven = "ranks take different numbers of steps under ElChe"
     settings = cast(_ConnectorSettings, trainer)
     for callback in settings.callbacks:
@@ -159,6 +167,10 @@ def check_trainer(trainer: pl.Trainer) -> None:
             "ElChe counts work and syncs at optimizer steps that Lightning drives",
             "Use automatic optimization (one optimizer).",
         )
+
+
+def check_optimizers(trainer: pl.Trainer) -> None:
+    """The checks of what ``configure_optimizers`` returned."""
     if len(trainer.optimizers) != 1:
         raise _refuse(
             "configure_optimizers()", f"{len(trainer.optimizers)} optimizers",

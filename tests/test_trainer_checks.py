@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, ModelCheckpoint, Timer
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from model_helpers import RecordingModel
 
@@ -60,6 +63,19 @@ def test_unsupported_settings_are_refused_with_an_alternative(tmp_path, kwargs, 
     with pytest.raises(MisconfigurationException) as info:
         check_trainer(trainer)
     assert setting in str(info.value) and instead in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_time": {"seconds": 1337}}, {"fast_dev_run": 2}, {"min_steps": 3}])
+def test_a_refused_setting_is_refused_before_the_strategy_builds_anything(tmp_path, kwargs):
+    # The ported Lightning suite, cpu_async on 2 ranks: refused only after the CPU plane had built its
+    # side group, one rank tore that group down while its peer was still connecting to it, and the peer
+    # failed with gloo's "Connection closed by peer" instead of the refusal.
+    trainer = attached_trainer(tmp_path, **kwargs)
+    trainer.state.fn = TrainerFn.FITTING
+    with mock.patch("lightning_elche.strategy.build_plane", side_effect=AssertionError("a plane was built")) as build:
+        with pytest.raises(MisconfigurationException, match=next(iter(kwargs))):
+            trainer.strategy.setup(trainer)
+    assert build.call_count == 0 and trainer.strategy._membership is None
 
 
 def test_fast_dev_run_is_named_not_the_limit_it_implies(tmp_path):
