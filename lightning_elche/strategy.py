@@ -210,8 +210,7 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         if fitting:
             check_lightning_version()
             check_settings(trainer)
-            # Before super().setup: configure_optimizers may set up the train dataloader (through
-            # trainer.estimated_stepping_batches), and the dispatch needs this prefix then.
+            # Before super().setup: configure_optimizers may build the train dataloader, which needs the prefix.
             prefix = self._growth.fit_prefix(self)
             self.elche.validate_world_size(self.world_size)
             budget = trainer.max_steps
