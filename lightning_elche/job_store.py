@@ -183,9 +183,52 @@ def _read_line(stream: IO[str], timeout_s: float) -> Optional[str]:
     return stream.readline() if ready else None
 
 
+LAUNCHER_ENV = "ELCHE_LAUNCHER_PID"
+"""Set by the popen launcher (rank 0) for the ranks it starts: the pid of the process that started them."""
+PROBE_INTERVAL_S = 0.25
+"""How often a rank waiting for the store checks that its launcher is still alive."""
+
+
+def launcher_gone() -> Optional[int]:
+    """The pid of the rank 0 that started this process, if it has exited; None while it runs, or when
+    this process was not started by rank 0's popen launcher (nothing can be known then)."""
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if not launcher.isdigit() or int(launcher) == os.getpid():
+        return None
+    # An orphan is adopted by init or a subreaper: its parent is no longer the process that started it.
+    return int(launcher) if os.getppid() != int(launcher) else None
+
+
+def _serving(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=PROBE_INTERVAL_S):
+            return True
+    except OSError:
+        return False
+
+
 def connect(address: str, port: int, timeout: timedelta) -> dist.TCPStore:
-    """A client of the store served on ``address:port`` (it waits up to ``timeout`` for the server)."""
-    return dist.TCPStore(address, port, is_master=False, timeout=timeout)
+    """A client of the store served on ``address:port`` (it waits up to ``timeout`` for the server).
+
+    A rank started by rank 0's popen launcher stops waiting as soon as rank 0 is gone: rank 0 starts
+    the store's host, so a rank 0 that died before the store served means it never will (without
+    this the rank waited out the whole timeout, a leftover process of a failed launch).
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not _serving(address, port) and time.monotonic() < deadline:
+        launcher = launcher_gone()
+        if launcher is not None:
+            raise RuntimeError(
+                f"The lightning_elche job store on {address}:{port} (MASTER_ADDR:MASTER_PORT) is not serving and "
+                f"rank 0 (pid {launcher}), which started this rank and starts the store, has exited: the job "
+                "cannot start. Rank 0's own output says why it ended."
+            )
+        time.sleep(PROBE_INTERVAL_S)
+    # Past the probe TCPStore waits out what is left of the timeout itself, and raises its own error.
+    remaining = max(deadline - time.monotonic(), PROBE_INTERVAL_S)
+    store = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=remaining))
+    store.set_timeout(timeout)
+    return store
 
 
 @dataclass

@@ -500,6 +500,49 @@ def test_popen_launcher_children_and_the_job_store_outlive_rank_0(tmp_path):
         finish(rank0, tag, tmp_path, host_pid)
 
 
+def test_children_give_up_on_the_store_at_once_when_rank_0_dies_before_starting_it(tmp_path):
+    # kill -9 of rank 0 a few seconds into a launch (soon after it started its children, before its
+    # store host served) left each child waiting out the whole timeout in its connect.
+    rank0, tag = launch_probe(tmp_path, "--scenario", "rank0_dies_first", "--timeout", "600")
+    log = tmp_path / "launch.log"
+    try:
+        assert rank0.wait(timeout=60) == 3, log.read_text()[-3000:]
+        children_ended = wait_until(lambda: not tagged_processes(tag), 60, 0.2)
+        assert children_ended, f"children still waiting:\n{log.read_text()[-3000:]}"
+        text = log.read_text()
+        assert text.count("rank 0 (pid ") == 2 and text.count("has exited: the job cannot start") == 2, text[-3000:]
+        assert f"rank 0 (pid {rank0.pid})" in text
+    finally:
+        assert not kill_tagged(tag), f"processes of the launch still alive:\n{log.read_text()[-3000:]}"
+
+
+def test_connect_waits_for_a_store_while_its_launcher_lives_and_stops_when_it_is_gone(monkeypatch, hosts):
+    port = free_port()
+    monkeypatch.setenv(job_store.LAUNCHER_ENV, str(os.getppid()))  # this process's own starter: alive
+    assert job_store.launcher_gone() is None
+    started = time.monotonic()
+    with pytest.raises(dist.DistNetworkError):  # nobody serves: the whole (short) timeout, TCPStore's error
+        job_store.connect("127.0.0.1", port, timedelta(seconds=1))
+    assert time.monotonic() - started >= 1.0
+    host = start_host("127.0.0.1", port, 1, connect_timeout=timedelta(seconds=30))
+    hosts.append(host.pid)
+    client = job_store.connect("127.0.0.1", port, timedelta(seconds=7))
+    client.set("probe", "served")
+    assert client.get("probe") == b"served" and client.timeout == timedelta(seconds=7)
+    job_store.register_rank(client, 0)
+    assert mark_exited(client, 0, "test over") and wait_until(lambda: gone(host.pid), 10)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setenv(job_store.LAUNCHER_ENV, str(dead.pid))  # a launcher that has exited
+    assert job_store.launcher_gone() == dead.pid
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"rank 0 \\(pid {dead.pid}\\).*has exited: the job cannot start"):
+        job_store.connect("127.0.0.1", free_port(), timedelta(seconds=600))
+    assert time.monotonic() - started < 5
+    monkeypatch.setenv(job_store.LAUNCHER_ENV, str(os.getpid()))  # rank 0 itself: its own launcher
+    assert job_store.launcher_gone() is None
+
+
 def test_observer_spares_an_exit_the_survivors_agreed_on_even_when_seen_after_the_fit(sleepers):
     # A fit shorter than the observer's period (soak trials 9 and 49 on 16 cores: 0.7 s): the child
     # died in the fit, its loss was agreed, and the observer first saw its exit after the fit had

@@ -20,6 +20,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_elche.job_store import LAUNCHER_ENV
+
 JOIN_ENV = "ELCHE_JOIN"  # lightning_elche.membership.admission.JOIN_ENV: a restarted child joins the fit
 
 
@@ -72,6 +74,9 @@ class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         restarter = None
         if not self.cluster_environment.creates_processes_externally:
+            # The children (and any restarted later) inherit it: a child that finds its launcher gone
+            # before the job's store serves stops waiting for the store (job_store.connect).
+            os.environ[LAUNCHER_ENV] = str(os.getpid())
             self._call_children_scripts()
             first_member = self.cluster_environment.node_rank() * self.num_processes
             restarter = ChildRestarter(self.procs, self.restart_lost, self.restartable) if self.restart_lost else None

@@ -1,6 +1,6 @@
 """Lightning's popen launcher path with ElCheStrategy, 3 CPU ranks, a dummy job instead of a fit.
 
-    python launcher_probe.py OUT_DIR --scenario child_fails|rank0_killed [--tolerate]
+    python launcher_probe.py OUT_DIR --scenario child_fails|rank0_killed|rank0_dies_first [--tolerate]
 
 Rank 0 is this process; Lightning's launcher (the strategy's) starts ranks 1 and 2 as its
 subprocesses, which run this script again. Every rank then sets up the job store and the default
@@ -12,6 +12,8 @@ also the store host's pid) and passes a barrier. Then:
 * ``rank0_killed``: rank 0 waits to be killed by the test; ranks 1 and 2 wait for ``OUT_DIR/go``
   (written after the kill), exchange a key through ``strategy.job_store`` and write
   ``rank<r>.done`` with the value their peer set.
+* ``rank0_dies_first``: rank 0 exits with code 3 right after starting ranks 1 and 2, before it starts
+  the job store; they must give up on the store at once rather than wait out ``--timeout``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ RANKS = 3
 def probe(trainer: Trainer, args: argparse.Namespace) -> None:
     strategy = trainer.strategy
     assert isinstance(strategy, ElCheStrategy)
+    if args.scenario == "rank0_dies_first" and os.environ.get("LOCAL_RANK", "0") == "0":  # its children run
+        os._exit(3)
     strategy.setup_environment()  # what a fit does first: the job store and the default group
     rank = strategy.global_rank
     link = strategy.job_store_link
@@ -65,12 +69,13 @@ def probe(trainer: Trainer, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--scenario", choices=("child_fails", "rank0_killed"), required=True)
+    parser.add_argument("--scenario", choices=("child_fails", "rank0_killed", "rank0_dies_first"), required=True)
     parser.add_argument("--tolerate", action="store_true")
     parser.add_argument("--linger", type=float, default=6.0)
+    parser.add_argument("--timeout", type=float, default=30.0, help="the strategy's timeout, in seconds")
     args = parser.parse_args()
     trainer = Trainer(accelerator="cpu", devices=RANKS, logger=False, enable_progress_bar=False,
-                      strategy=ElCheStrategy(mode="cpu_cadence", timeout=timedelta(seconds=30)))
+                      strategy=ElCheStrategy(mode="cpu_cadence", timeout=timedelta(seconds=args.timeout)))
     if args.tolerate:
         trainer.strategy.tolerates_rank_loss = lambda member=None: True  # type: ignore[method-assign]
     trainer.strategy.launcher.launch(probe, trainer, args, trainer=trainer)
