@@ -11,7 +11,8 @@ same code, and gives every rank the cohort's value.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,20 +40,28 @@ def _batch_weight(owner: nn.Module) -> float:
     return 1.0
 
 
+AllReduce = Callable[[Tensor, Any], None]
+"""An in-place all-reduce of the default group (``dist.all_reduce``, or a checked one that survives a loss)."""
+
+
 def average_replaced_buffers(module: nn.Module, averaged: Iterable[Tensor], world_size: int,
-                             device: torch.device) -> int:
+                             device: torch.device, all_reduce: Optional[AllReduce] = None) -> int:
     """Give every rank the same value for each buffer that a callback replaced during the fit.
 
     BatchNorm statistics are averaged weighted by each rank's tracked batches (and the batch
     counts summed), other buffers equally. Collective: every rank must call it at the same point;
     ranks that replaced different buffers fail with an error naming the counts. Returns how many
-    buffers were averaged. ``device`` is where the default process group reduces (CPU for gloo).
+    buffers were averaged. ``device`` is where the default process group reduces (CPU for gloo);
+    ``all_reduce`` reduces in place (default ``dist.all_reduce``; a checked one runs again among the
+    survivors of a lost peer, so the values are the survivors').
     """
     found = replaced_buffers(module, averaged)
     if world_size <= 1:
         return 0
+    if all_reduce is None:
+        all_reduce = _plain_all_reduce
     counts = torch.tensor([len(found), -len(found)], dtype=torch.float64, device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    all_reduce(counts, dist.ReduceOp.MAX)
     most, fewest = int(counts[0]), -int(counts[1])
     if most != fewest:
         raise RuntimeError(
@@ -65,7 +74,7 @@ def average_replaced_buffers(module: nn.Module, averaged: Iterable[Tensor], worl
     values = [getattr(owner, name).detach().to(device, torch.float64).flatten() * w
               for (owner, name), w in zip(found, weights, strict=True)]
     packed = torch.cat([*values, torch.tensor(weights, dtype=torch.float64, device=device)])
-    dist.all_reduce(packed)  # SUM
+    all_reduce(packed, dist.ReduceOp.SUM)
     totals = packed[-len(found):]
     offset = 0
     for (owner, name), value, total in zip(found, values, totals.tolist(), strict=True):
@@ -78,3 +87,7 @@ def average_replaced_buffers(module: nn.Module, averaged: Iterable[Tensor], worl
         if isinstance(owner, nn.modules.batchnorm._BatchNorm) and isinstance(tracked, Tensor):
             tracked.fill_(int(round(total)))  # the cohort's batches (the weights' sum)
     return len(found)
+
+
+def _plain_all_reduce(tensor: Tensor, op: Any) -> None:
+    dist.all_reduce(tensor, op=op)

@@ -479,26 +479,38 @@ class CheckedCollectives:
 
         return self._retried(attempt)
 
-    def reduce(self, tensor: Any, group: Optional[Any], reduce_op: Optional[Union[dist.ReduceOp, str]]
-               ) -> Optional[Tensor]:
+    def reduce(self, tensor: Any, group: Optional[Any], reduce_op: Optional[Union[dist.ReduceOp, str]],
+               kind: str = "reduce()") -> Optional[Tensor]:
         """Lightning's ``_sync_ddp`` (in place), with the entry check in place of its leading
-        barrier; None when not checked here (a non-tensor is returned as it is, as Lightning does)."""
+        barrier; None when not checked here (a non-tensor is returned as it is, as Lightning does).
+        ``kind`` names the collective to the peers' checks and in errors."""
         if not isinstance(tensor, Tensor) or self.active(group) is None:
             return None
         op, divide = reduce_op_for(reduce_op, str(dist.get_backend()))
         sent = tensor.clone()  # what to reduce again if a peer is lost in the middle of the reduce
 
         def attempt() -> Optional[Tensor]:
-            membership = self._enter("reduce()", f"{tensor_signature(tensor)} {_op_name(op)}")
+            membership = self._enter(kind, f"{tensor_signature(tensor)} {_op_name(op)}")
             if membership is None:  # a lone survivor: Lightning's own reduce
                 return None
-            self._wait(membership, dist.all_reduce(tensor, op=op, async_op=True), "reduce()")
+            self._wait(membership, dist.all_reduce(tensor, op=op, async_op=True), kind)
             if not divide:
                 return tensor
             world_size = dist.get_world_size()
             return tensor.copy_(tensor / world_size) if not torch.is_floating_point(tensor) else tensor.div_(world_size)
 
         return self._retried(attempt, lambda: tensor.copy_(sent))
+
+    def all_reduce(self, kind: str) -> Callable[[Tensor, Any], None]:
+        """An in-place all-reduce for ElChe's own collectives outside the rounds (``kind`` names it):
+        checked, watched and run again among the survivors of a loss like Lightning's reduce; a
+        plain ``all_reduce`` where it is not checked (no membership, a lone rank)."""
+
+        def all_reduce(tensor: Tensor, op: Any) -> None:  # a dist.ReduceOp
+            if self.reduce(tensor, None, op, kind) is None:
+                dist.all_reduce(tensor, op=op)
+
+        return all_reduce
 
 
 def _lost_peers(membership: Membership, failure: PeerFailure) -> str:

@@ -20,10 +20,13 @@ called it goes on. The epoch's training is over at that point (its last round is
 consensus, the lost rank's batches of the epoch with it); the next epoch is dispatched over the
 survivors and validation is sharded again for them.
 
+The same holds after the last epoch (``on_train_end``, ElChe's end-of-training buffer average,
+``on_fit_end``): every sample is trained and in the consensus by then, so the survivors agree on the
+loss, run the collective again among themselves and end the fit as it would have ended.
+
 Inside an evaluation run (a validation epoch, the sanity check) nothing is run again here: the
 whole run is (:mod:`lightning_elche.evaluation_recovery`), so that no partial result of the
-interrupted run is kept. From ``on_train_end`` on every sample is trained: a loss there ends the
-fit, naming it, as before.
+interrupted run is kept.
 
 Saves: every rank keeps the checkpoint it was last handed to save (:class:`CheckpointSaves`);
 rank 0 marks each save written in the job's store once its file is in place (whole:
@@ -47,7 +50,7 @@ from lightning_elche.checked_collectives import CollectiveMismatch
 from lightning_elche.elastic_ddp import ElasticDDPStrategy
 from lightning_elche.engine import ElCheEngine
 from lightning_elche.evaluation_recovery import EvaluationRecovery
-from lightning_elche.loop_glue import lightning_phase, training_over
+from lightning_elche.loop_glue import lightning_phase
 from lightning_elche.membership.agreement import Membership
 from lightning_elche.membership.change import Change
 from lightning_elche.stop_checkpoint import written_whole
@@ -138,9 +141,8 @@ class CollectiveRecovery:
 
     def recovered(self, error: CollectiveMismatch) -> bool:
         """Whether the collective ``error`` interrupted may run again: the error is a lost peer,
-        outside an evaluation run and before the hooks after training (``on_train_end`` on: every
-        sample is trained, a loss there ends the fit as it did), and every survivor took the change.
-        False leaves ``error`` to the caller (the evaluation's redo, or the end of the fit).
+        outside an evaluation run, and every survivor took the change. False leaves ``error`` to the
+        caller (the evaluation's redo, or the end of the fit).
 
         Raises:
             RanksLost: the others declared this rank lost, or the change reached ``max_failure``
@@ -148,7 +150,7 @@ class CollectiveRecovery:
         """
         engine = self.engine()
         changes = engine.failures if engine is not None else None
-        if error.lost is None or changes is None or self.evaluations.evaluating >= 0 or training_over(self.trainer):
+        if error.lost is None or changes is None or self.evaluations.evaluating >= 0:
             return False
         phase = lightning_phase(self.trainer)
         change = changes.after_failed_round(error.lost)

@@ -453,10 +453,10 @@ class ElCheStrategy(ElasticDDPStrategy, ElCheFitView):
         if self._engine is not None and self.lightning_module is not None:
             # After the callbacks' on_train_end (SWA's BatchNorm pass has ended): buffers a callback
             # replaced left the rounds; every rank gets the cohort's value (one collective per fit).
-            if self._collectives is not None:
-                self._collectives.enter("ElChe's end-of-training buffer average")
+            collectives = self._collectives  # checked: a peer lost in it is survived, the survivors' values kept
+            checked = collectives.all_reduce("ElChe's end-of-training buffer average") if collectives else None
             average_replaced_buffers(self.lightning_module, self._averaged_buffers, self.world_size,
-                                     default_group_device(self.root_device))
+                                     default_group_device(self.root_device), checked)
         if self.elche.summary and self.is_global_zero and self._engine is not None and self._engine.state.rounds:
             lost = self._membership.lost_original if self._membership is not None else []
             rank_zero_info(format_summary(self._engine.progress(), lost))

@@ -144,7 +144,8 @@ def agreed(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v for k, v in loss.items() if k != "detected_at"} for loss in result["losses"]]
 
 
-EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
+EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save", "train_end_callback",
+                    "train_end_buffers")
 """Where ``fault_fit.py --epoch-end-fault`` strikes at a training epoch's end (after its validation)."""
 
 

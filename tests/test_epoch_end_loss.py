@@ -210,3 +210,51 @@ def test_a_rank_lost_in_the_max_failure_save_that_opens_the_next_epoch_is_surviv
     checkpoint = torch.load(tmp_path / "ckpt" / "last-ranks-lost.ckpt", weights_only=False, map_location="cpu")
     assert checkpoint["epoch"] == 1 and checkpoint["elche"]["rounds"] > 0
     assert job.elapsed_s < NO_TRANSPORT_TIMEOUT_S, f"it took {job.elapsed_s:.0f} s: the save waited out the timeout"
+
+
+# -- after training: a rank lost in the hooks that follow the last epoch ----------------------------
+
+TRAIN_END_PHASES = ("train_end_callback", "train_end_buffers")
+
+
+def check_train_end(job: Job, rank: int, phase: str) -> None:
+    """A rank lost after the fit's last epoch: the survivors' own collectives in ``on_train_end``
+    returned the survivors' values (in ``train_end_buffers`` they came before the loss), and every
+    epoch's checkpoint was written by rank 0 (the loss follows the last save)."""
+    everyone, survivors = list(range(RANKS)), [r for r in range(RANKS) if r != rank]
+    fault = fired_faults(job.out)[rank]
+    assert (fault["phase"], fault["epoch"]) == (phase, EPOCHS - 1), fault
+    expected = survivors if phase == "train_end_callback" else everyone
+    for survivor in survivors:
+        (row,) = [row for row in jsonl(job.out / f"epoch-end-rank{survivor}.jsonl") if "train_end_reduced" in row]
+        assert row["train_end_reduced"] == bits(expected), (survivor, row, bits(expected))
+        assert row["world_size"] == len(expected), (survivor, row)
+    check_checkpoint_writes(job, rank, phase, EPOCHS)
+    reasons = [loss["reasons"][str(rank)] for loss in job.results[survivors[0]]["losses"]]
+    assert len(reasons) == 1, reasons
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("mode", "kind", "rank", "phase"), [
+    ("cpu_cadence", "kill", 1, "train_end_buffers"),
+    ("nccl_sync", "exit", 0, "train_end_callback"),
+    *(pytest.param(mode, kind, rank, phase, marks=pytest.mark.faults)
+      for mode, kind, rank, phase in [("nccl_cadence", "raise", 2, "train_end_buffers"),
+                                      ("cpu_sync", "stop", 1, "train_end_callback"),
+                                      ("cpu_async", "kill", 0, "train_end_buffers"),
+                                      ("cpu_async", "exit", 2, "train_end_callback"),
+                                      ("nccl_cadence", "kill", 0, "train_end_callback"),
+                                      ("cpu_sync", "exit", 2, "train_end_buffers"),
+                                      ("nccl_sync", "stop", 1, "train_end_buffers"),
+                                      ("cpu_cadence", "raise", 0, "train_end_callback")]),
+])
+def test_a_rank_lost_after_the_last_epoch_is_survived(tmp_path: Path, mode: str, kind: str, rank: int,
+                                                     phase: str) -> None:
+    # The random-time kill sweep at a13093e: rank 1 killed in on_train_end, while the survivors ran
+    # ElChe's end-of-training buffer average (a plain all_reduce): rank 0 failed with gloo's
+    # "Connection reset by peer" and no rank finished. A loss after training ended the fit by design
+    # then; every sample is trained by that point, so the survivors now agree on it and finish.
+    job = run_job(tmp_path, mode, [], extra=("--epoch-end-fault", f"{kind}:{rank}:{phase}:{EPOCHS - 1}"))
+    check_survived(job, {rank})
+    check_train_end(job, rank, phase)
+    assert job.elapsed_s < NO_TRANSPORT_TIMEOUT_S, f"it took {job.elapsed_s:.0f} s: it waited out the timeout"

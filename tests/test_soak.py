@@ -159,15 +159,16 @@ EPOCH_END_SHARE = 0.25
 
 
 def draw_epoch_end_fault(chooser: random.Random, ranks: int, taken: set[int], epochs: int) -> Optional[str]:
-    """A fault at the end of a random epoch (fault_fit.py's ``--epoch-end-fault`` phases) on a rank no
-    other fault names."""
+    """A fault at the end of a random epoch (fault_fit.py's ``--epoch-end-fault`` phases; the
+    ``train_end_*`` ones after the last epoch) on a rank no other fault names."""
     if chooser.random() >= EPOCH_END_SHARE:
         return None
     free = [rank for rank in range(ranks) if rank not in taken]
     if len(free) < 2:
         return None  # one rank must survive every fault
     kind, rank, phase = chooser.choice(EXITS), chooser.choice(free), chooser.choice(EPOCH_END_PHASES)
-    return f"{kind}:{rank}:{phase}:{chooser.randrange(epochs)}"
+    epoch = chooser.randrange(epochs)
+    return f"{kind}:{rank}:{phase}:{epochs - 1 if phase.startswith('train_end') else epoch}"
 
 
 def draw_trial(seed: str, index: int, ranks: Optional[int] = None, stalls: bool = True,

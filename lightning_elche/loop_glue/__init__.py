@@ -76,7 +76,6 @@ from lightning_elche.loop_glue.trainer_reads import (
     skip_validation_after_this_batch,
     timer_step_duration,
     train_dataloader_count,
-    training_over,
     uses_sync_batchnorm,
 )
 from lightning_elche.loop_glue.versions import (
@@ -126,7 +125,6 @@ __all__ = [
     "sync_module_states",
     "timer_step_duration",
     "train_dataloader_count",
-    "training_over",
     "under_job_launcher",
     "user_sampler_name",
     "uses_sync_batchnorm",

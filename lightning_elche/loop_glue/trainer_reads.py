@@ -20,15 +20,6 @@ def next_epoch(trainer: Trainer) -> int:
     return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]  # a _StartedTracker
 
 
-_AFTER_TRAINING_HOOKS = frozenset({"on_train_end", "on_fit_end", "teardown"})
-
-
-def training_over(trainer: Trainer) -> bool:
-    """Whether the fit runs its hooks after training (``on_train_end``, ``on_fit_end``, ``teardown``)."""
-    module = trainer.lightning_module
-    return module is not None and module._current_fx_name in _AFTER_TRAINING_HOOKS
-
-
 def can_stop_early(trainer: Trainer) -> bool:
     """Whether Lightning would honour ``should_stop`` now (``min_epochs`` reached)."""
     return bool(trainer.fit_loop._can_stop_early)

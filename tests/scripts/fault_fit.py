@@ -122,7 +122,10 @@ ORIGINAL_RANK = (int(os.environ["WORLD_SIZE"]) if _RESTARTED else
                  int(os.environ["ELCHE_TEST_MEMBER"]) + _LOCAL if "ELCHE_TEST_MEMBER" in os.environ else _LOCAL)
 CHANGES: list[dict[str, Any]] = []
 KINDS = ("kill", "stop", "raise", "oom", "exit", "loop", "sleep_in_collective")
-EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save")
+EPOCH_END_PHASES = ("epoch_end_log", "epoch_end_callback", "checkpoint_save", "train_end_callback",
+                    "train_end_buffers")
+"""``train_end_*``: after the last epoch (EPOCH must be the last), in a callback's ``on_train_end`` before
+its own reduce and barrier, or inside ElChe's end-of-training buffer average (its first all-reduce)."""
 EPOCH_END_FAULTS: dict[str, tuple[str, int]] = {}
 """This rank's epoch-end faults: phase -> (kind, epoch)."""
 VALIDATION_STEP_S = [0.0]
@@ -365,13 +368,14 @@ class InjectValidationFault(pl.Callback):
             fail_now(self.kind)
 
 
-def fire_epoch_end_fault(out_dir: str, phase: str, trainer: pl.Trainer) -> None:
-    """The fault of ``phase`` at this epoch's end, if this rank has one there (once)."""
+def fire_epoch_end_fault(out_dir: str, phase: str, trainer: pl.Trainer, epoch: Optional[int] = None) -> None:
+    """The fault of ``phase`` at the end of ``epoch`` (default: this epoch), if this rank has one there (once)."""
+    epoch = trainer.current_epoch if epoch is None else epoch
     fault = EPOCH_END_FAULTS.get(phase)
-    if fault is None or fault[1] != trainer.current_epoch:
+    if fault is None or fault[1] != epoch:
         return
     del EPOCH_END_FAULTS[phase]
-    record = {"kind": fault[0], "time": time.time(), "epoch": trainer.current_epoch, "phase": phase}
+    record = {"kind": fault[0], "time": time.time(), "epoch": epoch, "phase": phase}
     Path(out_dir, f"fault-rank{ORIGINAL_RANK}.json").write_text(json.dumps(record))
     fail_now(fault[0])
 
@@ -426,6 +430,22 @@ class EpochEndCollectives(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._logged(trainer, self.epoch)
+        fire_epoch_end_fault(self.out_dir, "train_end_callback", trainer, self.epoch)  # current_epoch is past it
+        strategy = trainer.strategy
+        reduced = strategy.reduce(torch.tensor(float(2 ** ORIGINAL_RANK)), reduce_op="sum")
+        strategy.barrier("train_end_callback")
+        self._append(f"epoch-end-rank{ORIGINAL_RANK}.jsonl", {"train_end_reduced": float(reduced),
+                                                              "world_size": trainer.world_size})
+        if EPOCH_END_FAULTS.get("train_end_buffers", ("", -1))[1] == self.epoch:
+            # The strategy's on_train_end comes next: its buffer average's first all-reduce is this rank's end.
+            all_reduce = torch.distributed.all_reduce
+
+            def fail_in_all_reduce(*args: Any, **kwargs: Any) -> Any:
+                torch.distributed.all_reduce = all_reduce  # type: ignore[assignment]
+                fire_epoch_end_fault(self.out_dir, "train_end_buffers", trainer, self.epoch)
+                return all_reduce(*args, **kwargs)
+
+            torch.distributed.all_reduce = fail_in_all_reduce  # type: ignore[assignment]
 
     def _logged(self, trainer: pl.Trainer, epoch: int) -> None:
         last = Path(self.out_dir, "ckpt", "last.ckpt")

@@ -18,7 +18,8 @@ and lets Lightning's launcher start rank 1. Cases:
   ``test_distributed_sampler_without_global_seed`` does), ``issue_barriers`` (rank 0 calls
   ``barrier()`` twice in on_train_end, rank 1 once), ``lone_barrier`` (rank 0 alone calls
   ``barrier()`` in on_train_epoch_end), ``peer_left`` (rank 1 fails in on_train_end while rank 0
-  waits in a barrier there; rank 1's script catches the error and lives on); ``matching`` (every
+  waits in a barrier there, which rank 0 passes alone once it agreed on the loss; rank 1's script
+  catches the error and lives on); ``matching`` (every
   checked collective, called alike on both ranks, writes ``matching-rank<r>.json``).
 
 The stuck rank writes ``stuck-rank<r>.json`` (time, pid) when it gets stuck; every rank whose fit
