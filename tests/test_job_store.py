@@ -516,6 +516,20 @@ def test_children_give_up_on_the_store_at_once_when_rank_0_dies_before_starting_
         assert not kill_tagged(tag), f"processes of the launch still alive:\n{log.read_text()[-3000:]}"
 
 
+def test_rank_0_failing_before_the_fit_formed_ends_its_stuck_children(tmp_path):
+    # A child stuck before the fit formed (here a sleep; a stopped process, a rank slow to fail)
+    # outlived rank 0's failure: Lightning's launcher ends its children only on Ctrl-C.
+    rank0, tag = launch_probe(tmp_path, "--scenario", "rank0_fails_children_stuck")
+    log = tmp_path / "launch.log"
+    try:
+        assert rank0.wait(timeout=90) == 1, log.read_text()[-3000:]
+        assert "rank 0 failed before the fit formed" in log.read_text()
+        children_ended = wait_until(lambda: not tagged_processes(tag), 15, 0.2)
+        assert children_ended, f"children left running:\n{log.read_text()[-3000:]}"
+    finally:
+        assert not kill_tagged(tag), f"processes of the launch still alive:\n{log.read_text()[-3000:]}"
+
+
 def test_connect_waits_for_a_store_while_its_launcher_lives_and_stops_when_it_is_gone(monkeypatch, hosts):
     port = free_port()
     monkeypatch.setenv(job_store.LAUNCHER_ENV, str(os.getppid()))  # this process's own starter: alive

@@ -73,6 +73,7 @@ class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
         if not (self.joining and self.cluster_environment.creates_processes_externally):
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         restarter = None
+        first_member: Optional[int] = None
         if not self.cluster_environment.creates_processes_externally:
             # The children (and any restarted later) inherit it: a child that finds its launcher gone
             # before the job's store serves stops waiting for the store (job_store.connect).
@@ -82,10 +83,33 @@ class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
             restarter = ChildRestarter(self.procs, self.restart_lost, self.restartable) if self.restart_lost else None
             ChildObserver(self.procs, os.getpid(), self.tolerates_loss, first_member, restarter=restarter).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
-        result = function(*args, **kwargs)
+        try:
+            result = function(*args, **kwargs)
+        except BaseException:
+            # Failed before the fit formed (nothing tolerates a loss yet): the children cannot form it
+            # without this rank, and one stuck or slow to fail would outlive the launch.
+            if first_member is not None and not self.tolerates_loss(first_member):
+                end_children(self.procs, CHILDREN_GRACE_S)
+            raise
         if restarter is not None:
             restarter.wait_restarted(RESTARTED_WAIT_S)
         return result
+
+
+CHILDREN_GRACE_S = 10.0
+"""How long rank 0, failed before the fit formed, lets its children end by themselves (each may be
+refusing the same setting, and say so) before it kills them."""
+
+
+def end_children(children: Sequence[subprocess.Popen], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for ``children`` to exit, then SIGKILL those still running."""
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 RESTARTED_WAIT_S = 120.0

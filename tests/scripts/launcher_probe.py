@@ -1,6 +1,6 @@
 """Lightning's popen launcher path with ElCheStrategy, 3 CPU ranks, a dummy job instead of a fit.
 
-    python launcher_probe.py OUT_DIR --scenario child_fails|rank0_killed|rank0_dies_first [--tolerate]
+    python launcher_probe.py OUT_DIR --scenario child_fails|rank0_killed|rank0_dies_first|rank0_fails_children_stuck
 
 Rank 0 is this process; Lightning's launcher (the strategy's) starts ranks 1 and 2 as its
 subprocesses, which run this script again. Every rank then sets up the job store and the default
@@ -14,6 +14,8 @@ also the store host's pid) and passes a barrier. Then:
   ``rank<r>.done`` with the value their peer set.
 * ``rank0_dies_first``: rank 0 exits with code 3 right after starting ranks 1 and 2, before it starts
   the job store; they must give up on the store at once rather than wait out ``--timeout``.
+* ``rank0_fails_children_stuck``: rank 0 raises before it sets anything up while ranks 1 and 2 are
+  stuck (a long sleep) before theirs; rank 0's launcher must not leave them running.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def probe(trainer: Trainer, args: argparse.Namespace) -> None:
     assert isinstance(strategy, ElCheStrategy)
     if args.scenario == "rank0_dies_first" and os.environ.get("LOCAL_RANK", "0") == "0":  # its children run
         os._exit(3)
+    if args.scenario == "rank0_fails_children_stuck":
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            raise RuntimeError("rank 0 failed before the fit formed")
+        time.sleep(600)
     strategy.setup_environment()  # what a fit does first: the job store and the default group
     rank = strategy.global_rank
     link = strategy.job_store_link
@@ -69,7 +75,8 @@ def probe(trainer: Trainer, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--scenario", choices=("child_fails", "rank0_killed", "rank0_dies_first"), required=True)
+    parser.add_argument("--scenario", choices=("child_fails", "rank0_killed", "rank0_dies_first",
+                                                  "rank0_fails_children_stuck"), required=True)
     parser.add_argument("--tolerate", action="store_true")
     parser.add_argument("--linger", type=float, default=6.0)
     parser.add_argument("--timeout", type=float, default=30.0, help="the strategy's timeout, in seconds")
