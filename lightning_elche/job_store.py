@@ -195,8 +195,9 @@ def launcher_gone() -> Optional[int]:
     launcher = os.environ.get(LAUNCHER_ENV, "")
     if not launcher.isdigit() or int(launcher) == os.getpid():
         return None
-    # An orphan is adopted by init or a subreaper: its parent is no longer the process that started it.
-    return int(launcher) if os.getppid() != int(launcher) else None
+    # Whether that process still runs, not whether it is this one's parent: a process this rank
+    # starts (a spawned rank of a job of its own) inherits the variable and has another parent.
+    return int(launcher) if process_alive(socket.gethostname(), int(launcher)) is False else None
 
 
 def _serving(address: str, port: int) -> bool:

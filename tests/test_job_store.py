@@ -555,6 +555,15 @@ def test_connect_waits_for_a_store_while_its_launcher_lives_and_stops_when_it_is
     assert time.monotonic() - started < 5
     monkeypatch.setenv(job_store.LAUNCHER_ENV, str(os.getpid()))  # rank 0 itself: its own launcher
     assert job_store.launcher_gone() is None
+    # Inherited by a process the rank started (a spawned rank of its own job): the launcher lives on
+    # and is not this process's parent. Read as gone, it failed every spawned rank of a later job.
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        monkeypatch.setenv(job_store.LAUNCHER_ENV, str(other.pid))
+        assert job_store.launcher_gone() is None
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_observer_spares_an_exit_the_survivors_agreed_on_even_when_seen_after_the_fit(sleepers):

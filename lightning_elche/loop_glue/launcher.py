@@ -75,10 +75,13 @@ class TolerantSubprocessLauncher(_SubprocessScriptLauncher):
         restarter = None
         first_member: Optional[int] = None
         if not self.cluster_environment.creates_processes_externally:
-            # The children (and any restarted later) inherit it: a child that finds its launcher gone
-            # before the job's store serves stops waiting for the store (job_store.connect).
+            # Only the children get it (Lightning copies the environment for each): a child that finds
+            # its launcher gone before the job's store serves stops waiting for it (job_store.connect).
             os.environ[LAUNCHER_ENV] = str(os.getpid())
-            self._call_children_scripts()
+            try:
+                self._call_children_scripts()
+            finally:
+                del os.environ[LAUNCHER_ENV]
             first_member = self.cluster_environment.node_rank() * self.num_processes
             restarter = ChildRestarter(self.procs, self.restart_lost, self.restartable) if self.restart_lost else None
             ChildObserver(self.procs, os.getpid(), self.tolerates_loss, first_member, restarter=restarter).start()
@@ -143,6 +146,7 @@ class ChildRestarter:
         env = os.environ.copy()
         env["LOCAL_RANK"] = str(index + 1)
         env[JOIN_ENV] = "1"
+        env[LAUNCHER_ENV] = str(os.getpid())
         if os.environ.get("PL_GLOBAL_SEED") is None:  # as Lightning starts its children
             env.pop("PL_GLOBAL_SEED", None)
         self.started.append(subprocess.Popen(self.commands[index], env=env))
