@@ -44,6 +44,10 @@ AllReduce = Callable[[Tensor, Any], None]
 """An in-place all-reduce of the default group (``dist.all_reduce``, or a checked one that survives a loss)."""
 
 
+def _plain_all_reduce(tensor: Tensor, op: Any) -> None:
+    dist.all_reduce(tensor, op=op)
+
+
 def average_replaced_buffers(module: nn.Module, averaged: Iterable[Tensor], world_size: int,
                              device: torch.device, all_reduce: Optional[AllReduce] = None) -> int:
     """Give every rank the same value for each buffer that a callback replaced during the fit.
@@ -58,10 +62,9 @@ def average_replaced_buffers(module: nn.Module, averaged: Iterable[Tensor], worl
     found = replaced_buffers(module, averaged)
     if world_size <= 1:
         return 0
-    if all_reduce is None:
-        all_reduce = _plain_all_reduce
+    reduce = all_reduce or _plain_all_reduce
     counts = torch.tensor([len(found), -len(found)], dtype=torch.float64, device=device)
-    all_reduce(counts, dist.ReduceOp.MAX)
+    reduce(counts, dist.ReduceOp.MAX)
     most, fewest = int(counts[0]), -int(counts[1])
     if most != fewest:
         raise RuntimeError(
@@ -74,7 +77,7 @@ def average_replaced_buffers(module: nn.Module, averaged: Iterable[Tensor], worl
     values = [getattr(owner, name).detach().to(device, torch.float64).flatten() * w
               for (owner, name), w in zip(found, weights, strict=True)]
     packed = torch.cat([*values, torch.tensor(weights, dtype=torch.float64, device=device)])
-    all_reduce(packed, dist.ReduceOp.SUM)
+    reduce(packed, dist.ReduceOp.SUM)
     totals = packed[-len(found):]
     offset = 0
     for (owner, name), value, total in zip(found, values, totals.tolist(), strict=True):
@@ -87,7 +90,3 @@ def average_replaced_buffers(module: nn.Module, averaged: Iterable[Tensor], worl
         if isinstance(owner, nn.modules.batchnorm._BatchNorm) and isinstance(tracked, Tensor):
             tracked.fill_(int(round(total)))  # the cohort's batches (the weights' sum)
     return len(found)
-
-
-def _plain_all_reduce(tensor: Tensor, op: Any) -> None:
-    dist.all_reduce(tensor, op=op)
